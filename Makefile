@@ -1,0 +1,39 @@
+# Two commands for a fresh machine (README "Quickstart"):
+#   make quickstart   set up .venv and run the main job on the embedded CPU default
+#   make test         set up .venv and run the tests
+#
+# On a CPU machine the install takes the CPU build of torch (TORCH_SPEC) before the project,
+# so nothing pulls a multi-GB CUDA build. On a GPU machine use the NGC PyTorch container
+# and `pip install -e '.[gpu,dev]'`, or run `make TORCH_SPEC= test` to keep the torch you have.
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.megarl-installed
+
+.PHONY: setup test quickstart bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "megarl needs Python >= 3.11, found " + sys.version' 
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	if [ -n "$(TORCH_SPEC)" ]; then $(BIN)/python -m pip install "$(TORCH_SPEC)"; fi
+	$(BIN)/python -m pip install -e '.[dev]'
+	touch $@
+
+test: $(STAMP)
+	$(BIN)/python -m pytest tests $(PYTEST_ARGS)
+
+quickstart: $(STAMP)
+	$(BIN)/megarl train examples/quickstart/search_r1_tiny.yaml --dry-run
+	@echo "make quickstart: the config above is valid; the end-to-end training run arrives with the training-loop release."
+
+bench: $(STAMP)
+	$(BIN)/python tools/bench/rewards.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

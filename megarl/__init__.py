@@ -1,0 +1,1 @@
+"""megarl: RL post-training of LLMs at scale."""

@@ -1,0 +1,336 @@
+"""The typed configuration of a megarl run.
+
+One tree of dataclasses, each field documented with its unit and meaning, defaults
+following DAPO (DESIGN.md, "Reference facts"). A run is described by a YAML file plus
+dotted command-line overrides (``algorithm.clip_ratio_high=0.28``); `load_config` merges
+them, checks every key and type, and validates the values before any heavy work starts.
+
+Main entry point: ``load_config(path, overrides) -> RunConfig``.
+Loading, overrides and type checks live in `megarl.config_loader`; this module holds the
+schema and the value checks next to it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from megarl.config_loader import (
+    ConfigError,
+    Problems,
+    config_to_dict,
+    load_config as _load_config,
+    save_config,
+)
+
+__all__ = ["RunConfig", "ConfigError", "load_config", "save_config", "config_to_dict"]
+
+
+def param(default: Any = None, help: str = "", *, factory=None, ge=None, gt=None, le=None, lt=None):
+    """A documented dataclass field; the bounds are checked by `validate_ranges`."""
+    meta = {"help": help, "ge": ge, "gt": gt, "le": le, "lt": lt}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+
+@dataclass
+class ModelConfig:
+    path: str = param("", "HF model directory (safetensors + config.json) or hub name; the policy's initial weights.")
+    tokenizer_path: str | None = param(None, "Tokenizer directory; defaults to model.path.")
+    trust_remote_code: bool = param(False, "Allow custom modelling code shipped with the checkpoint.")
+    dtype: Dtype = param("bfloat16", "Parameter and compute dtype of the train and rollout models.")
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = param(help="Training parquet / jsonl files (Search-R1 / verl row format).", factory=list)
+    val_files: list[str] = param(help="Validation parquet / jsonl files.", factory=list)
+    prompt_key: str = param("prompt", "Column holding the prompt (chat messages or a string).")
+    max_prompt_length: int = param(2048, "Longest prompt in tokens; longer prompts are filtered out and counted.", gt=0)
+    train_batch_size: int = param(512, "Prompts per training step (each expanded to rollout.n samples).", gt=0)
+    gen_batch_size: int | None = param(
+        1536, "Prompts drawn per generation batch; DAPO over-generates 3x and refills. None = train_batch_size.", gt=0
+    )
+    val_batch_size: int | None = param(None, "Prompts per validation generation batch; None = the whole set.", gt=0)
+    shuffle: bool = param(True, "Shuffle the training prompts every epoch (seeded by trainer.seed).")
+    apply_chat_template: bool = param(True, "Render prompts with the tokenizer's chat template when it has one.")
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = param(1.0, "Sampling temperature; 0 = greedy.", ge=0.0)
+    top_p: float = param(1.0, "Nucleus sampling mass.", gt=0.0, le=1.0)
+    top_k: int = param(-1, "Top-k sampling; -1 = off.", ge=-1)
+    n: int = param(1, "Samples per prompt.", gt=0)
+
+
+@dataclass
+class RolloutConfig:
+    engine: Literal["local", "sglang"] = param("local", "local = embedded in-process engine; sglang = SGLang fleet.")
+    n: int = param(16, "Samples per prompt (the GRPO group size).", gt=0)
+    temperature: float = param(1.0, "Sampling temperature for training rollouts.", ge=0.0)
+    top_p: float = param(1.0, "Nucleus sampling mass for training rollouts.", gt=0.0, le=1.0)
+    top_k: int = param(-1, "Top-k for training rollouts; -1 = off.", ge=-1)
+    max_response_length: int = param(20480, "Longest response in tokens (all turns of a trajectory together).", gt=0)
+    tensor_parallel_size: int = param(1, "GPUs per rollout engine (SGLang --tp).", gt=0)
+    num_engines: int | None = param(None, "Rollout engines; None = as many as the rollout GPUs allow.", gt=0)
+    mode: Literal["colocated", "disaggregated"] = param(
+        "colocated", "colocated = engines share the trainer's GPUs; disaggregated = engines on their own GPUs."
+    )
+    gpu_memory_utilization: float = param(0.6, "Fraction of GPU memory an engine may use (SGLang mem_fraction_static).", gt=0.0, le=1.0)
+    max_concurrency: int = param(1024, "Requests in flight per engine.", gt=0)
+    val: SamplingConfig = param(
+        help="Sampling for validation (DAPO's AIME protocol: 32 samples at top_p 0.7 for avg@32).",
+        factory=lambda: SamplingConfig(temperature=1.0, top_p=0.7, n=32),
+    )
+
+
+@dataclass
+class RetrievalConfig:
+    url: str | None = param(None, "Retriever endpoint (POST /retrieve); None = start megarl's server from index_dir.")
+    index_dir: str | None = param(None, "Index built by `megarl retrieval build` (used when url is None).")
+    kind: Literal["bm25", "dense"] = param("bm25", "Index kind: bm25 (bm25s) or dense (E5 + faiss).")
+    host: str = param("127.0.0.1", "Address the started retrieval server binds to.")
+    port: int = param(8000, "Port of the started retrieval server.", gt=0, lt=65536)
+    topk: int = param(3, "Documents returned per search.", gt=0)
+    timeout_s: float = param(30.0, "Timeout of one retrieval request in seconds.", gt=0.0)
+    max_retries: int = param(3, "Retries (with backoff) before the observation reports a failed search.", ge=0)
+
+
+@dataclass
+class AgentConfig:
+    max_turns: int = param(0, "Search turns per trajectory; 0 = single-turn generation (e.g. DAPO math).", ge=0)
+    max_turn_length: int = param(500, "Tokens the model may generate in one turn.", gt=0)
+    max_obs_length: int = param(500, "Retrieved-information tokens kept per observation.", gt=0)
+    mask_observations: bool = param(True, "Exclude retrieved tokens from the loss (Search-R1's loss mask).")
+    retrieval: RetrievalConfig = param(help="Retriever used by the search agent.", factory=RetrievalConfig)
+
+
+@dataclass
+class DynamicSamplingConfig:
+    enable: bool = param(True, "Drop prompt groups whose metric is constant and refill (DAPO dynamic sampling).")
+    metric: str = param("acc", "Per-sample value whose variance decides a group is informative (acc, score, ...).")
+    max_num_gen_batches: int = param(10, "Generation batches per step before giving up; 0 = unlimited.", ge=0)
+
+
+@dataclass
+class OverlongConfig:
+    enable: bool = param(True, "Soft overlong punishment (DAPO): penalise responses inside the last buffer_len tokens.")
+    buffer_len: int = param(4096, "Length of the punishment zone in tokens, ending at rollout.max_response_length.", gt=0)
+    penalty_factor: float = param(1.0, "Penalty at the maximum length.", ge=0.0)
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"] = param(
+        "grpo", "Advantage estimator; gae needs critic.enable=true."
+    )
+    norm_adv_by_std: bool = param(True, "GRPO divides by the group std; false is Dr.GRPO.")
+    gamma: float = param(1.0, "Discount factor (REINFORCE++, GAE).", ge=0.0, le=1.0)
+    lam: float = param(1.0, "GAE lambda.", ge=0.0, le=1.0)
+    clip_ratio_low: float = param(0.2, "PPO clip below: ratio >= 1 - clip_ratio_low.", ge=0.0, lt=1.0)
+    clip_ratio_high: float = param(0.28, "PPO clip above (DAPO clip-higher): ratio <= 1 + clip_ratio_high.", ge=0.0)
+    clip_ratio_c: float = param(3.0, "Dual-clip bound on negative-advantage losses (> 1).", gt=1.0)
+    ratio_level: Literal["token", "sequence"] = param("token", "Importance ratio per token (PPO) or per sequence (GSPO).")
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = param(
+        "token-mean", "Loss aggregation; token-mean is DAPO's token-level loss over the global batch."
+    )
+    entropy_coeff: float = param(0.0, "Entropy bonus coefficient.", ge=0.0)
+    use_kl_loss: bool = param(False, "Add a KL(policy || reference) loss term (DAPO: off).")
+    kl_loss_coef: float = param(0.001, "Weight of the KL loss term.", ge=0.0)
+    kl_loss_type: Literal["k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl"] = param("low_var_kl", "KL estimator of the loss term.")
+    use_kl_in_reward: bool = param(False, "Subtract a per-token KL penalty from the reward instead.")
+    kl_reward_coef: float = param(0.001, "Weight of the KL reward penalty.", ge=0.0)
+    kl_reward_type: Literal["k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl"] = param("k1", "KL estimator of the reward penalty.")
+    tis_cap: float | None = param(
+        None, "Truncated importance sampling against the rollout log-probs, weights capped here; None = off.", gt=0.0
+    )
+    dynamic_sampling: DynamicSamplingConfig = param(help="DAPO dynamic sampling.", factory=DynamicSamplingConfig)
+    overlong: OverlongConfig = param(help="DAPO soft overlong punishment.", factory=OverlongConfig)
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = param(1, "Tensor-parallel size (megatron).", gt=0)
+    pipeline_model_parallel_size: int = param(1, "Pipeline-parallel stages (megatron).", gt=0)
+    virtual_pipeline_model_parallel_size: int | None = param(None, "Virtual stages per pipeline rank (interleaved schedule).", gt=0)
+    context_parallel_size: int = param(1, "Context-parallel size (megatron).", gt=0)
+    sequence_parallel: bool = param(True, "Sequence parallelism with TP > 1 (megatron).")
+    use_distributed_optimizer: bool = param(True, "Shard optimizer state over data-parallel ranks (megatron).")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = param(1e-6, "Peak learning rate.", gt=0.0)
+    lr_warmup_steps: int = param(10, "Linear warm-up in optimizer steps.", ge=0)
+    lr_scheduler: Literal["constant", "cosine"] = param("constant", "Schedule after warm-up.")
+    min_lr_ratio: float = param(0.0, "Cosine floor as a fraction of lr.", ge=0.0, le=1.0)
+    weight_decay: float = param(0.1, "AdamW weight decay.", ge=0.0)
+    betas: list[float] = param(help="AdamW betas.", factory=lambda: [0.9, 0.999])
+    eps: float = param(1e-8, "AdamW epsilon.", gt=0.0)
+    grad_clip: float = param(1.0, "Clip the global gradient norm to this; 0 = off.", ge=0.0)
+    offload: bool = param(False, "Keep optimizer state on the CPU (megatron).")
+
+
+@dataclass
+class TrainWorkerConfig:
+    backend: Literal["torch", "megatron"] = param("torch", "torch = plain HF model (CPU / one GPU); megatron = megatron-core.")
+    ppo_mini_batch_size: int = param(32, "Prompts per optimizer step (x rollout.n samples).", gt=0)
+    ppo_micro_batch_size: int = param(4, "Samples per forward/backward pass (gradient accumulation unit).", gt=0)
+    ppo_epochs: int = param(1, "Passes over each training batch.", gt=0)
+    max_tokens_per_gpu: int | None = param(None, "Token budget of a dynamic micro-batch; None = fixed micro-batch size.", gt=0)
+    gradient_checkpointing: bool = param(False, "Recompute activations in backward to save memory.")
+    transformer_impl: Literal["transformer_engine", "local"] = param("transformer_engine", "megatron layer implementation.")
+    fp8: Literal["hybrid", "e4m3"] | None = param(None, "Transformer Engine FP8 format; None = off.")
+    fp8_recipe: Literal["delayed", "tensorwise", "blockwise"] = param("delayed", "Transformer Engine FP8 scaling recipe.")
+    parallel: ParallelConfig = param(help="Model parallel layout (megatron backend).", factory=ParallelConfig)
+    optim: OptimConfig = param(help="Optimizer and learning-rate schedule.", factory=OptimConfig)
+
+
+def _critic_defaults() -> CriticConfig:
+    return CriticConfig(optim=OptimConfig(lr=1e-5, weight_decay=0.01))
+
+
+@dataclass
+class CriticConfig(TrainWorkerConfig):
+    enable: bool = param(False, "Train a value model (needed by algorithm.adv_estimator=gae).")
+    model_path: str | None = param(None, "Initial critic weights; None = model.path with a fresh value head.")
+    cliprange_value: float = param(0.5, "Clip range of the clipped value loss.", gt=0.0)
+
+
+@dataclass
+class RewardConfig:
+    custom_function: str | None = param(None, "A scoring function 'module.path:function' replacing the built-in routing.")
+    weights: dict[str, float] = param(
+        help="Named reward functions and weights (accuracy, format, tag_count, ...); empty = route by data_source.",
+        factory=dict,
+    )
+    format_score: float = param(0.0, "Search-R1 EM score for a well-formed but wrong answer.")
+    timeout_s: float = param(10.0, "Time limit of one reward call; a timeout scores 0 and is counted.", gt=0.0)
+    num_workers: int = param(2, "Reward processes; 0 = in the trainer process.", ge=0)
+
+
+@dataclass
+class TrainerConfig:
+    output_dir: str = param("outputs/run", "Run directory: resolved config, checkpoints, MLflow store, exports.")
+    total_training_steps: int | None = param(None, "Stop after this many steps; None = total_epochs over the data.", gt=0)
+    total_epochs: int = param(1, "Passes over the training prompts.", gt=0)
+    seed: int = param(42, "Seed of data order, sampling and initialisation.")
+    test_freq: int = param(5, "Validate every k steps; 0 = never.", ge=0)
+    val_before_train: bool = param(True, "Validate once before the first step.")
+    save_freq: int = param(10, "Checkpoint every k steps; 0 = only at the end.", ge=0)
+    max_ckpt_to_keep: int = param(2, "Checkpoints kept on disk (oldest deleted first).", gt=0)
+    resume: str = param("auto", "auto = newest checkpoint in output_dir; disable = start fresh; or a checkpoint path.")
+    max_bad_steps: int = param(3, "Consecutive NaN/inf steps tolerated before the run stops.", gt=0)
+
+
+@dataclass
+class TrackingConfig:
+    backend: Literal["mlflow", "none"] = param("mlflow", "Experiment tracker.")
+    uri: str | None = param(None, "MLflow tracking URI; None = a local store inside trainer.output_dir.")
+    experiment_name: str = param("megarl", "MLflow experiment.")
+    run_name: str | None = param(None, "MLflow run name; None = the output directory's name.")
+    log_rollouts_freq: int = param(10, "Log a table of sample rollouts every k steps; 0 = never.", ge=0)
+
+
+@dataclass
+class SyncConfig:
+    bucket_mb: int = param(512, "Size of one weight-sync bucket in MiB.", gt=0)
+    transport: Literal["auto", "inprocess", "ipc", "nccl", "disk"] = param("auto", "How weights reach the engines.")
+    verify: bool = param(False, "Compare per-tensor checksums of engine and trainer weights after each sync.")
+
+
+@dataclass
+class ClusterConfig:
+    ray_address: str | None = param(None, "Ray cluster to join ('auto' on slurm); None = start a local Ray.")
+    nnodes: int = param(1, "Nodes of the run.", gt=0)
+    gpus_per_node: int = param(0, "GPUs per node; 0 = CPU run.", ge=0)
+    cpus_per_node: int | None = param(None, "CPUs Ray may use per node; None = all.", gt=0)
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = param(help="Policy model.", factory=ModelConfig)
+    data: DataConfig = param(help="Prompts.", factory=DataConfig)
+    rollout: RolloutConfig = param(help="Generation engines and sampling.", factory=RolloutConfig)
+    agent: AgentConfig = param(help="Multi-turn search agent (Search-R1).", factory=AgentConfig)
+    algorithm: AlgorithmConfig = param(help="Advantages, losses, dynamic sampling, shaping.", factory=AlgorithmConfig)
+    actor: TrainWorkerConfig = param(help="Actor (and reference) train workers.", factory=TrainWorkerConfig)
+    critic: CriticConfig = param(help="Critic train workers.", factory=_critic_defaults)
+    reward: RewardConfig = param(help="Reward functions.", factory=RewardConfig)
+    trainer: TrainerConfig = param(help="Run length, validation, checkpoints.", factory=TrainerConfig)
+    tracking: TrackingConfig = param(help="Experiment tracking.", factory=TrackingConfig)
+    sync: SyncConfig = param(help="Weight sync from trainer to engines.", factory=SyncConfig)
+    cluster: ClusterConfig = param(help="Ray cluster.", factory=ClusterConfig)
+
+    def check_consistency(self, problems: Problems) -> None:
+        """Rules that involve several fields; each names the keys and the fix."""
+        d, r, a, actor = self.data, self.rollout, self.algorithm, self.actor
+        gen = d.gen_batch_size if d.gen_batch_size is not None else d.train_batch_size
+        if gen < d.train_batch_size:
+            problems.add("data.gen_batch_size", f"{gen} is smaller than data.train_batch_size={d.train_batch_size}",
+                         "set data.gen_batch_size >= data.train_batch_size (DAPO uses 3x)")
+        for name, worker in (("actor", actor), ("critic", self.critic)):
+            if name == "critic" and not self.critic.enable:
+                continue
+            if d.train_batch_size % worker.ppo_mini_batch_size:
+                problems.add(f"{name}.ppo_mini_batch_size",
+                             f"{worker.ppo_mini_batch_size} does not divide data.train_batch_size={d.train_batch_size}",
+                             "choose a mini batch size that divides the train batch size")
+            mini_samples = worker.ppo_mini_batch_size * r.n
+            if mini_samples % worker.ppo_micro_batch_size:
+                problems.add(f"{name}.ppo_micro_batch_size",
+                             f"{worker.ppo_micro_batch_size} does not divide a mini batch of "
+                             f"{worker.ppo_mini_batch_size} prompts x rollout.n={r.n} = {mini_samples} samples",
+                             "choose a micro batch size that divides ppo_mini_batch_size * rollout.n")
+        if a.clip_ratio_high < a.clip_ratio_low:
+            problems.add("algorithm.clip_ratio_high",
+                         f"{a.clip_ratio_high} is below algorithm.clip_ratio_low={a.clip_ratio_low}",
+                         "clip-higher needs clip_ratio_high >= clip_ratio_low (DAPO: 0.28 / 0.2)")
+        if a.overlong.enable and a.overlong.buffer_len >= r.max_response_length:
+            problems.add("algorithm.overlong.buffer_len",
+                         f"{a.overlong.buffer_len} is not below rollout.max_response_length={r.max_response_length}",
+                         "use a buffer shorter than the maximum response (DAPO: 4096 of 20480)")
+        if a.adv_estimator == "gae" and not self.critic.enable:
+            problems.add("algorithm.adv_estimator", "gae needs a critic", "set critic.enable=true or use grpo / rloo")
+        if a.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline") and r.n < 2:
+            problems.add("rollout.n", f"{r.n} gives groups of one sample, so {a.adv_estimator} has no baseline",
+                         "use rollout.n >= 2 (DAPO: 16)")
+        if a.use_kl_loss and a.use_kl_in_reward:
+            problems.add("algorithm.use_kl_loss", "and algorithm.use_kl_in_reward are both on (KL counted twice)",
+                         "turn one of them off")
+        if self.agent.max_turns > 0 and self.agent.max_turn_length > r.max_response_length:
+            problems.add("agent.max_turn_length",
+                         f"{self.agent.max_turn_length} exceeds rollout.max_response_length={r.max_response_length}",
+                         "a single turn cannot be longer than the whole trajectory budget")
+        for name, worker in (("actor", actor), ("critic", self.critic)):
+            p = worker.parallel
+            if worker.backend == "torch" and (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                                              p.context_parallel_size) != (1, 1, 1):
+                problems.add(f"{name}.parallel", "sets TP/PP/CP > 1 with the torch backend",
+                             f"set {name}.backend=megatron or the parallel sizes to 1")
+            if p.virtual_pipeline_model_parallel_size is not None and p.pipeline_model_parallel_size == 1:
+                problems.add(f"{name}.parallel.virtual_pipeline_model_parallel_size", "is set without pipeline parallelism",
+                             f"set {name}.parallel.pipeline_model_parallel_size > 1 or leave it null")
+            if worker.fp8 is not None and worker.backend != "megatron":
+                problems.add(f"{name}.fp8", "needs the megatron backend with Transformer Engine",
+                             f"set {name}.backend=megatron or {name}.fp8=null")
+        if len(actor.optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in actor.optim.betas):
+            problems.add("actor.optim.betas", f"{actor.optim.betas} is not two numbers in [0, 1)", "give two numbers in [0, 1), e.g. [0.9, 0.999]")
+        if self.trainer.resume not in ("auto", "disable") and not self.trainer.resume.strip():
+            problems.add("trainer.resume", "is empty", "use auto, disable or a checkpoint path")
+        if self.reward.custom_function is not None and ":" not in self.reward.custom_function:
+            problems.add("reward.custom_function", f"{self.reward.custom_function!r} has no ':'",
+                         "write it as 'module.path:function'")
+        if self.cluster.gpus_per_node == 0 and r.engine == "sglang":
+            problems.add("rollout.engine", "sglang needs GPUs (cluster.gpus_per_node=0)",
+                         "use rollout.engine=local on CPU machines or set cluster.gpus_per_node")
+
+
+def load_config(path: str | None, overrides: list[str] | None = None) -> RunConfig:
+    """Read a YAML run file, apply ``key=value`` overrides and validate; raise ConfigError."""
+    return _load_config(RunConfig, path, overrides or [])

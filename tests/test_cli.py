@@ -1,0 +1,48 @@
+"""`megarl train --dry-run`: validates, prints the resolved config, exits non-zero on bad input."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from megarl.cli import EXIT_CONFIG_ERROR, main
+
+
+def test_dry_run_prints_resolved_config(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text("algorithm:\n  clip_ratio_high: 0.3\n")
+    assert main(["train", str(path), "rollout.n=8", "--dry-run"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["algorithm"]["clip_ratio_high"] == 0.3
+    assert printed["rollout"]["n"] == 8
+    assert printed["algorithm"]["clip_ratio_low"] == 0.2
+    assert list(tmp_path.iterdir()) == [path]
+
+
+def test_bad_config_exits_with_key_and_fix(capsys):
+    assert main(["train", "algorithm.clip_ratio_high=0.1", "--dry-run"]) == EXIT_CONFIG_ERROR
+    err = capsys.readouterr().err
+    assert "algorithm.clip_ratio_high" in err and "fix:" in err
+
+
+def test_run_saves_resolved_config(tmp_path):
+    out = tmp_path / "run"
+    main(["train", f"trainer.output_dir={out}", "algorithm.clip_ratio_high=0.3"])
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert saved["algorithm"]["clip_ratio_high"] == 0.3
+    assert saved["trainer"]["output_dir"] == str(out)
+
+
+def test_console_script_entry_point(tmp_path):
+    exe = Path(sys.executable).with_name("megarl")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "megarl.cli"]
+    bad = subprocess.run(cmd + ["train", "clip_ratio_hgh=0.3", "--dry-run"], capture_output=True, text=True,
+                         env={**os.environ}, cwd=tmp_path, timeout=120)
+    assert bad.returncode == EXIT_CONFIG_ERROR
+    assert "did you mean 'algorithm.clip_ratio_high'" in bad.stderr
+    good = subprocess.run(cmd + ["train", "--dry-run"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert good.returncode == 0 and "clip_ratio_high: 0.28" in good.stdout

@@ -1,0 +1,194 @@
+"""The run configuration: DAPO defaults, YAML + overrides, and one clear error per bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megarl.config import ConfigError, RunConfig, load_config, save_config
+from megarl.config_loader import dotted_keys, flatten_config
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def problems_of(overrides: list[str], path=None) -> list[tuple[str, str]]:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    return [(p.key, f"{p.what} | {p.fix}") for p in info.value.problems]
+
+
+def test_defaults_follow_dapo():
+    cfg = load_config(None, [])
+    a = cfg.algorithm
+    assert (a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c) == (0.2, 0.28, 3.0)
+    assert a.loss_agg_mode == "token-mean"
+    assert not a.use_kl_loss and not a.use_kl_in_reward
+    assert a.dynamic_sampling.enable and a.dynamic_sampling.metric == "acc"
+    assert (a.overlong.enable, a.overlong.buffer_len, a.overlong.penalty_factor) == (True, 4096, 1.0)
+    assert cfg.rollout.max_response_length == 20480
+    assert (cfg.data.train_batch_size, cfg.data.gen_batch_size, cfg.rollout.n) == (512, 1536, 16)
+    assert cfg.rollout.temperature == 1.0
+    assert (cfg.rollout.val.top_p, cfg.rollout.val.n) == (0.7, 32)
+    o = cfg.actor.optim
+    assert (o.lr, o.weight_decay, o.grad_clip, o.lr_scheduler) == (1e-6, 0.1, 1.0, "constant")
+    assert o.lr_warmup_steps > 0
+
+
+def test_yaml_then_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({
+        "algorithm": {"clip_ratio_high": 0.3, "adv_estimator": "rloo"},
+        "data": {"train_files": ["a.parquet", "b.parquet"]},
+        "actor": {"optim": {"lr": "1e-6"}},  # PyYAML reads 1e-6 as a string; numbers accept it
+    }))
+    cfg = load_config(path, ["algorithm.clip_ratio_high=0.35", "model.path=123", "data.val_files=v.parquet",
+                             "rollout.num_engines=null", "reward.weights={accuracy: 1.0, format: 0.5}"])
+    assert cfg.algorithm.clip_ratio_high == 0.35  # override beats file
+    assert cfg.algorithm.adv_estimator == "rloo"  # file beats default
+    assert cfg.data.train_files == ["a.parquet", "b.parquet"]
+    assert cfg.actor.optim.lr == 1e-6 and isinstance(cfg.actor.optim.lr, float)
+    assert cfg.model.path == "123"  # a string field keeps the text as typed
+    assert cfg.data.val_files == ["v.parquet"]
+    assert cfg.rollout.num_engines is None
+    assert cfg.reward.weights == {"accuracy": 1.0, "format": 0.5}
+
+
+def test_nested_override_keeps_section_defaults():
+    # The critic's optimizer defaults differ from the actor's; touching one key keeps the others.
+    cfg = load_config(None, ["critic.optim.weight_decay=0.0", "rollout.val.n=4"])
+    assert cfg.critic.optim.lr == 1e-5 and cfg.critic.optim.weight_decay == 0.0
+    assert cfg.rollout.val.n == 4 and cfg.rollout.val.top_p == 0.7
+
+
+@pytest.mark.parametrize("override, key, suggestion", [
+    ("algorithm.clip_ratio_hgih=0.3", "algorithm.clip_ratio_hgih", "algorithm.clip_ratio_high"),
+    ("clip_ratio_high=0.3", "clip_ratio_high", "algorithm.clip_ratio_high"),  # right leaf, wrong section
+    ("algorithms.gamma=1.0", "algorithms", "algorithm"),
+    ("actor.optim.learning_rate=1e-6", "actor.optim.learning_rate", None),
+    ("data.train_batchsize=8", "data.train_batchsize", "data.train_batch_size"),
+])
+def test_unknown_key_suggests_nearest(override, key, suggestion):
+    (found,) = problems_of([override])
+    assert found[0] == key
+    assert "unknown key" in found[1]
+    if suggestion:
+        assert f"did you mean '{suggestion}'" in found[1]
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("data.train_batch_size=abc", "an integer"),
+    ("data.train_batch_size=8.5", "an integer"),
+    ("data.train_batch_size=true", "an integer"),
+    ("algorithm.clip_ratio_low=high", "a number"),
+    ("data.shuffle=maybe", "true or false"),
+    ("actor.optim.betas=0.9", "a list of numbers"),
+    ("algorithm.adv_estimator=ppo", "one of 'grpo'"),
+    ("algorithm=0.2", "a mapping"),
+    ("reward.weights=[accuracy]", "a mapping of strings to numbers"),
+])
+def test_wrong_type(override, expected):
+    (found,) = problems_of([override])
+    assert found[0] == override.split("=")[0]
+    assert expected in found[1]
+
+
+@pytest.mark.parametrize("override, bound", [
+    ("rollout.top_p=1.5", "<= 1.0"),
+    ("rollout.top_p=0", "> 0.0"),
+    ("algorithm.clip_ratio_low=1.0", "< 1.0"),
+    ("algorithm.clip_ratio_c=1.0", "> 1.0"),
+    ("data.train_batch_size=0", "> 0"),
+    ("rollout.temperature=-0.5", ">= 0.0"),
+    ("agent.retrieval.port=70000", "< 65536"),
+    ("actor.optim.lr=0", "> 0.0"),
+])
+def test_out_of_range(override, bound):
+    (found,) = problems_of([override])
+    assert found[0] == override.split("=")[0]
+    assert "out of range" in found[1] and bound in found[1]
+
+
+@pytest.mark.parametrize("overrides, key, words", [
+    (["data.train_batch_size=512", "actor.ppo_mini_batch_size=48"], "actor.ppo_mini_batch_size", "does not divide"),
+    (["rollout.n=3", "actor.ppo_mini_batch_size=32", "actor.ppo_micro_batch_size=5"], "actor.ppo_micro_batch_size",
+     "32 prompts x rollout.n=3 = 96"),
+    (["algorithm.clip_ratio_high=0.1"], "algorithm.clip_ratio_high", "below algorithm.clip_ratio_low"),
+    (["algorithm.overlong.buffer_len=20480"], "algorithm.overlong.buffer_len", "not below rollout.max_response_length"),
+    (["data.gen_batch_size=256"], "data.gen_batch_size", "smaller than data.train_batch_size"),
+    (["algorithm.adv_estimator=gae"], "algorithm.adv_estimator", "needs a critic"),
+    (["rollout.n=1", "actor.ppo_micro_batch_size=1"], "rollout.n", "no baseline"),
+    (["algorithm.use_kl_loss=true", "algorithm.use_kl_in_reward=true"], "algorithm.use_kl_loss", "twice"),
+    (["actor.parallel.tensor_model_parallel_size=2"], "actor.parallel", "torch backend"),
+    (["actor.fp8=hybrid"], "actor.fp8", "megatron"),
+    (["reward.custom_function=mymodule.score"], "reward.custom_function", "module.path:function"),
+    (["rollout.engine=sglang"], "rollout.engine", "needs GPUs"),
+    (["agent.max_turns=2", "agent.max_turn_length=4096", "rollout.max_response_length=1024",
+      "algorithm.overlong.buffer_len=256"], "agent.max_turn_length", "exceeds rollout.max_response_length"),
+])
+def test_inconsistent_values(overrides, key, words):
+    found = problems_of(overrides)
+    assert [k for k, _ in found] == [key]
+    assert words in found[0][1]
+
+
+def test_consistent_alternatives_pass():
+    # The fixes the errors suggest are accepted.
+    load_config(None, ["algorithm.adv_estimator=gae", "critic.enable=true"])
+    load_config(None, ["actor.backend=megatron", "actor.parallel.tensor_model_parallel_size=8",
+                       "actor.parallel.pipeline_model_parallel_size=2", "actor.fp8=e4m3"])
+    load_config(None, ["rollout.engine=sglang", "cluster.gpus_per_node=8"])
+
+
+def test_all_problems_reported_together():
+    found = problems_of(["algorithm.clip_ratio_hgih=0.3", "data.shuffle=maybe", "rollout.top_p=2"])
+    assert sorted(k for k, _ in found) == ["algorithm.clip_ratio_hgih", "data.shuffle", "rollout.top_p"]
+
+
+@pytest.mark.parametrize("text, words", [
+    ("algorithm: [1, 2\n", "not valid YAML"),
+    ("- a\n- b\n", "not a mapping"),
+])
+def test_bad_files(tmp_path, text, words):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=words):
+        load_config(path, [])
+
+
+def test_missing_file_and_bad_override():
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config("no/such/file.yaml", [])
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(None, ["algorithm.clip_ratio_high"])
+
+
+def test_save_and_reload_round_trip(tmp_path):
+    cfg = load_config(None, ["algorithm.clip_ratio_high=0.3", "data.train_files=[x.parquet]",
+                             "reward.weights={accuracy: 1.0}", "actor.optim.lr=3e-6"])
+    path = save_config(cfg, tmp_path / "run" / "config.yaml")
+    assert load_config(path, []) == cfg
+
+
+def test_every_field_is_documented():
+    def walk(schema, prefix=""):
+        for f in dataclasses.fields(schema):
+            assert f.metadata.get("help"), f"{prefix}{f.name} has no help text"
+            if dataclasses.is_dataclass(f.type if not isinstance(f.type, str) else None):
+                walk(f.type, prefix + f.name + ".")
+    walk(RunConfig)
+    assert "algorithm.dynamic_sampling.max_num_gen_batches" in dotted_keys(RunConfig)
+
+
+def test_flatten_for_tracking():
+    flat = flatten_config(load_config(None, ["reward.weights={accuracy: 1.0}"]))
+    assert flat["algorithm.clip_ratio_high"] == 0.28
+    assert flat["reward.weights.accuracy"] == 1.0
+    assert flat["actor.optim.betas"] == [0.9, 0.999]
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLES.rglob("*.yaml")), ids=lambda p: str(p.relative_to(EXAMPLES)))
+def test_example_configs_are_valid(path):
+    load_config(path, [])
