@@ -1,0 +1,148 @@
+"""Batched prefill and decode of an HF decoder-only model over a slot-based KV cache.
+
+The embedded engine needs what `model.generate` does not give: sequences that join and
+leave a running batch between decode steps (continuous batching), each with its own
+length and position. We keep the HF model's own modules (embeddings, norms, rotary
+embedding, projections, MLP, LM head) and replace only the attention's cache handling:
+every running sequence owns a slot of a preallocated K/V tensor per layer, the running
+sequences occupy slots [0, n) (a finished one is swapped with the last), and one decode
+step attends each slot over its own prefix with a length mask.
+
+Supported families: Qwen2 / Qwen2.5 (QKV bias), Qwen3 (QK layer norm), Llama (incl. Llama 3
+rope scaling) — the dense decoders megarl trains. Main entry point: `SlotDecoder`.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+
+
+class SlotDecoder:
+    """Runs `model` over a K/V cache of `num_slots` sequences that grows in length as needed."""
+
+    def __init__(self, model: torch.nn.Module, num_slots: int, initial_len: int = 256):
+        cfg = model.config
+        if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"the embedded engine supports model types {SUPPORTED_MODEL_TYPES}, "
+                             f"not {cfg.model_type!r}; use rollout.engine=sglang for other architectures")
+        if getattr(cfg, "use_sliding_window", False):
+            raise ValueError("sliding-window attention is not supported by the embedded engine; "
+                             "set use_sliding_window=false in the model config or use rollout.engine=sglang")
+        self.model = model
+        self.layers = model.model.layers
+        attn = self.layers[0].self_attn
+        self.head_dim = attn.head_dim
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.scaling = attn.scaling
+        self.apply_rotary = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        self.num_slots = num_slots
+        self.max_positions = getattr(cfg, "max_position_embeddings", None) or 1 << 30
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.capacity = 0
+        self.k_cache: list[torch.Tensor] = []
+        self.v_cache: list[torch.Tensor] = []
+        self.ensure_capacity(initial_len)
+
+    # -- cache -------------------------------------------------------------------------
+    def ensure_capacity(self, length: int) -> None:
+        """Grow every layer's cache to hold `length` positions (doubling, to amortise copies)."""
+        if length <= self.capacity:
+            return
+        new_len = max(length, 2 * self.capacity, 16)
+        shape = (self.num_slots, self.num_kv_heads, new_len, self.head_dim)
+        for i in range(len(self.layers)):
+            for cache in (self.k_cache, self.v_cache):
+                grown = torch.zeros(shape, device=self.device, dtype=self.dtype)
+                if self.capacity:
+                    grown[:, :, : self.capacity] = cache[i]
+                if i < len(cache):
+                    cache[i] = grown
+                else:
+                    cache.append(grown)
+        self.capacity = new_len
+
+    def release(self) -> None:
+        self.k_cache, self.v_cache, self.capacity = [], [], 0
+
+    def move_slot(self, src: int, dst: int, length: int) -> None:
+        """Copy the first `length` cached positions of slot src into slot dst."""
+        for cache in (*self.k_cache, *self.v_cache):
+            cache[dst, :, :length] = cache[src, :, :length]
+
+    # -- forward -----------------------------------------------------------------------
+    def _attention(self, layer_idx: int, attn, hidden, positions, slots: slice, write_at, key_len, mask):
+        """hidden (B, T, E) at `positions` (B, T); writes K/V into the cache rows of `slots`
+        at `write_at` and attends over the first `key_len` cached positions under `mask`."""
+        b, t, _ = hidden.shape
+        q = attn.q_proj(hidden).view(b, t, self.num_heads, self.head_dim)
+        k = attn.k_proj(hidden).view(b, t, self.num_kv_heads, self.head_dim)
+        v = attn.v_proj(hidden).view(b, t, self.num_kv_heads, self.head_dim)
+        if hasattr(attn, "q_norm"):  # Qwen3 normalises each head before rotary
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        cos, sin = self.model.model.rotary_emb(v, positions)
+        q, k = self.apply_rotary(q, k, cos, sin)
+        k_cache, v_cache = self.k_cache[layer_idx][slots], self.v_cache[layer_idx][slots]
+        write_at(k_cache, k)
+        write_at(v_cache, v)
+        out = F.scaled_dot_product_attention(
+            q, k_cache[:, :, :key_len], v_cache[:, :, :key_len], attn_mask=mask, scale=self.scaling,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        return attn.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+
+    def _run(self, input_ids, positions, slots: slice, write_at, key_len, mask, last_index):
+        hidden = self.model.model.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            residual = hidden
+            hidden = layer.input_layernorm(hidden)
+            hidden = residual + self._attention(i, layer.self_attn, hidden, positions, slots, write_at, key_len, mask)
+            residual = hidden
+            hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        last = self.model.model.norm(hidden[rows, last_index])
+        return self.model.lm_head(last).float()
+
+    @torch.inference_mode()
+    def prefill(self, first_slot: int, prompts: list[list[int]]) -> torch.Tensor:
+        """Fill slots first_slot.. with the prompts (right-padded to one length); returns
+        the next-token logits (n, V) at each prompt's last position."""
+        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
+        width = int(lengths.max())
+        self.ensure_capacity(width + 1)
+        ids = torch.zeros((len(prompts), width), dtype=torch.long, device=self.device)
+        for row, prompt in enumerate(prompts):
+            ids[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+        positions = torch.arange(width, device=self.device).expand(len(prompts), width)
+        causal = torch.ones((width, width), dtype=torch.bool, device=self.device).tril()
+        key_valid = positions < lengths[:, None]  # padding keys are never attended
+        mask = (causal[None] & key_valid[:, None, :])[:, None]
+
+        def write_at(cache, new):
+            cache[:, :, :width] = new
+
+        slots = slice(first_slot, first_slot + len(prompts))
+        return self._run(ids, positions, slots, write_at, width, mask, lengths - 1)
+
+    @torch.inference_mode()
+    def decode(self, last_tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """One step for slots [0, n): append last_tokens (n,) at positions lengths (n,);
+        returns the next-token logits (n, V)."""
+        n = last_tokens.shape[0]
+        key_len = int(lengths.max()) + 1
+        self.ensure_capacity(key_len)
+        rows = torch.arange(n, device=self.device)
+        mask = (torch.arange(key_len, device=self.device)[None] <= lengths[:, None])[:, None, None, :]
+
+        def write_at(cache, new):
+            cache[rows, :, lengths] = new[:, :, 0]
+
+        return self._run(last_tokens[:, None], lengths[:, None], slice(0, n), write_at, key_len, mask,
+                         torch.zeros(n, dtype=torch.long, device=self.device))

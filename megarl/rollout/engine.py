@@ -1,0 +1,122 @@
+"""The rollout engine interface: token ids in, token ids and log-probs out.
+
+Every engine (the embedded `LocalEngine`, an SGLang server reached over HTTP, the SGLang
+fleet) implements `RolloutEngine`; the agent loop and the trainer see nothing else.
+Requests are async and many may be in flight at once: the engine batches them.
+
+Log-prob convention (the trainer must compare like with like): the log-prob of a sampled
+token is log softmax(logits / T) at that token, with T the request's temperature (T = 1
+for greedy), before top-p / top-k truncation. The trainer recomputes log-probs with the
+same temperature scaling, so the two agree up to numerics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+import torch
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request (names follow SGLang's sampling_params)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = no top-k
+    stop: tuple[str, ...] = ()  # stop strings (kept in the output, like SGLang with no_stop_trim)
+    stop_token_ids: tuple[int, ...] = ()  # in addition to the model's EOS ids
+    ignore_eos: bool = False
+    seed: int | None = None  # per-request seed; None = engine's generator
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 0")
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k={self.top_k} must be -1 (off) or >= 1")
+        if isinstance(self.stop, str) or isinstance(self.stop_token_ids, int):
+            raise TypeError("stop and stop_token_ids take sequences; wrap a single value in a tuple")
+
+    @classmethod
+    def from_sglang(cls, params: Mapping | None) -> SamplingParams:
+        """Read SGLang's sampling_params JSON; unsupported keys raise (no silent ignoring)."""
+        params = dict(params or {})
+        stop = params.pop("stop", None) or ()
+        stop = (stop,) if isinstance(stop, str) else tuple(stop)
+        top_k = params.pop("top_k", -1)
+        known = {"max_new_tokens", "temperature", "top_p", "stop_token_ids", "ignore_eos", "sampling_seed",
+                 "no_stop_trim", "skip_special_tokens", "spaces_between_special_tokens", "n"}
+        unknown = sorted(set(params) - known)
+        if unknown:
+            raise ValueError(f"unsupported sampling_params {unknown}; supported: {sorted(known | {'stop', 'top_k'})}")
+        if params.get("n", 1) != 1:
+            raise ValueError("sampling_params.n must be 1: send one request per sample")
+        return cls(
+            max_new_tokens=int(params.get("max_new_tokens", 128)),
+            temperature=float(params.get("temperature", 1.0)),
+            top_p=float(params.get("top_p", 1.0)),
+            top_k=-1 if top_k is None or top_k >= 1 << 30 else int(top_k),
+            stop=stop,
+            stop_token_ids=tuple(params.get("stop_token_ids") or ()),
+            ignore_eos=bool(params.get("ignore_eos", False)),
+            seed=params.get("sampling_seed"),
+        )
+
+    def to_sglang(self) -> dict:
+        out = {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
+               "top_k": self.top_k, "stop": list(self.stop), "stop_token_ids": list(self.stop_token_ids),
+               "ignore_eos": self.ignore_eos, "no_stop_trim": True, "skip_special_tokens": False}
+        if self.seed is not None:
+            out["sampling_seed"] = self.seed
+        return out
+
+
+@dataclass
+class GenerationOutput:
+    """One sample: the sampled tokens exactly as the engine produced them."""
+
+    token_ids: list[int]
+    log_probs: list[float]  # one per token, see the module docstring for the convention
+    finish_reason: FinishReason
+    matched_stop: int | str | None = None  # the stop id or string that ended it
+    weight_version: int = 0  # weights that produced it (stale samples can be counted)
+    prompt_tokens: int = 0
+    message: str | None = None  # why it aborted
+    meta: dict = field(default_factory=dict)
+
+
+WeightBucket = Mapping[str, torch.Tensor]  # HF parameter name -> full (unsharded) tensor
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the agent loop and the trainer use of a generation engine."""
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationOutput: ...
+
+    async def update_weights(self, buckets: Iterable[WeightBucket], version: int) -> None:
+        """Load HF-named tensors bucket by bucket; the next generate uses them."""
+
+    async def pause(self) -> None:
+        """Stop starting decode steps (in-flight requests wait, none is lost)."""
+
+    async def resume(self) -> None: ...
+
+    async def flush_cache(self) -> None:
+        """Drop cached prefixes (after a weight update they are stale)."""
+
+    async def release_memory(self) -> None:
+        """Free GPU memory while the trainer runs (no-op where meaningless)."""
+
+    async def resume_memory(self) -> None: ...
+
+    async def health(self) -> bool: ...

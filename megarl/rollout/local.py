@@ -1,0 +1,272 @@
+"""The embedded rollout engine: an HF causal LM in-process, with continuous batching.
+
+The CPU (and single-GPU) default behind `RolloutEngine`. Requests queue up; a scheduler
+task admits waiting requests into free batch slots (one batched prefill), runs one decode
+step for every running sequence, and retires finished ones between steps, so a short
+answer frees its slot at once instead of waiting for the longest sequence of a batch.
+Model work runs on one dedicated thread, so the event loop (agent logic, HTTP server)
+stays responsive while the model computes.
+
+Main entry point: `LocalEngine.from_pretrained(path)` or `LocalEngine(model, tokenizer)`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from megarl.rollout.decoder import SlotDecoder
+from megarl.rollout.engine import GenerationOutput, SamplingParams, WeightBucket
+from megarl.rollout.sampling import sample_next_tokens
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Request:
+    prompt: list[int]
+    params: SamplingParams
+    future: asyncio.Future
+    generator: torch.Generator | None
+    weight_version: int = 0
+    output: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    finish: tuple[str, object] | None = None
+    cancelled: bool = False  # set on the event loop; the scheduler retires it between steps
+
+    @property
+    def length(self) -> int:  # tokens in the cache once the last output is appended
+        return len(self.prompt) + len(self.output) - 1
+
+
+class LocalEngine:
+    """In-process generation engine (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer=None, *, max_batch_size: int = 64,
+                 max_prefill_tokens: int = 8192, eos_token_ids: Iterable[int] | None = None, seed: int = 0):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        self.max_prefill_tokens = max_prefill_tokens
+        self.decoder = SlotDecoder(model, num_slots=max_batch_size)
+        self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else _eos_ids(model, tokenizer))
+        self.generator = torch.Generator().manual_seed(seed)
+        self.weight_version = 0
+        self._waiting: deque[_Request] = deque()
+        self._running: list[_Request] = []
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megarl-engine")
+        self._wake: asyncio.Event | None = None
+        self._unpaused: asyncio.Event | None = None
+        self._idle: asyncio.Event | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._failure: BaseException | None = None
+
+    @classmethod
+    def from_pretrained(cls, path: str, *, dtype: str = "float32", device: str = "cpu", **kwargs) -> LocalEngine:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device)
+        return cls(model, AutoTokenizer.from_pretrained(path), **kwargs)
+
+    # -- RolloutEngine -------------------------------------------------------------------
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationOutput:
+        self._ensure_loop()
+        if not prompt_ids:
+            raise ValueError("prompt_ids is empty: a generation needs at least one prompt token")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; pass tokenizer= to LocalEngine or use stop_token_ids")
+        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        request = _Request(list(prompt_ids), params, asyncio.get_running_loop().create_future(), generator)
+        if params.max_new_tokens == 0:
+            request.finish = ("length", None)
+            return self._output(request)
+        self._waiting.append(request)
+        self._wake.set()
+        try:
+            return await asyncio.shield(request.future)
+        except asyncio.CancelledError:
+            request.cancelled = True  # the scheduler drops it before the next step
+            raise
+
+    async def update_weights(self, buckets: Iterable[WeightBucket], version: int) -> None:
+        """Copy HF-named tensors into the model between decode steps (the model thread runs
+        them in order with the steps, so no step ever sees half-updated weights)."""
+        params = self.model.state_dict(keep_vars=True)
+        loop = asyncio.get_running_loop()
+        for bucket in buckets:
+            unknown = sorted(set(bucket) - set(params))
+            if unknown:
+                raise KeyError(f"update_weights got names the model does not have: {unknown[:5]}")
+            for name, tensor in bucket.items():
+                if tuple(tensor.shape) != tuple(params[name].shape):
+                    raise ValueError(f"update_weights: {name} has shape {tuple(tensor.shape)}, "
+                                     f"the model expects {tuple(params[name].shape)}")
+            await loop.run_in_executor(self._executor, _copy_bucket, params, bucket)
+        self.weight_version = version
+
+    async def pause(self) -> None:
+        self._ensure_loop()
+        self._unpaused.clear()
+        await self._idle.wait()  # the step in progress finishes first
+
+    async def resume(self) -> None:
+        self._ensure_loop()
+        self._unpaused.set()
+
+    async def flush_cache(self) -> None:
+        """No-op: the embedded engine keeps no cache across requests (no prefix cache)."""
+
+    async def release_memory(self) -> None:
+        self._ensure_loop()
+        await self.pause()
+        if self._running:
+            raise RuntimeError("release_memory with requests still running; wait for them or abort them first")
+        await asyncio.get_running_loop().run_in_executor(self._executor, self.decoder.release)
+
+    async def resume_memory(self) -> None:
+        await self.resume()  # the cache is reallocated on the next prefill
+
+    async def health(self) -> bool:
+        return self._failure is None and (self._loop_task is None or not self._loop_task.done())
+
+    async def close(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        self._abort_all("engine closed")
+        self._executor.shutdown(wait=True)
+
+    # -- scheduler -----------------------------------------------------------------------
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None or self._loop_task.done() and self._failure is None:
+            self._wake, self._unpaused, self._idle = asyncio.Event(), asyncio.Event(), asyncio.Event()
+            self._unpaused.set()
+            self._idle.set()
+            self._loop_task = asyncio.get_running_loop().create_task(self._schedule())
+
+    async def _schedule(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._unpaused.wait()
+            self._drop_aborted()
+            if not self._waiting and not self._running:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            admitted = self._admit()
+            self._idle.clear()
+            try:
+                await loop.run_in_executor(self._executor, self._step, admitted)
+            except Exception as e:  # a model failure must not leave callers waiting forever
+                log.exception("embedded engine step failed")
+                self._abort_all(f"engine step failed: {e!r}")
+                self.decoder.release()
+            finally:
+                self._idle.set()
+            for request in [r for r in self._running if r.finish is not None]:
+                self._retire(request)
+
+    def _admit(self) -> list[_Request]:
+        admitted, tokens = [], 0
+        while self._waiting and len(self._running) + len(admitted) < self.max_batch_size:
+            nxt = self._waiting[0]
+            if admitted and tokens + len(nxt.prompt) > self.max_prefill_tokens:
+                break
+            self._waiting.popleft()
+            nxt.weight_version = self.weight_version
+            admitted.append(nxt)
+            tokens += len(nxt.prompt)
+        return admitted
+
+    def _step(self, admitted: list[_Request]) -> None:
+        """Model thread: prefill the admitted requests, then one decode step for the rest."""
+        decoding = [r for r in self._running if r.finish is None]
+        if decoding:
+            last = torch.tensor([r.output[-1] for r in decoding])
+            lengths = torch.tensor([r.length for r in decoding])
+            self._sample(decoding, self.decoder.decode(last, lengths))
+        if admitted:
+            first = len(self._running)
+            logits = self.decoder.prefill(first, [r.prompt for r in admitted])
+            self._running.extend(admitted)
+            self._sample(admitted, logits)
+
+    def _sample(self, requests: list[_Request], logits: torch.Tensor) -> None:
+        tokens, log_probs = sample_next_tokens(logits, [r.params for r in requests],
+                                               [r.generator or self.generator for r in requests])
+        for request, token, log_prob in zip(requests, tokens.tolist(), log_probs.tolist()):
+            request.output.append(token)
+            request.log_probs.append(log_prob)
+            request.finish = self._finish_reason(request, token)
+
+    def _finish_reason(self, request: _Request, token: int) -> tuple[str, object] | None:
+        p = request.params
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            return ("stop", token)
+        if p.stop:
+            # the stop string must involve the newest token; decoding a short tail is enough
+            longest = max(len(s) for s in p.stop)
+            tail = self.tokenizer.decode(request.output[-(longest + 2):])
+            for s in p.stop:
+                if s in tail:
+                    return ("stop", s)
+        if len(request.output) >= p.max_new_tokens:
+            return ("length", len(request.output))
+        if len(request.prompt) + len(request.output) >= self.decoder.max_positions:
+            return ("length", len(request.output))
+        return None
+
+    def _retire(self, request: _Request) -> None:
+        """Free the request's slot by moving the last running sequence into it."""
+        idx = self._running.index(request)
+        last = len(self._running) - 1
+        if idx != last:
+            moved = self._running[last]
+            self.decoder.move_slot(last, idx, moved.length)
+            self._running[idx] = moved
+        self._running.pop()
+        if not request.future.done():
+            request.future.set_result(self._output(request))
+
+    def _drop_aborted(self) -> None:
+        for request in [r for r in self._waiting if r.cancelled]:
+            self._waiting.remove(request)
+        for request in [r for r in self._running if r.cancelled]:
+            request.finish = ("abort", "cancelled by the caller")
+            self._retire(request)
+
+    def _abort_all(self, message: str) -> None:
+        for request in [*self._waiting, *self._running]:
+            request.finish = ("abort", message)
+            if not request.future.done():
+                request.future.set_result(self._output(request))
+        self._waiting.clear()
+        self._running.clear()
+
+    def _output(self, request: _Request) -> GenerationOutput:
+        reason, detail = request.finish
+        return GenerationOutput(
+            token_ids=list(request.output), log_probs=list(request.log_probs), finish_reason=reason,
+            matched_stop=detail if reason == "stop" else None, weight_version=request.weight_version,
+            prompt_tokens=len(request.prompt), message=detail if reason == "abort" else None,
+        )
+
+
+def _copy_bucket(params: dict[str, torch.Tensor], bucket: WeightBucket) -> None:
+    with torch.no_grad():
+        for name, tensor in bucket.items():
+            params[name].copy_(tensor)
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if value is not None:
+            ids.update(value if isinstance(value, (list, tuple, set)) else [value])
+    return ids
