@@ -1,0 +1,131 @@
+"""The SGLang-compatible HTTP API over real HTTP: the embedded engine served, `HTTPEngine` as client."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+import uvicorn
+
+from megarl.rollout.engine import RolloutEngine, SamplingParams
+from megarl.rollout.http import HTTPEngine, create_engine_app
+from megarl.rollout.local import LocalEngine
+from tiny_models import reference_log_probs, tiny_model, tiny_tokenizer
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served():
+    tok = tiny_tokenizer()
+    model = tiny_model("qwen2", vocab_size=len(tok))
+    engine = LocalEngine(model, tok, eos_token_ids=[])
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_engine_app(engine, tok), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started and time.time() < deadline:
+        time.sleep(0.05)
+    assert server.started, "engine server did not start"
+    yield f"http://127.0.0.1:{port}", model, tok
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_generate_round_trip(served):
+    url, model, tok = served
+    prompt = tok.encode("<search> capital of")
+
+    async def go():
+        client = HTTPEngine(url)
+        assert isinstance(client, RolloutEngine)
+        out = await client.generate(prompt, SamplingParams(max_new_tokens=7, temperature=0.8, seed=5))
+        again = await client.generate(prompt, SamplingParams(max_new_tokens=7, temperature=0.8, seed=5))
+        healthy = await client.health()
+        await client.close()
+        return out, again, healthy
+
+    out, again, healthy = asyncio.run(go())
+    assert healthy and len(out.token_ids) == 7 and out.finish_reason == "length"
+    assert out.token_ids == again.token_ids
+    torch.testing.assert_close(torch.tensor(out.log_probs), reference_log_probs(model, prompt, out.token_ids, 0.8),
+                               atol=1e-5, rtol=0)
+
+
+def test_raw_payload_shapes(served):
+    url, _, tok = served
+    with httpx.Client(base_url=url, timeout=60) as http:
+        single = http.post("/generate", json={"input_ids": [5, 6, 7], "return_logprob": True,
+                                              "sampling_params": {"max_new_tokens": 3, "temperature": 0}}).json()
+        assert set(single) == {"text", "output_ids", "meta_info"}
+        meta = single["meta_info"]
+        assert meta["finish_reason"] == {"type": "length", "length": 3}
+        assert meta["prompt_tokens"] == 3 and meta["completion_tokens"] == 3
+        assert [item[1] for item in meta["output_token_logprobs"]] == single["output_ids"]
+        assert single["text"] == tok.decode(single["output_ids"])
+        batch = http.post("/generate", json={"input_ids": [[5, 6, 7], [8, 9]],
+                                             "sampling_params": {"max_new_tokens": 2, "temperature": 0}}).json()
+        assert len(batch) == 2 and batch[0]["output_ids"] == single["output_ids"][:2]
+        assert "output_token_logprobs" not in batch[0]["meta_info"]
+        stop_id = single["output_ids"][1]
+        stopped = http.post("/generate", json={"input_ids": [5, 6, 7], "sampling_params": {
+            "max_new_tokens": 3, "temperature": 0, "stop_token_ids": [stop_id]}}).json()
+        assert stopped["meta_info"]["finish_reason"]["type"] == "stop"
+        assert stopped["meta_info"]["finish_reason"]["matched"] == stop_id
+
+
+@pytest.mark.parametrize("body, words", [
+    ({"text": "hello"}, "input_ids"),
+    ({"input_ids": []}, "non-empty"),
+    ({"input_ids": ["a"]}, "token ids"),
+    ({"input_ids": [1, 2], "sampling_params": {"top_p": 2}}, "top_p"),
+    ({"input_ids": [1, 2], "sampling_params": {"frequency_penalty": 1}}, "unsupported"),
+    ({"input_ids": [[1], [2]], "sampling_params": [{}]}, "1 sampling_params for 2 prompts"),
+])
+def test_bad_requests_get_400(served, body, words):
+    url, _, _ = served
+    response = httpx.post(f"{url}/generate", json=body, timeout=30)
+    assert response.status_code == 400 and words in response.text
+
+
+def test_update_weights_through_disk(served, tmp_path):
+    url, model, tok = served
+    other = tiny_model("qwen2", vocab_size=len(tok), seed=11)
+    prompt = tok.encode("the quick")
+
+    async def go():
+        client = HTTPEngine(url, weight_dir=str(tmp_path))
+        state = {k: v.clone() for k, v in other.state_dict().items()}
+        await client.update_weights([state], version=4)
+        out = await client.generate(prompt, SamplingParams(max_new_tokens=5, temperature=0.0))
+        await client.close()
+        return out
+
+    try:
+        out = asyncio.run(go())
+        assert out.weight_version == 4
+        torch.testing.assert_close(torch.tensor(out.log_probs), reference_log_probs(other, prompt, out.token_ids),
+                                   atol=1e-5, rtol=0)
+    finally:  # put the original weights back for the other tests of this module
+        original = tiny_model("qwen2", vocab_size=len(tok))
+        model.load_state_dict(original.state_dict())
+    assert list(tmp_path.iterdir()) == []  # the staging directory is removed
+
+
+def test_pause_and_continue(served):
+    url, _, _ = served
+    with httpx.Client(base_url=url, timeout=30) as http:
+        assert http.post("/pause_generation").json() == {"success": True}
+        assert http.post("/continue_generation").json() == {"success": True}
+        assert http.get("/health_generate").status_code == 200
+        assert http.get("/flush_cache").json() == {"success": True}
