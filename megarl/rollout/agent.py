@@ -1,0 +1,164 @@
+"""Multi-turn search rollouts (Search-R1) and plain single-turn rollouts, token-exact.
+
+One trajectory: the model generates until `</search>`, `</answer>` or EOS; a search is
+answered with retrieved documents inside `<information>` as observation tokens (masked out
+of the loss); an answer ends the trajectory; anything else gets Search-R1's invalid-action
+message and another turn. After `max_turns` turns a last turn runs without search.
+`max_turns=0` is single-turn generation (DAPO math) through the same path.
+
+Tokens, not text, are carried: each turn's prompt is the prompt ids plus the response ids so
+far, exactly as sampled, so nothing is re-tokenized (text is decoded only to read actions).
+Trajectories run independently as asyncio tasks, so one that answers early frees its engine
+slot at once. Main entry points: `run_trajectory`, `run_trajectories`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from megarl.rollout.engine import RolloutEngine, SamplingParams
+
+SEARCH_OPEN, SEARCH_CLOSE = "<search>", "</search>"
+ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
+INVALID_ACTION_MESSAGE = (
+    "\nMy previous action is invalid. If I want to search, I should put the query between <search> and </search>. "
+    "If I want to give the final answer, I should put the answer between <answer> and </answer>. Let me try again.\n"
+)
+
+SEARCH_INSTRUCTION = (
+    "Answer the given question. You must conduct reasoning inside <think> and </think> first every time you get "
+    "new information. After reasoning, if you find you lack some knowledge, you can call a search engine by "
+    "<search> query </search> and it will return the top searched results between <information> and "
+    "</information>. You can search as many times as your want. If you find no further external knowledge needed, "
+    "you can directly provide the answer inside <answer> and </answer>, without detailed illustrations. "
+    "For example, <answer> Beijing </answer>. Question: {question}\n"
+)
+
+
+class Searcher(Protocol):
+    async def search(self, queries: list[str], topk: int = 3) -> list: ...
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    max_turns: int = 0  # turns that may search; 0 = single-turn
+    max_turn_length: int = 500  # tokens generated per turn
+    max_obs_length: int = 500  # observation tokens kept per search
+    max_response_length: int = 4096  # all response tokens of a trajectory (model + observations)
+    topk: int = 3
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+
+
+@dataclass
+class Trajectory:
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)  # 1 = model token, 0 = observation
+    rollout_log_probs: list[float] = field(default_factory=list)  # 0.0 on observation tokens
+    num_turns: int = 0
+    num_searches: int = 0
+    num_failed_searches: int = 0
+    num_valid_actions: int = 0
+    finish_reason: str = ""  # answer | eos | length | max_turns | abort
+    weight_version: int = 0
+
+    def extend(self, ids: list[int], log_probs: list[float] | None) -> None:
+        self.response_ids += ids
+        self.loss_mask += [1 if log_probs is not None else 0] * len(ids)
+        self.rollout_log_probs += log_probs if log_probs is not None else [0.0] * len(ids)
+
+
+def parse_action(text: str) -> tuple[str, str]:
+    """("search", query) | ("answer", answer) | ("invalid", "") from one turn's text.
+
+    The action whose closing tag comes first wins; its content is taken from the nearest
+    opening tag before it (so a stray, unclosed opening tag earlier does not leak in).
+    An empty search query is invalid.
+    """
+    found = []
+    for kind, open_tag, close_tag in (("search", SEARCH_OPEN, SEARCH_CLOSE), ("answer", ANSWER_OPEN, ANSWER_CLOSE)):
+        close = text.find(close_tag)
+        start = text.rfind(open_tag, 0, close) if close >= 0 else -1
+        if start >= 0:
+            found.append((close, kind, text[start + len(open_tag): close].strip()))
+    if not found:
+        return "invalid", ""
+    _, kind, content = min(found)
+    if kind == "search" and not content:
+        return "invalid", ""
+    return kind, content
+
+
+def format_observation(results) -> str:
+    """Search-R1's observation: the documents inside <information>, blank lines around."""
+    from megarl.retrieval.documents import format_documents
+
+    if results.error is not None:
+        body = f"Search failed: {results.error}"
+    else:
+        body = format_documents(results.docs).strip()
+    return f"\n\n<information>{body}</information>\n\n"
+
+
+async def run_trajectory(engine: RolloutEngine, tokenizer, prompt_ids: list[int], settings: AgentSettings,
+                         searcher: Searcher | None = None, seed: int | None = None) -> Trajectory:
+    """Roll out one trajectory (see the module docstring)."""
+    if settings.max_turns > 0 and searcher is None:
+        raise ValueError("max_turns > 0 needs a searcher (the retrieval client)")
+    traj = Trajectory(prompt_ids=list(prompt_ids))
+    single_turn = settings.max_turns == 0
+    for turn in range(settings.max_turns + 1):
+        final = turn == settings.max_turns
+        budget = settings.max_response_length - len(traj.response_ids)
+        if budget <= 0:
+            traj.finish_reason = "length"
+            return traj
+        params = SamplingParams(
+            max_new_tokens=budget if single_turn else min(settings.max_turn_length, budget),
+            temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
+            stop=() if single_turn else ((ANSWER_CLOSE,) if final else (SEARCH_CLOSE, ANSWER_CLOSE)),
+            seed=None if seed is None else seed + turn,
+        )
+        out = await engine.generate(traj.prompt_ids + traj.response_ids, params)
+        if turn == 0:
+            traj.weight_version = out.weight_version
+        traj.extend(out.token_ids, out.log_probs)
+        traj.num_turns += 1
+        if out.finish_reason == "abort":
+            traj.finish_reason = "abort"
+            return traj
+        if single_turn:
+            traj.finish_reason = "eos" if out.finish_reason == "stop" else "length"
+            return traj
+        kind, content = parse_action(tokenizer.decode(out.token_ids))
+        if kind == "answer":
+            traj.num_valid_actions += 1
+            traj.finish_reason = "answer"
+            return traj
+        if final:
+            traj.finish_reason = "max_turns"
+            return traj
+        if kind == "search":
+            traj.num_valid_actions += 1
+            traj.num_searches += 1
+            (result,) = await searcher.search([content], topk=settings.topk)
+            traj.num_failed_searches += result.error is not None
+            observation = tokenizer.encode(format_observation(result), add_special_tokens=False)
+            observation = observation[: settings.max_obs_length]
+        else:
+            observation = tokenizer.encode(INVALID_ACTION_MESSAGE, add_special_tokens=False)
+        room = settings.max_response_length - len(traj.response_ids)
+        traj.extend(observation[:room], None)
+    return traj  # not reached: the last turn always returns
+
+
+async def run_trajectories(engine: RolloutEngine, tokenizer, prompts: list[list[int]], settings: AgentSettings,
+                           searcher: Searcher | None = None, seeds: list[int] | None = None) -> list[Trajectory]:
+    """All trajectories concurrently; each goes at its own pace (no lockstep between turns)."""
+    seeds = seeds if seeds is not None else [None] * len(prompts)
+    return await asyncio.gather(*[run_trajectory(engine, tokenizer, p, settings, searcher, s)
+                                  for p, s in zip(prompts, seeds)])
