@@ -204,12 +204,20 @@ class CriticConfig(TrainWorkerConfig):
 
 @dataclass
 class RewardConfig:
-    custom_function: str | None = param(None, "A scoring function 'module.path:function' replacing the built-in routing.")
+    custom_function: str | None = param(
+        None, "Scorer used instead of routing by data_source: a built-in name (search_r1_em, search_r1_format, "
+        "dapo_math) or 'module.path:function'.")
     weights: dict[str, float] = param(
         help="Named reward functions and weights (accuracy, format, tag_count, ...); empty = route by data_source.",
         factory=dict,
     )
     format_score: float = param(0.0, "Search-R1 EM score for a well-formed but wrong answer.")
+    structure_format_score: float = param(0.0, "search_r1_format: credit for a valid think/search/answer structure.")
+    final_format_score: float = param(0.0, "search_r1_format: score of a wrong answer in an invalid structure.")
+    retrieval_score: float = param(0.0, "search_r1_format: bonus when retrieval surfaced a golden answer.")
+    repetition_ngram_size: int = param(3, "repetition_penalty: n-gram size in words.", gt=0)
+    repetition_max_penalty: float = param(-1.0, "repetition_penalty: penalty when every n-gram repeats.", le=0.0)
+    cosine_max_len: int = param(1000, "cosine_scaled: length (tokens) where the cosine schedule ends.", gt=0)
     timeout_s: float = param(10.0, "Time limit of one reward call; a timeout scores 0 and is counted.", gt=0.0)
     num_workers: int = param(2, "Reward processes; 0 = in the trainer process.", ge=0)
 
@@ -323,9 +331,10 @@ class RunConfig:
             problems.add("actor.optim.betas", f"{actor.optim.betas} is not two numbers in [0, 1)", "give two numbers in [0, 1), e.g. [0.9, 0.999]")
         if self.trainer.resume not in ("auto", "disable") and not self.trainer.resume.strip():
             problems.add("trainer.resume", "is empty", "use auto, disable or a checkpoint path")
-        if self.reward.custom_function is not None and ":" not in self.reward.custom_function:
-            problems.add("reward.custom_function", f"{self.reward.custom_function!r} has no ':'",
-                         "write it as 'module.path:function'")
+        custom = self.reward.custom_function
+        if custom is not None and ":" not in custom and not custom.isidentifier():
+            problems.add("reward.custom_function", f"{custom!r} is neither a scorer name nor 'module.path:function'",
+                         "use search_r1_em, search_r1_format, dapo_math or 'module.path:function'")
         if self.cluster.gpus_per_node == 0 and r.engine == "sglang":
             problems.add("rollout.engine", "sglang needs GPUs (cluster.gpus_per_node=0)",
                          "use rollout.engine=local on CPU machines or set cluster.gpus_per_node")

@@ -124,6 +124,7 @@ def test_out_of_range(override, bound):
     (["actor.parallel.tensor_model_parallel_size=2"], "actor.parallel", "torch backend"),
     (["actor.fp8=hybrid"], "actor.fp8", "megatron"),
     (["reward.custom_function=mymodule.score"], "reward.custom_function", "module.path:function"),
+    (["reward.repetition_max_penalty=0.5"], "reward.repetition_max_penalty", "out of range"),
     (["rollout.engine=sglang"], "rollout.engine", "needs GPUs"),
     (["agent.max_turns=2", "agent.max_turn_length=4096", "rollout.max_response_length=1024",
       "algorithm.overlong.buffer_len=256"], "agent.max_turn_length", "exceeds rollout.max_response_length"),
@@ -132,6 +133,16 @@ def test_inconsistent_values(overrides, key, words):
     found = problems_of(overrides)
     assert [k for k, _ in found] == [key]
     assert words in found[0][1]
+
+
+def test_reward_section_maps_onto_the_reward_spec():
+    # the trainer builds megarl.reward.RewardSpec from reward.* (pool settings aside)
+    from megarl.reward import RewardSpec
+
+    cfg = load_config(None, ["reward.custom_function=search_r1_format", "reward.structure_format_score=0.2"])
+    shared = {k: v for k, v in dataclasses.asdict(cfg.reward).items() if k not in ("timeout_s", "num_workers")}
+    spec = RewardSpec(**shared)
+    assert (spec.custom_function, spec.structure_format_score) == ("search_r1_format", 0.2)
 
 
 def test_consistent_alternatives_pass():

@@ -1,0 +1,72 @@
+"""Rule rewards for megarl: scoring routed by data_source (Search-R1 exact match, DAPO
+math), math-verify accuracy and the open-r1 shaping rewards, combined by weights, and a
+process pool that scores a batch under a time limit per call.
+
+Entry points:
+- `compute_score(data_source, solution_str, ground_truth, extra_info=None)`: one response;
+- `RewardSpec` + `score_one(spec, request)`: the reward a run is configured with;
+- `RewardPool(spec, num_workers, timeout_s).compute(requests)`: a batch, as the trainer
+  calls it.
+
+Nothing here imports the rest of megarl except megarl.algo's overlong_penalty, and only
+when the soft_overlong component is used.
+"""
+
+from megarl.reward.dapo_math import dapo_math_score, normalize_final_answer
+from megarl.reward.math_verify_reward import math_verify_accuracy
+from megarl.reward.open_r1 import (
+    cosine_scaled_reward,
+    format_reward,
+    len_rewards,
+    reasoning_steps_reward,
+    repetition_penalty_reward,
+    soft_overlong_reward,
+    tag_count_reward,
+)
+from megarl.reward.pool import RewardPool, RewardStats, score_guarded
+from megarl.reward.registry import ROUTES, SCORERS, Route, Scorer, compute_score, load_custom_function
+from megarl.reward.scoring import (
+    COMPONENT_NAMES,
+    RewardRequest,
+    RewardResult,
+    RewardSpec,
+    apply_group_rewards,
+    combine_rewards,
+    score_one,
+)
+from megarl.reward.search_r1 import normalize_answer, search_r1_em_score, search_r1_format_score
+from megarl.reward.timeout import RewardTimeout, call_with_timeout
+
+__all__ = [
+    "COMPONENT_NAMES",
+    "ROUTES",
+    "SCORERS",
+    "RewardPool",
+    "RewardRequest",
+    "RewardResult",
+    "RewardSpec",
+    "RewardStats",
+    "RewardTimeout",
+    "Route",
+    "Scorer",
+    "apply_group_rewards",
+    "call_with_timeout",
+    "combine_rewards",
+    "compute_score",
+    "cosine_scaled_reward",
+    "dapo_math_score",
+    "format_reward",
+    "len_rewards",
+    "load_custom_function",
+    "math_verify_accuracy",
+    "normalize_answer",
+    "normalize_final_answer",
+    "reasoning_steps_reward",
+    "repetition_penalty_reward",
+    "score_guarded",
+    "score_one",
+    "search_r1_em_score",
+    "search_r1_format_score",
+    "soft_overlong_reward",
+    "tag_count_reward",
+]

@@ -1,0 +1,115 @@
+"""The open-r1 shaping rewards (format, tag counting, reasoning steps, Kimi 1.5 length,
+cosine length scaling, n-gram repetition) and DAPO's soft overlong punishment, each a
+small pure function. A function returns None when it does not apply to a sample; the
+combination (megarl.reward.scoring.combine_rewards) then leaves it out.
+
+Lengths are in tokens when the trainer gives them (RewardRequest.response_length), as
+the length penalties are meant to act on generation cost; open-r1 counts characters.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+
+_STRICT_FORMAT = re.compile(r"<think>\n.*?\n</think>\n<answer>\n.*?\n</answer>", re.DOTALL)
+# The exact forms the format reward asks for; each appearing once is worth a quarter.
+_FORMAT_TAGS = ("<think>\n", "\n</think>\n", "\n<answer>\n", "\n</answer>")
+# "Step 1:", a numbered line "1.", a bullet line "- " / "* ", and ordinal transitions.
+_REASONING_STEP = re.compile(r"Step \d+:|^\d+\.|\n-|\n\*|First,|Second,|Next,|Finally,", re.MULTILINE)
+_STEPS_FOR_FULL_REWARD = 3
+
+
+def format_reward(response: str) -> float:
+    """1.0 when the whole response is exactly
+    "<think>\\n…\\n</think>\\n<answer>\\n…\\n</answer>", else 0.0."""
+    return 1.0 if _STRICT_FORMAT.fullmatch(response) else 0.0
+
+
+def tag_count_reward(response: str) -> float:
+    """0.25 for each of "<think>\\n", "\\n</think>\\n", "\\n<answer>\\n", "\\n</answer>"
+    that appears exactly once: partial credit on the way to the strict format."""
+    return 0.25 * sum(response.count(tag) == 1 for tag in _FORMAT_TAGS)
+
+
+def reasoning_steps_reward(response: str) -> float:
+    """min(1, steps / 3) where steps counts step markers: "Step k:", numbered lines,
+    bullet lines and First, / Second, / Next, / Finally,."""
+    steps = len(_REASONING_STEP.findall(response))
+    return min(1.0, steps / _STEPS_FOR_FULL_REWARD)
+
+
+def len_rewards(lengths: Sequence[int], correct: Sequence[bool | None]) -> list[float | None]:
+    """Kimi 1.5 length reward over the responses of ONE prompt.
+
+    λ = 0.5 − (len − min_len) / (max_len − min_len); a correct response gets λ (shorter
+    is better), a wrong one min(0, λ) (long wrong answers are punished, short ones are
+    not rewarded). All 0.0 when every response has the same length. A response whose
+    correctness is unknown (None) gets None.
+    """
+    if len(lengths) != len(correct):
+        raise ValueError(f"len_rewards got {len(lengths)} lengths but {len(correct)} correctness flags")
+    if not lengths:
+        return []
+    shortest, longest = min(lengths), max(lengths)
+    if shortest == longest:
+        return [None if c is None else 0.0 for c in correct]
+    rewards: list[float | None] = []
+    for length, is_correct in zip(lengths, correct):
+        lam = 0.5 - (length - shortest) / (longest - shortest)
+        rewards.append(None if is_correct is None else lam if is_correct else min(0.0, lam))
+    return rewards
+
+
+def cosine_scaled_reward(
+    length: int,
+    correct: bool | None,
+    max_len: int = 1000,
+    min_value_wrong: float = -1.0,
+    max_value_wrong: float = -0.5,
+    min_value_correct: float = 0.5,
+    max_value_correct: float = 1.0,
+) -> float | None:
+    """Cosine interpolation over length: correct answers go from max_value_correct at
+    length 0 down to min_value_correct at max_len (prefer short right answers); wrong
+    ones from min_value_wrong at 0 up to max_value_wrong at max_len (a long attempt is
+    punished less than a short guess).
+
+    reward = lo + (hi − lo)·(1 + cos(π·t))/2, t = min(length / max_len, 1); with
+    (hi, lo) = (max_value_correct, min_value_correct) when correct, else
+    (min_value_wrong, max_value_wrong). t is clamped at 1 so that responses longer than
+    max_len keep the end value instead of climbing back up the cosine. None when the
+    correctness is unknown.
+    """
+    if correct is None:
+        return None
+    if max_len <= 0:
+        raise ValueError(f"cosine_scaled max_len={max_len} must be > 0")
+    progress = min(length / max_len, 1.0)
+    at_zero, at_max = (max_value_correct, min_value_correct) if correct else (min_value_wrong, max_value_wrong)
+    return at_max + (at_zero - at_max) * 0.5 * (1.0 + math.cos(progress * math.pi))
+
+
+def repetition_penalty_reward(response: str, ngram_size: int, max_penalty: float) -> float:
+    """(1 − unique n-grams / all n-grams) · max_penalty over lowercase white-space
+    separated words; 0.0 when the response has fewer than ngram_size words."""
+    if max_penalty > 0:
+        raise ValueError(f"repetition max_penalty={max_penalty} must be <= 0: it is a penalty")
+    if ngram_size < 1:
+        raise ValueError(f"repetition ngram_size={ngram_size} must be >= 1")
+    words = response.lower().split()
+    if len(words) < ngram_size:
+        return 0.0
+    ngrams = [tuple(words[i:i + ngram_size]) for i in range(len(words) - ngram_size + 1)]
+    return (1.0 - len(set(ngrams)) / len(ngrams)) * max_penalty
+
+
+def soft_overlong_reward(length: int, max_response_length: int, buffer_len: int, penalty_factor: float = 1.0) -> float:
+    """DAPO soft overlong punishment (megarl.algo.overlong_penalty), clamped at
+    −penalty_factor so that a response past max_response_length is not punished beyond
+    the full penalty."""
+    # Imported here: megarl.algo pulls in torch, which only this component needs.
+    from megarl.algo.overlong import overlong_penalty
+
+    return max(overlong_penalty(length, max_response_length, buffer_len, penalty_factor), -penalty_factor)

@@ -1,0 +1,171 @@
+"""Which scoring function grades a sample: a table from data_source to a named scorer,
+the named scorers themselves, and custom functions loaded from "module.path:function".
+
+Main entry point: `compute_score(data_source, solution_str, ground_truth, extra_info)`.
+
+Custom scoring is plugged through the import string (reward.custom_function), not by
+adding to these tables at run time: reward workers are fresh processes that import this
+module anew and would not see such additions, while an import string works everywhere.
+"""
+
+from __future__ import annotations
+
+import importlib
+import numbers
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+from megarl.reward.dapo_math import dapo_math_score
+from megarl.reward.search_r1 import search_r1_em_score, search_r1_format_score
+
+CUSTOM_FUNCTION_FORM = (
+    "'module.path:function' with signature fn(data_source, solution_str, ground_truth, extra_info=None) -> float | dict"
+)
+
+
+@dataclass(frozen=True)
+class Scorer:
+    """A scoring function fn(solution_str, ground_truth, extra_info, **options) -> dict
+    with at least "score" (float) and "acc" (bool); `options` names the reward settings
+    (RewardSpec fields of the same name) it takes as keyword arguments."""
+
+    fn: Callable[..., dict]
+    options: tuple[str, ...] = ()
+
+
+SCORERS: dict[str, Scorer] = {
+    "search_r1_em": Scorer(search_r1_em_score, ("format_score",)),
+    "search_r1_format": Scorer(
+        search_r1_format_score, ("structure_format_score", "final_format_score", "retrieval_score")
+    ),
+    "dapo_math": Scorer(dapo_math_score),
+}
+SCORER_OPTION_NAMES = tuple(sorted({option for scorer in SCORERS.values() for option in scorer.options}))
+
+
+@dataclass(frozen=True)
+class Route:
+    """data_source values (exact names, or prefixes) graded by the scorer `scorer`."""
+
+    scorer: str
+    names: frozenset[str] = frozenset()
+    prefixes: tuple[str, ...] = ()
+
+    def matches(self, data_source: str) -> bool:
+        return data_source in self.names or data_source.startswith(self.prefixes)
+
+
+ROUTES: tuple[Route, ...] = (
+    Route(
+        "search_r1_em",
+        names=frozenset({"nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle"}),
+        prefixes=("search",),
+    ),
+    Route("dapo_math", names=frozenset({"math_dapo", "math"}), prefixes=("aime",)),
+)
+
+
+def describe_routes() -> str:
+    """One line per route, for error messages: 'nq, popqa, search* → search_r1_em'."""
+    return "; ".join(
+        ", ".join([*sorted(route.names), *(prefix + "*" for prefix in route.prefixes)]) + " → " + route.scorer
+        for route in ROUTES
+    )
+
+
+def scorer_for_data_source(data_source: str) -> Scorer:
+    """The scorer routed to data_source; ValueError naming it when there is none."""
+    for route in ROUTES:
+        if route.matches(data_source):
+            return SCORERS[route.scorer]
+    raise ValueError(
+        f"no reward function for data_source {data_source!r}. Known data sources: {describe_routes()}. "
+        f"For another data set set reward.custom_function to {CUSTOM_FUNCTION_FORM}, "
+        f"or to one of the built-in scorers {sorted(SCORERS)}."
+    )
+
+
+def run_scorer(
+    scorer: Scorer, solution_str: str, ground_truth: Any, extra_info: dict | None, options: Mapping[str, Any]
+) -> dict:
+    """Call a scorer with the options it takes, picked from `options` (others ignored)."""
+    kwargs = {name: options[name] for name in scorer.options if name in options}
+    return scorer.fn(solution_str, ground_truth, extra_info, **kwargs)
+
+
+def compute_score(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None, **options: Any
+) -> dict:
+    """Score one response (the response only, not the prompt) with the scorer routed to
+    its data_source. Returns a dict with at least "score" (float) and "acc" (bool).
+
+    options: reward settings such as format_score, passed to the scorers that take them.
+    """
+    unknown = sorted(set(options) - set(SCORER_OPTION_NAMES))
+    if unknown:
+        raise TypeError(f"compute_score got unknown options {unknown}; the scorers take {list(SCORER_OPTION_NAMES)}")
+    return run_scorer(scorer_for_data_source(data_source), solution_str, ground_truth, extra_info, options)
+
+
+@cache
+def load_custom_function(import_string: str) -> Callable[..., Any]:
+    """The function named by "module.path:function" (the part after ':' may be dotted,
+    e.g. "pkg.rewards:Grader.score"); ValueError naming the string and what went wrong."""
+    module_name, sep, attribute = import_string.partition(":")
+    if not sep or not module_name or not attribute:
+        raise ValueError(
+            f"reward custom_function {import_string!r} is neither a built-in scorer {sorted(SCORERS)} "
+            f"nor an import string; write it as {CUSTOM_FUNCTION_FORM}"
+        )
+    try:
+        target: Any = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(
+            f"reward custom_function {import_string!r}: cannot import module {module_name!r} ({error}); "
+            "make sure it is importable (installed or on PYTHONPATH) in the trainer and in the reward workers"
+        ) from error
+    for name in attribute.split("."):
+        if not hasattr(target, name):
+            raise ValueError(
+                f"reward custom_function {import_string!r}: {target.__name__!r} has no attribute {name!r}; "
+                f"expected {CUSTOM_FUNCTION_FORM}"
+            )
+        target = getattr(target, name)
+    if not callable(target):
+        raise ValueError(f"reward custom_function {import_string!r} names a {type(target).__name__}, not a function")
+    return target
+
+
+def as_score_dict(value: Any, source: str) -> dict:
+    """A custom function's return value as a score dict. A number becomes
+    {"score": value, "acc": value > 0}; a dict needs "score" and gets "acc" = score > 0
+    when it does not say."""
+    if isinstance(value, dict):
+        if "score" not in value:
+            raise TypeError(f"reward function {source!r} returned a dict without 'score' (keys: {sorted(value)})")
+        score = float(value["score"])
+        return {**value, "score": score, "acc": bool(value.get("acc", score > 0))}
+    if isinstance(value, numbers.Real):  # also numpy scalars
+        return {"score": float(value), "acc": bool(value > 0), "pred": None}
+    raise TypeError(f"reward function {source!r} returned {type(value).__name__}; return a float or a dict with 'score'")
+
+
+def score_task(
+    custom_function: str | None,
+    data_source: str,
+    solution_str: str,
+    ground_truth: Any,
+    extra_info: dict | None,
+    options: Mapping[str, Any],
+) -> dict:
+    """The task score of one sample: routed by data_source when custom_function is None,
+    else by the built-in scorer of that name or the imported "module.path:function"."""
+    if custom_function is None:
+        scorer = scorer_for_data_source(data_source)
+        return run_scorer(scorer, solution_str, ground_truth, extra_info, options)
+    if custom_function in SCORERS:
+        return run_scorer(SCORERS[custom_function], solution_str, ground_truth, extra_info, options)
+    fn = load_custom_function(custom_function)
+    return as_score_dict(fn(data_source, solution_str, ground_truth, extra_info), custom_function)

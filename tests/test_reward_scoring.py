@@ -1,0 +1,152 @@
+"""RewardSpec → score_one → apply_group_rewards: task score, weighted components,
+correctness for the length components, group-level len, and spec validation."""
+
+import dataclasses
+
+import pytest
+
+import reward_fixtures
+from megarl.reward.pool import score_guarded
+from megarl.reward.registry import SCORER_OPTION_NAMES
+from megarl.reward.scoring import (
+    COMPONENT_NAMES,
+    RewardRequest,
+    RewardResult,
+    RewardSpec,
+    apply_group_rewards,
+    combine_rewards,
+    failed_result,
+    score_one,
+)
+
+FIXTURES = reward_fixtures.__name__
+STRICT_BOXED_2 = "<think>\nStep 1: 1 + 1.\n</think>\n<answer>\n$\\boxed{2}$\n</answer>"
+
+
+@pytest.mark.parametrize(
+    "components, weights, expected",
+    [
+        ({"accuracy": 1.0, "format": 1.0}, {"accuracy": 2.0, "format": 0.5}, 2.5),
+        ({"accuracy": None, "format": 1.0}, {"accuracy": 1.0, "format": 0.5}, 0.5),  # None left out
+        ({"accuracy": 1.0}, {"accuracy": 1.0, "len": 3.0}, 1.0),  # absent: left out too
+        ({"accuracy": 1.0, "format": 1.0}, {"format": 1.0}, 1.0),  # unweighted component ignored
+        ({"accuracy": None}, {"accuracy": 1.0}, 0.0),
+        ({}, {}, 0.0),
+    ],
+)
+def test_combine_rewards(components, weights, expected):
+    assert combine_rewards(components, weights) == pytest.approx(expected)
+
+
+def test_combine_rewards_rejects_unknown_weight_names():
+    with pytest.raises(ValueError) as error:
+        combine_rewards({"accuracy": 1.0}, {"acuracy": 1.0})
+    assert "'acuracy'" in str(error.value)
+    assert all(name in str(error.value) for name in COMPONENT_NAMES)
+
+
+def test_spec_has_a_field_for_every_scorer_option():
+    fields = {f.name for f in dataclasses.fields(RewardSpec)}
+    assert set(SCORER_OPTION_NAMES) <= fields
+
+
+@pytest.mark.parametrize(
+    "spec, request_, expected",
+    [
+        # empty weights: the routed task score alone
+        (RewardSpec(), RewardRequest("nq", "<answer>Paris</answer>", {"target": ["Paris"]}),
+         RewardResult(1.0, True, "Paris", {"task_score": 1.0})),
+        (RewardSpec(format_score=0.1), RewardRequest("nq", "<answer>Lyon</answer>", ["Paris"]),
+         RewardResult(0.1, False, "Lyon", {"task_score": 0.1})),
+        (RewardSpec(), RewardRequest("math_dapo", "Answer: 3", "4"),
+         RewardResult(-1.0, False, "3", {"task_score": -1.0})),
+        # a named scorer from the config, whatever the data_source
+        (RewardSpec(custom_function="search_r1_format", structure_format_score=0.2),
+         RewardRequest("my_qa", "<answer>Paris</answer>", "Paris"),
+         RewardResult(0.8, True, "Paris", {"task_score": 0.8})),
+        # a custom function by import string
+        (RewardSpec(custom_function=f"{FIXTURES}:float_score"), RewardRequest("x", "a", "a"),
+         RewardResult(0.5, True, None, {"task_score": 0.5})),
+        # open-r1 style: accuracy 1 + 0.5·format 1 + 0.25·reasoning_steps (1 step → 1/3)
+        (RewardSpec(weights={"accuracy": 1.0, "format": 0.5, "reasoning_steps": 0.25}),
+         RewardRequest("any", STRICT_BOXED_2, "2"),
+         RewardResult(1.0 + 0.5 + 0.25 / 3, True, None, {"accuracy": 1.0, "format": 1.0, "reasoning_steps": 1 / 3})),
+        # unparseable gold: accuracy skipped, acc False, the rest still counts
+        (RewardSpec(weights={"accuracy": 1.0, "tag_count": 1.0}), RewardRequest("any", STRICT_BOXED_2, ""),
+         RewardResult(1.0, False, None, {"accuracy": None, "tag_count": 1.0})),
+        # DAPO recipe: task score + soft overlong (max 100, buffer 20; 90 tokens → −0.5)
+        (RewardSpec(weights={"task_score": 1.0, "soft_overlong": 1.0}, overlong_max_response_length=100,
+                    overlong_buffer_len=20),
+         RewardRequest("math_dapo", "Answer: 4", "4", response_length=90),
+         RewardResult(0.5, True, "4", {"task_score": 1.0, "soft_overlong": -0.5})),
+        # cosine with correctness from the task score; length in tokens (500 of 1000 → 0.75)
+        (RewardSpec(weights={"task_score": 1.0, "cosine_scaled": 1.0}),
+         RewardRequest("math_dapo", "Answer: 4", "4", response_length=500),
+         RewardResult(1.75, True, "4", {"task_score": 1.0, "cosine_scaled": 0.75})),
+        # ... and from math-verify accuracy with weight 0; length in characters without response_length
+        (RewardSpec(weights={"accuracy": 0.0, "cosine_scaled": 1.0}, cosine_max_len=len(STRICT_BOXED_2)),
+         RewardRequest("any", STRICT_BOXED_2, "3"),
+         RewardResult(-0.5, False, None, {"accuracy": 0.0, "cosine_scaled": -0.5})),
+        (RewardSpec(weights={"repetition_penalty": 1.0}, repetition_ngram_size=1, repetition_max_penalty=-2.0),
+         RewardRequest("any", "x x x x x", "1"),
+         RewardResult(-1.6, False, None, {"repetition_penalty": -1.6})),
+    ],
+)
+def test_score_one(spec, request_, expected):
+    result = score_one(spec, request_)
+    assert result.score == pytest.approx(expected.score)
+    assert (result.acc, result.pred) == (expected.acc, expected.pred)
+    assert result.components == pytest.approx(expected.components)
+    assert result.error is None
+
+
+def test_soft_overlong_without_token_length_is_a_counted_error():
+    spec = RewardSpec(weights={"soft_overlong": 1.0}, overlong_max_response_length=100, overlong_buffer_len=20)
+    result = score_guarded(spec, RewardRequest("math", "Answer: 1", "1"), timeout_s=5.0)
+    assert (result.score, result.acc, result.timed_out) == (0.0, False, False)
+    assert "response_length" in result.error
+
+
+def test_group_len_reward_by_group_id():
+    spec = RewardSpec(weights={"task_score": 0.0, "len": 1.0})
+    requests = [
+        RewardRequest("math", "Answer: 1", "1", group_id="a", response_length=10),  # correct, shortest
+        RewardRequest("math", "Answer: 2", "1", group_id="a", response_length=20),  # wrong, λ = 0
+        RewardRequest("math", "Answer: 1", "1", group_id="a", response_length=30),  # correct, longest
+        RewardRequest("math", "Answer: 1", "1", group_id="b", response_length=99),  # a group of one
+        RewardRequest("math", "Answer: 1", "1", group_id=None, response_length=5),  # no group
+        RewardRequest("math", "Answer: 1", "1", group_id="a", response_length=1),  # failed: takes no part
+    ]
+    results = [score_one(spec, r) for r in requests[:5]] + [failed_result("boom")]
+    grouped = apply_group_rewards(spec, requests, results)
+    assert [r.components.get("len") for r in grouped] == [0.5, 0.0, -0.5, 0.0, 0.0, None]
+    assert [r.score for r in grouped] == [0.5, 0.0, -0.5, 0.0, 0.0, 0.0]
+    assert grouped[5].error == "boom"
+
+
+def test_group_step_is_a_no_op_without_len():
+    spec = RewardSpec()
+    requests = [RewardRequest("math", "Answer: 1", "1", group_id="a")]
+    results = [score_one(spec, requests[0])]
+    assert apply_group_rewards(spec, requests, results) is results
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"weights": {"acuracy": 1.0}}, "unknown reward weight names \\['acuracy'\\]"),
+        ({"weights": {"format": float("nan")}}, "must be a finite number"),
+        ({"custom_function": "my_reward"}, "'module.path:function'"),
+        ({"repetition_max_penalty": 1.0}, "must be <= 0"),
+        ({"weights": {"soft_overlong": 1.0}}, "needs overlong_max_response_length"),
+        ({"weights": {"soft_overlong": 1.0}, "overlong_max_response_length": 100, "overlong_buffer_len": 100},
+         "overlong_buffer_len=100"),
+        ({"weights": {"cosine_scaled": 1.0, "format": 1.0}}, "add 'accuracy'"),
+        ({"weights": {"len": 1.0}}, "nothing measures correctness"),
+        ({"cosine_max_len": 0}, "cosine_max_len=0"),
+        ({"custom_function": "dapo_math", "weights": {"format": 1.0}}, "is never called"),
+    ],
+)
+def test_spec_validation(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        RewardSpec(**kwargs)
