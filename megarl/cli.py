@@ -1,6 +1,8 @@
 """The `megarl` command line.
 
     megarl train CONFIG.yaml [key=value ...] [--dry-run]
+    megarl retrieval build --corpus FILE --out DIR [--kind bm25|dense]
+    megarl retrieval serve --index DIR [--host 127.0.0.1 --port 8000 --topk 3]
 
 Configuration errors are reported (every problem, with its key and fix) before anything
 heavy is imported, with exit status 2.
@@ -14,6 +16,7 @@ from pathlib import Path
 
 from megarl.config import ConfigError, RunConfig, load_config, save_config
 from megarl.config_loader import dump_config
+from megarl.retrieval.commands import add_retrieval_commands
 
 EXIT_CONFIG_ERROR = 2
 
@@ -53,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="A YAML run file, then overrides such as algorithm.clip_ratio_high=0.28.")
     train.add_argument("--dry-run", action="store_true", help="Validate, print the resolved config and exit.")
     train.set_defaults(func=_train)
+    add_retrieval_commands(sub)
     return parser
 
 

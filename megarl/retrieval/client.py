@@ -1,0 +1,198 @@
+"""Async client of the retrieval server for the search agent: `await RetrievalClient(url).search(queries)`.
+
+Speaks Search-R1's `POST /retrieve` API (megarl's server or Search-R1's own). A search never
+raises into the agent and never hangs: every request is bounded by `timeout_s`, connection
+errors, timeouts and HTTP 5xx are retried `max_retries` times with exponential backoff, and a
+search that still fails comes back as `SearchResult(docs=[], error=...)` for each of its
+queries, counted in `client.stats` so the trainer can log it. HTTP 4xx is not retried: the
+request itself is wrong and sending it again cannot help.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+
+from megarl.retrieval.documents import Document
+from megarl.retrieval.retriever import check_search_args
+
+
+@dataclass
+class SearchResult:
+    """The documents found for one query, best first; `error` says why there are none."""
+
+    docs: list[Document] = field(default_factory=list)
+    scores: list[float] | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass
+class ClientStats:
+    """Counters since the client was created (or `reset()`), for the trainer's metrics."""
+
+    requests: int = 0  # HTTP requests sent, retries included
+    retries: int = 0  # of those, repeats of a failed request
+    failures: int = 0  # batches given up on (after retries, or rejected with 4xx)
+    failed_queries: int = 0  # queries in those batches
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    def reset(self) -> None:
+        self.requests = self.retries = self.failures = self.failed_queries = 0
+
+
+class RetrievalClient:
+    """Client of one retrieval server.
+
+    url: the server ("http://127.0.0.1:8000") or its endpoint (".../retrieve", as Search-R1 configs give it).
+    timeout_s: limit of one HTTP request, connecting and reading the whole answer included.
+    max_retries: repeats of a failed request; the delay before repeat n is about backoff_s * 2**(n-1)
+        (between half and all of it, so that many clients do not retry in step), at most max_backoff_s.
+    batch_size: queries per HTTP request; larger searches are split and sent max_concurrency at a time.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout_s: float = 30.0,
+        max_retries: int = 3,
+        backoff_s: float = 0.5,
+        max_backoff_s: float = 8.0,
+        batch_size: int = 512,
+        max_concurrency: int = 4,
+    ):
+        if timeout_s <= 0 or max_retries < 0 or backoff_s < 0 or batch_size < 1 or max_concurrency < 1:
+            raise ValueError(
+                f"RetrievalClient needs timeout_s > 0, max_retries >= 0, backoff_s >= 0, batch_size >= 1 and "
+                f"max_concurrency >= 1; got {timeout_s}, {max_retries}, {backoff_s}, {batch_size}, {max_concurrency}"
+            )
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"retrieval url {url!r} must start with http:// or https://, e.g. http://127.0.0.1:8000")
+        base = url.rstrip("/")
+        self.url = base if base.endswith("/retrieve") else base + "/retrieve"
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.batch_size = batch_size
+        self.max_concurrency = max_concurrency
+        self.stats = ClientStats()
+        self._http: httpx.AsyncClient | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def search(self, queries: Sequence[str], topk: int = 3) -> list[SearchResult]:
+        """One SearchResult per query, in order; failures are results with an error, not exceptions."""
+        check_search_args(queries, topk)
+        http = self._client()
+        slots = asyncio.Semaphore(self.max_concurrency)
+
+        async def run(batch: list[str]) -> list[SearchResult]:
+            async with slots:
+                return await self._search_batch(http, batch, topk)
+
+        batches = [list(queries[i : i + self.batch_size]) for i in range(0, len(queries), self.batch_size)]
+        results = await asyncio.gather(*(run(batch) for batch in batches))
+        return [result for batch_results in results for result in batch_results]
+
+    async def aclose(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+
+    async def __aenter__(self) -> RetrievalClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def _client(self) -> httpx.AsyncClient:
+        # An httpx client is bound to the event loop it first ran on; a trainer that calls
+        # asyncio.run() per step gets a fresh one instead of "Event loop is closed" errors.
+        loop = asyncio.get_running_loop()
+        if self._http is None or self._loop is not loop:
+            self._http = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s))
+            self._loop = loop
+        return self._http
+
+    def _backoff(self, retry: int) -> float:
+        delay = min(self.backoff_s * 2 ** (retry - 1), self.max_backoff_s)
+        return delay * random.uniform(0.5, 1.0)
+
+    async def _search_batch(self, http: httpx.AsyncClient, queries: list[str], topk: int) -> list[SearchResult]:
+        payload = {"queries": queries, "topk": topk, "return_scores": True}
+        last_error = ""
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                self.stats.retries += 1
+                await asyncio.sleep(self._backoff(attempt))
+            self.stats.requests += 1
+            try:
+                async with asyncio.timeout(self.timeout_s):
+                    response = await http.post(self.url, json=payload)
+            except TimeoutError:
+                last_error = f"no answer from {self.url} within {self.timeout_s} s"
+                continue
+            except httpx.TransportError as e:  # connection refused or reset, read timeouts, ...
+                last_error = f"{type(e).__name__} on {self.url}: {e}"
+                continue
+            except Exception as e:  # e.g. an invalid URL: retrying cannot help, raising would end the rollout
+                return self._failed(queries, f"retrieval request to {self.url} failed: {type(e).__name__}: {e}")
+            if response.status_code >= 500:
+                last_error = f"HTTP {response.status_code} from {self.url}: {_detail(response)}"
+                continue
+            if response.status_code != 200:
+                status = response.status_code
+                return self._failed(queries, f"retrieval request rejected (HTTP {status}): {_detail(response)}")
+            try:
+                return parse_retrieve_response(response.json(), len(queries))
+            except ValueError as e:  # includes JSONDecodeError
+                return self._failed(queries, f"malformed answer from {self.url}: {e}")
+        return self._failed(queries, f"retrieval failed after {self.max_retries} retries: {last_error}")
+
+    def _failed(self, queries: list[str], error: str) -> list[SearchResult]:
+        self.stats.failures += 1
+        self.stats.failed_queries += len(queries)
+        return [SearchResult(error=error) for _ in queries]
+
+
+def parse_retrieve_response(body: Any, num_queries: int) -> list[SearchResult]:
+    """A /retrieve answer, with or without scores, → one SearchResult per query.
+
+    Documents need a "contents" string; "id" is optional because Search-R1's BM25 server
+    returns {"title", "text", "contents"} without one.
+    """
+    rows = body.get("result") if isinstance(body, dict) else None
+    if not isinstance(rows, list) or len(rows) != num_queries:
+        raise ValueError(f"expected {{'result': [...]}} with {num_queries} lists, got {str(body)[:200]}")
+    results = []
+    for row in rows:
+        if not isinstance(row, list):
+            raise ValueError(f"expected a list of documents per query, got {str(row)[:200]}")
+        docs, scores = [], []
+        for item in row:
+            doc = item.get("document", item) if isinstance(item, dict) else None
+            if not isinstance(doc, dict) or not isinstance(doc.get("contents"), str):
+                raise ValueError(f"expected a document with 'contents', got {str(item)[:200]}")
+            docs.append(Document(id=str(doc.get("id", "")), contents=doc["contents"]))
+            if "score" in item:
+                scores.append(float(item["score"]))
+        results.append(SearchResult(docs=docs, scores=scores if len(scores) == len(docs) else None))
+    return results
+
+
+def _detail(response: httpx.Response) -> str:
+    try:
+        return str(response.json().get("detail", response.text))[:500]
+    except (ValueError, AttributeError):
+        return response.text[:500]

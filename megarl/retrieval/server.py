@@ -1,0 +1,213 @@
+"""HTTP retrieval server with Search-R1's API: `create_app(retriever)`, `serve(...)`.
+
+    POST /retrieve  {"queries": [str, ...], "topk": k (optional), "return_scores": bool (optional)}
+      → {"result": [[{"document": {"id", "contents"}, "score": s}, ...], ...]}   with return_scores
+      → {"result": [[{"id", "contents"}, ...], ...]}                            without (the default)
+    GET /health     → {"status": "ok", "kind": ..., "num_docs": ...}
+
+The same shapes as search_r1/search/retrieval_server.py, so clients of either server work
+with both. All queries of a request are searched in one batched call, in a worker thread so
+the event loop (and /health) stays responsive. `BackgroundServer` runs the app in a thread of
+the current process: an in-process retriever for CPU runs, and the tests' real HTTP server.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from megarl.retrieval.retriever import Retriever
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOPK = 100
+# Search-R1 sends every active trajectory's query of a turn in one request: 512 prompts x 5
+# samples = 2,560 queries. Larger requests are refused rather than tying up the server.
+DEFAULT_MAX_QUERIES = 4096
+
+
+@dataclass(frozen=True)
+class RetrieveRequest:
+    queries: list[str]
+    topk: int
+    return_scores: bool
+
+
+class RequestError(ValueError):
+    """A malformed /retrieve request; the message is sent back to the client (HTTP 422)."""
+
+
+def parse_retrieve_request(
+    body: Any, *, default_topk: int, max_topk: int = DEFAULT_MAX_TOPK, max_queries: int = DEFAULT_MAX_QUERIES
+) -> RetrieveRequest:
+    """Validate a decoded /retrieve body; RequestError says which field is wrong and why."""
+    if not isinstance(body, dict):
+        raise RequestError(f"the body must be a JSON object with a 'queries' list, got a JSON {_json_type(body)}")
+    if "queries" not in body:
+        raise RequestError(f"the body has no 'queries' list (it has {sorted(body) or 'no fields'})")
+    queries = body["queries"]
+    if not isinstance(queries, list):
+        raise RequestError(f"'queries' must be a list of strings, got {_json_type(queries)}")
+    if not queries:
+        raise RequestError("'queries' is empty; send at least one query")
+    if len(queries) > max_queries:
+        raise RequestError(f"{len(queries)} queries in one request; this server takes at most {max_queries}, split it")
+    for i, query in enumerate(queries):
+        if not isinstance(query, str):
+            raise RequestError(f"queries[{i}] must be a string, got {_json_type(query)}")
+    topk = body.get("topk")
+    if topk is None:
+        topk = default_topk
+    elif isinstance(topk, bool) or not isinstance(topk, int):
+        raise RequestError(f"'topk' must be an integer, got {_json_type(topk)}")
+    elif not 1 <= topk <= max_topk:
+        raise RequestError(f"'topk' must be between 1 and {max_topk}, got {topk}")
+    return_scores = body.get("return_scores")
+    if return_scores is None:
+        return_scores = False
+    elif not isinstance(return_scores, bool):
+        raise RequestError(f"'return_scores' must be true or false, got {_json_type(return_scores)}")
+    return RetrieveRequest(queries=queries, topk=topk, return_scores=return_scores)
+
+
+def create_app(
+    retriever: Retriever,
+    default_topk: int = 3,
+    *,
+    max_topk: int = DEFAULT_MAX_TOPK,
+    max_queries: int = DEFAULT_MAX_QUERIES,
+    max_concurrent_searches: int = 4,
+) -> FastAPI:
+    """A FastAPI app serving `retriever` (see the module docstring for the API).
+
+    default_topk: documents per query when a request has no topk.
+    max_topk, max_queries: larger requests get HTTP 422.
+    max_concurrent_searches: requests searched at once; more wait their turn.
+    """
+    app = FastAPI(title="megarl retrieval", docs_url=None, redoc_url=None)
+    limiter: list[anyio.CapacityLimiter] = []  # created on first use: it belongs to the server's loop
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "kind": retriever.kind, "num_docs": len(retriever)}
+
+    @app.post("/retrieve")
+    async def retrieve(request: Request) -> JSONResponse:
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return _error(400, f"the body is not valid JSON ({e})")
+        try:
+            req = parse_retrieve_request(body, default_topk=default_topk, max_topk=max_topk, max_queries=max_queries)
+        except RequestError as e:
+            return _error(422, str(e))
+        if not limiter:
+            limiter.append(anyio.CapacityLimiter(max_concurrent_searches))
+        try:
+            hits = await anyio.to_thread.run_sync(
+                retriever.search, req.queries, req.topk, True, limiter=limiter[0]
+            )
+        except Exception as e:
+            logger.exception("search of %d queries failed", len(req.queries))
+            return _error(500, f"search failed: {type(e).__name__}: {e}")
+        if req.return_scores:
+            result = [[{"document": doc.to_dict(), "score": score} for doc, score in row] for row in hits]
+        else:
+            result = [[doc.to_dict() for doc, _ in row] for row in hits]
+        return JSONResponse({"result": result})
+
+    return app
+
+
+def serve(
+    retriever: Retriever,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    default_topk: int = 3,
+    log_level: str = "info",
+    **app_options: Any,
+) -> None:
+    """Serve `retriever` over HTTP until interrupted (binds localhost unless told otherwise)."""
+    uvicorn.run(create_app(retriever, default_topk, **app_options), host=host, port=port, log_level=log_level)
+
+
+class BackgroundServer:
+    """Runs an ASGI app with uvicorn in a daemon thread of this process.
+
+        with BackgroundServer(create_app(retriever)) as server:
+            client = RetrievalClient(server.url)
+
+    port 0 picks a free port; `sock` serves on an already bound socket instead.
+    """
+
+    def __init__(
+        self,
+        app: Any,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        sock: socket.socket | None = None,
+        log_level: str = "warning",
+    ):
+        if sock is None:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+        self._sock = sock
+        self.host, self.port = sock.getsockname()[:2]
+        self.url = f"http://{self.host}:{self.port}"
+        # log_config=None: leave the host process's logging configuration alone
+        config = uvicorn.Config(app, log_level=log_level, log_config=None, access_log=False, lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._run, name=f"retrieval-server-{self.port}", daemon=True)
+        self._error: BaseException | None = None
+
+    def _run(self) -> None:
+        try:
+            self._server.run(sockets=[self._sock])
+        except BaseException as e:  # reported by start(); a daemon thread has no one else to tell
+            self._error = e
+
+    def start(self, timeout_s: float = 10.0) -> BackgroundServer:
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError(f"retrieval server on {self.url} stopped while starting: {self._error!r}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"retrieval server on {self.url} did not start within {timeout_s} s")
+            time.sleep(0.01)
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._server.should_exit = True
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+        self._sock.close()
+
+    def __enter__(self) -> BackgroundServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"detail": message}, status_code=status)
+
+
+def _json_type(value: Any) -> str:
+    names = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)

@@ -1,0 +1,24 @@
+"""tools/bench/retrieval.py runs end to end (on a corpus small enough for a test)."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("rank_bm25")
+
+BENCH = Path(__file__).resolve().parents[1] / "tools" / "bench" / "retrieval.py"
+
+
+def test_benchmark_runs_and_reports_both_numbers(capsys, tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_retrieval", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    argv = ["--docs", "400", "--queries", "30", "--baseline-queries", "10", "--vocab", "2000",
+            "--workdir", str(tmp_path)]
+    assert bench.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "30 queries in" in out and "queries/s (batches of 256, top-3)" in out
+    assert "timed on the first 10 of 30 queries" in out
+    assert "speed-up (megarl / rank_bm25):" in out
+    assert "top-1 agreement on the 10 shared queries:" in out

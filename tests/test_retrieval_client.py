@@ -1,0 +1,194 @@
+"""The async retrieval client: batching, bounded retries, and failed searches that do not raise.
+
+Servers here are real (uvicorn on 127.0.0.1 in a background thread); "down" is a port with
+a bound socket that is not listening (connection refused) or one that accepts and never answers.
+"""
+
+import asyncio
+import socket
+import threading
+import time
+
+import pytest
+from fastapi import FastAPI
+
+from megarl.retrieval import BackgroundServer, Document, Hit, RetrievalClient, SearchResult, create_app
+from megarl.retrieval.client import parse_retrieve_response
+
+
+class EchoRetriever:
+    """Each query q gets topk documents "q/0", "q/1", ... with scores 1, 1/2, ...;
+    `fail_first` searches raise (→ HTTP 500)."""
+
+    kind = "echo"
+
+    def __init__(self, fail_first=0):
+        self.fail_first = fail_first
+        self.calls = 0
+
+    def __len__(self):
+        return 100
+
+    def search(self, queries, topk, return_scores=True):
+        self.calls += 1
+        if self.calls <= self.fail_first:
+            raise RuntimeError(f"failure {self.calls}")
+        return [[Hit(Document(f"{q}/{i}", f'"{q}"\ntext {i}'), 1 / (i + 1)) for i in range(topk)] for q in queries]
+
+
+def search(client, queries, topk=3):
+    return asyncio.run(client.search(queries, topk))
+
+
+def unused_port_socket():
+    """A bound socket that does not listen: connecting to its port is refused until a server uses it."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+def test_search_returns_documents_and_scores_per_query():
+    with BackgroundServer(create_app(EchoRetriever())) as server:
+        client = RetrievalClient(server.url)
+        results = search(client, ["a", "b"], topk=2)
+    assert results == [
+        SearchResult(docs=[Document("a/0", '"a"\ntext 0'), Document("a/1", '"a"\ntext 1')], scores=[1.0, 0.5]),
+        SearchResult(docs=[Document("b/0", '"b"\ntext 0'), Document("b/1", '"b"\ntext 1')], scores=[1.0, 0.5]),
+    ]
+    assert all(result.ok for result in results)
+    assert client.stats.as_dict() == {"requests": 1, "retries": 0, "failures": 0, "failed_queries": 0}
+    assert client.url == server.url + "/retrieve"
+    assert RetrievalClient(server.url + "/retrieve/").url == server.url + "/retrieve"  # Search-R1's search_url
+
+
+def test_large_searches_are_split_into_batches_and_kept_in_order():
+    # the server takes at most 2 queries per request, so batch_size 2 is required
+    with BackgroundServer(create_app(EchoRetriever(), max_queries=2)) as server:
+        client = RetrievalClient(server.url, batch_size=2, max_concurrency=2)
+        results = search(client, ["q1", "q2", "q3", "q4", "q5"], topk=1)
+        assert [r.docs[0].id for r in results] == ["q1/0", "q2/0", "q3/0", "q4/0", "q5/0"]
+        assert client.stats.requests == 3  # 2 + 2 + 1
+        assert search(client, [], topk=1) == []  # the same client on a new event loop
+
+
+def test_a_server_that_fails_twice_is_retried_until_it_answers():
+    retriever = EchoRetriever(fail_first=2)
+    with BackgroundServer(create_app(retriever)) as server:
+        client = RetrievalClient(server.url, max_retries=3, backoff_s=0.01)
+        [result] = search(client, ["q"], topk=1)
+    assert result.ok and result.docs == [Document("q/0", '"q"\ntext 0')]
+    assert client.stats.as_dict() == {"requests": 3, "retries": 2, "failures": 0, "failed_queries": 0}
+
+
+def test_a_server_that_starts_late_is_reached_by_retrying():
+    sock = unused_port_socket()
+    port = sock.getsockname()[1]
+    server = BackgroundServer(create_app(EchoRetriever()), sock=sock)
+    timer = threading.Timer(0.3, server.start)
+    timer.start()
+    try:
+        # backoff 0.1 s doubling (at least half of it): the 6th retry comes after >= 3.15 s
+        client = RetrievalClient(f"http://127.0.0.1:{port}", max_retries=6, backoff_s=0.1)
+        [result] = search(client, ["q"], topk=1)
+    finally:
+        timer.join()
+        server.stop()
+    assert result.ok and result.docs[0].id == "q/0"
+    assert client.stats.retries >= 1 and client.stats.failures == 0
+
+
+def test_an_outage_gives_failed_results_and_counters_not_exceptions():
+    sock = unused_port_socket()
+    client = RetrievalClient(f"http://127.0.0.1:{sock.getsockname()[1]}", max_retries=3, backoff_s=0.01)
+    t0 = time.monotonic()
+    results = search(client, ["q1", "q2"])
+    elapsed = time.monotonic() - t0
+    sock.close()
+    assert elapsed < 5.0
+    assert [r.docs for r in results] == [[], []]
+    assert all(r.error.startswith("retrieval failed after 3 retries: ConnectError") for r in results)
+    assert client.stats.as_dict() == {"requests": 4, "retries": 3, "failures": 1, "failed_queries": 2}
+
+
+def test_a_server_that_never_answers_times_out():
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()  # the kernel accepts connections; nobody ever reads or answers
+    client = RetrievalClient(f"http://127.0.0.1:{sock.getsockname()[1]}", timeout_s=0.3, max_retries=1, backoff_s=0.01)
+    t0 = time.monotonic()
+    [result] = search(client, ["q"])
+    elapsed = time.monotonic() - t0
+    sock.close()
+    assert 0.6 <= elapsed < 3.0  # two attempts of 0.3 s
+    assert result.error.startswith("retrieval failed after 1 retries: no answer from")
+    assert "within 0.3 s" in result.error
+    assert client.stats.as_dict() == {"requests": 2, "retries": 1, "failures": 1, "failed_queries": 1}
+
+
+def test_a_rejected_request_is_not_retried():
+    with BackgroundServer(create_app(EchoRetriever(), max_topk=5)) as server:
+        client = RetrievalClient(server.url, max_retries=3, backoff_s=0.01)
+        [result] = search(client, ["q"], topk=6)
+    assert result.docs == []
+    assert result.error == "retrieval request rejected (HTTP 422): 'topk' must be between 1 and 5, got 6"
+    assert client.stats.as_dict() == {"requests": 1, "retries": 0, "failures": 1, "failed_queries": 1}
+
+
+def test_a_malformed_answer_is_a_failed_search():
+    app = FastAPI()
+
+    @app.post("/retrieve")
+    async def wrong_length() -> dict:
+        return {"result": []}
+
+    with BackgroundServer(app) as server:
+        client = RetrievalClient(server.url, max_retries=3, backoff_s=0.01)
+        [result] = search(client, ["q"])
+    assert result.error.startswith("malformed answer from")
+    assert "with 1 lists" in result.error
+    assert client.stats.requests == 1
+
+
+@pytest.mark.parametrize(
+    "body, expected",
+    [
+        ({"result": [[]]}, [SearchResult(docs=[], scores=[])]),
+        (  # scored, as requested by Search-R1's agent
+            {"result": [[{"document": {"id": "5", "contents": "c"}, "score": 2}]]},
+            [SearchResult(docs=[Document("5", "c")], scores=[2.0])],
+        ),
+        (  # unscored: plain documents
+            {"result": [[{"id": 5, "contents": "c"}]]},
+            [SearchResult(docs=[Document("5", "c")], scores=None)],
+        ),
+        (  # Search-R1's BM25 server returns title/text/contents without an id
+            {"result": [[{"document": {"title": "T", "text": "x", "contents": '"T"\nx'}, "score": 1.5}]]},
+            [SearchResult(docs=[Document("", '"T"\nx')], scores=[1.5])],
+        ),
+    ],
+)
+def test_parse_retrieve_response(body, expected):
+    assert parse_retrieve_response(body, len(expected)) == expected
+
+
+@pytest.mark.parametrize(
+    "body, num_queries",
+    [
+        ([], 1),  # not an object
+        ({"result": [[]]}, 2),  # one list for two queries
+        ({"result": [{"id": "1"}]}, 1),  # a document where a list should be
+        ({"result": [[{"document": {"id": "1"}}]]}, 1),  # a document without contents
+    ],
+)
+def test_parse_retrieve_response_rejects_other_shapes(body, num_queries):
+    with pytest.raises(ValueError, match="expected"):
+        parse_retrieve_response(body, num_queries)
+
+
+def test_programming_errors_do_raise():
+    with pytest.raises(ValueError, match="must start with http:// or https://"):
+        RetrievalClient("localhost:8000")
+    with pytest.raises(ValueError, match="max_retries >= 0"):
+        RetrievalClient("http://127.0.0.1:1", max_retries=-1)
+    with pytest.raises(ValueError, match="topk"):
+        search(RetrievalClient("http://127.0.0.1:1"), ["q"], topk=0)
