@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM,
                           Qwen3Config, Qwen3ForCausalLM)
 
-SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+from megarl.data.tokenizer import train_bpe_tokenizer
+
 TEXT = [
     "<think> I need to search </think> <search> capital of Zorbia </search> <information> Doc 1 </information>",
     "<answer> Paris </answer> The answer is 42. Answer: 7 Zürich 東京 naïve café",
@@ -16,13 +16,7 @@ TEXT = [
 
 
 def tiny_tokenizer(vocab_size: int = 300) -> PreTrainedTokenizerFast:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(TEXT, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    return train_bpe_tokenizer(TEXT, vocab_size)
 
 
 def tiny_model(family: str = "qwen2", vocab_size: int = 300, tie: bool = False, seed: int = 0, eos_token_id=0):
