@@ -42,6 +42,22 @@ def test_log_probs_equal_a_forward_pass(family, tie):
         torch.testing.assert_close(torch.tensor(o.log_probs), ref, atol=1e-5, rtol=0)
 
 
+def test_cache_growth_and_slot_reuse_stay_exact():
+    # a cache that starts tiny must grow during decoding, and finished sequences must hand
+    # their slots to waiting ones, without changing any log-prob
+    model = tiny_model("qwen2")
+    engine = LocalEngine(model, max_batch_size=3, eos_token_ids=[])
+    engine.decoder.release()
+    engine.decoder.ensure_capacity(4)
+    prompts = prompts_of([2, 9, 4, 6, 3, 12, 5])
+    outs = run(generate_all(engine, prompts, lambda i: SamplingParams(max_new_tokens=3 + 7 * (i % 3), seed=i)))
+    assert engine.decoder.capacity > 4
+    for i, (p, o) in enumerate(zip(prompts, outs)):
+        assert len(o.token_ids) == 3 + 7 * (i % 3)
+        torch.testing.assert_close(torch.tensor(o.log_probs), reference_log_probs(model, p, o.token_ids),
+                                   atol=1e-5, rtol=0)
+
+
 def test_greedy_equals_hf_generate():
     model = tiny_model("qwen2")
     prompts = prompts_of([4, 11, 7])

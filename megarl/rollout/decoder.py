@@ -51,6 +51,9 @@ class SlotDecoder:
         self.ensure_capacity(initial_len)
 
     # -- cache -------------------------------------------------------------------------
+    # Every cache operation runs in inference mode: tensors made there (a cache grown during
+    # a decode step) may only be updated in place there.
+    @torch.inference_mode()
     def ensure_capacity(self, length: int) -> None:
         """Grow every layer's cache to hold `length` positions (doubling, to amortise copies)."""
         if length <= self.capacity:
@@ -71,6 +74,7 @@ class SlotDecoder:
     def release(self) -> None:
         self.k_cache, self.v_cache, self.capacity = [], [], 0
 
+    @torch.inference_mode()
     def move_slot(self, src: int, dst: int, length: int) -> None:
         """Copy the first `length` cached positions of slot src into slot dst."""
         for cache in (*self.k_cache, *self.v_cache):

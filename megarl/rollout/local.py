@@ -77,6 +77,8 @@ class LocalEngine:
     # -- RolloutEngine -------------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationOutput:
         self._ensure_loop()
+        if self._failure is not None:
+            raise RuntimeError(f"the embedded engine failed earlier and cannot generate: {self._failure!r}")
         if not prompt_ids:
             raise ValueError("prompt_ids is empty: a generation needs at least one prompt token")
         if params.stop and self.tokenizer is None:
@@ -150,6 +152,17 @@ class LocalEngine:
             self._loop_task = asyncio.get_running_loop().create_task(self._schedule())
 
     async def _schedule(self) -> None:
+        try:
+            await self._schedule_forever()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # a dead scheduler must not leave callers waiting forever
+            log.exception("embedded engine scheduler failed")
+            self._failure = e
+            self._abort_all(f"engine scheduler failed: {e!r}")
+            raise
+
+    async def _schedule_forever(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             await self._unpaused.wait()
