@@ -219,7 +219,9 @@ class RewardConfig:
     repetition_max_penalty: float = param(-1.0, "repetition_penalty: penalty when every n-gram repeats.", le=0.0)
     cosine_max_len: int = param(1000, "cosine_scaled: length (tokens) where the cosine schedule ends.", gt=0)
     timeout_s: float = param(10.0, "Time limit of one reward call; a timeout scores 0 and is counted.", gt=0.0)
-    num_workers: int = param(2, "Reward processes; 0 = in the trainer process.", ge=0)
+    num_workers: int = param(
+        0, "Reward processes; 0 = in the trainer process (best for cheap rule rewards; use workers for "
+        "math-verify or slow custom functions).", ge=0)
 
 
 @dataclass
