@@ -9,8 +9,8 @@ import torch
 
 from megarl.retrieval.client import SearchResult
 from megarl.retrieval.documents import Document
-from megarl.rollout.agent import (INVALID_ACTION_MESSAGE, AgentSettings, parse_action, run_trajectories,
-                                  run_trajectory)
+from megarl.rollout.agent import (INVALID_ACTION_MESSAGE, AgentSettings, build_search_prompt, parse_action,
+                                  run_trajectories, run_trajectory)
 from megarl.rollout.engine import GenerationOutput, SamplingParams
 from megarl.rollout.local import LocalEngine
 from tiny_models import reference_log_probs, tiny_model, tiny_tokenizer
@@ -185,3 +185,16 @@ def test_real_engine_trajectories_are_consistent():
         mask = torch.tensor(traj.loss_mask, dtype=torch.bool)
         torch.testing.assert_close(torch.tensor(traj.rollout_log_probs)[mask], ref[mask], atol=1e-5, rtol=0)
         assert traj.finish_reason in ("answer", "max_turns", "length", "abort")
+
+
+def test_search_prompt_plain_and_with_chat_template():
+    plain = TOK.decode(build_search_prompt(TOK, " Who founded Zorbia? "))
+    assert plain.startswith("Answer the given question.") and plain.endswith("Question: Who founded Zorbia?\n")
+    for tag in ("<think>", "<search>", "<information>", "<answer>"):
+        assert tag in plain
+    chat = tiny_tokenizer()
+    chat.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    ids_ = build_search_prompt(chat, "Who founded Zorbia?")
+    assert ids_[0] == chat.convert_tokens_to_ids("<|im_start|>")
+    assert chat.decode(ids_) == f"<|im_start|>user\n{plain}<|im_end|>\n<|im_start|>assistant\n"

@@ -37,6 +37,18 @@ SEARCH_INSTRUCTION = (
 )
 
 
+def build_search_prompt(tokenizer, question: str) -> list[int]:
+    """Prompt token ids for one question: the search instruction as the user's message,
+    rendered with the tokenizer's chat template when it has one (instruct models), else
+    as plain text (base models, as Search-R1 trains them)."""
+    content = SEARCH_INSTRUCTION.format(question=question.strip())
+    if getattr(tokenizer, "chat_template", None):
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                                 tokenize=False)
+        return tokenizer.encode(rendered, add_special_tokens=False)
+    return tokenizer.encode(content, add_special_tokens=False)
+
+
 class Searcher(Protocol):
     async def search(self, queries: list[str], topk: int = 3) -> list: ...
 

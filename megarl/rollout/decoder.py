@@ -123,7 +123,7 @@ class SlotDecoder:
         self.ensure_capacity(width + 1)
         ids = torch.zeros((len(prompts), width), dtype=torch.long, device=self.device)
         for row, prompt in enumerate(prompts):
-            ids[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+            ids[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.long, device=self.device)
         positions = torch.arange(width, device=self.device).expand(len(prompts), width)
         causal = torch.ones((width, width), dtype=torch.bool, device=self.device).tril()
         key_valid = positions < lengths[:, None]  # padding keys are never attended
@@ -139,6 +139,7 @@ class SlotDecoder:
     def decode(self, last_tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """One step for slots [0, n): append last_tokens (n,) at positions lengths (n,);
         returns the next-token logits (n, V)."""
+        last_tokens, lengths = last_tokens.to(self.device), lengths.to(self.device)
         n = last_tokens.shape[0]
         key_len = int(lengths.max()) + 1
         self.ensure_capacity(key_len)
