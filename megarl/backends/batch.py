@@ -1,0 +1,66 @@
+"""The batch that train workers consume: prompt + response token rows and per-token fields.
+
+Every per-token tensor is (B, L) and aligned with `input_ids`: position t holds the
+quantity of token t (its log-prob given tokens < t, its advantage, ...). `loss_mask` is 1
+on the response tokens the model sampled (0 on prompt, padding and retrieved
+observations). Main entry point: `TrainBatch.from_sequences`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+PER_TOKEN_FIELDS = ("old_log_probs", "ref_log_probs", "rollout_log_probs", "advantages", "returns", "values")
+
+
+@dataclass
+class TrainBatch:
+    input_ids: torch.Tensor  # (B, L) long, right-padded
+    attention_mask: torch.Tensor  # (B, L) 1 on real tokens
+    loss_mask: torch.Tensor  # (B, L) 1 on sampled response tokens
+    old_log_probs: torch.Tensor | None = None
+    ref_log_probs: torch.Tensor | None = None
+    rollout_log_probs: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    @classmethod
+    def from_sequences(cls, prompts: list[list[int]], responses: list[list[int]], response_masks: list[list[int]],
+                       pad_id: int = 0, rollout_log_probs: list[list[float]] | None = None) -> TrainBatch:
+        """Rows prompt + response, right-padded to the longest row."""
+        if not (len(prompts) == len(responses) == len(response_masks)):
+            raise ValueError(f"{len(prompts)} prompts, {len(responses)} responses, {len(response_masks)} masks")
+        width = max(len(p) + len(r) for p, r in zip(prompts, responses))
+        ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+        attention = torch.zeros((len(prompts), width), dtype=torch.long)
+        loss_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        rollout = torch.zeros((len(prompts), width)) if rollout_log_probs is not None else None
+        for row, (p, r, m) in enumerate(zip(prompts, responses, response_masks)):
+            if len(m) != len(r):
+                raise ValueError(f"row {row}: response of {len(r)} tokens but a mask of {len(m)}")
+            if not p:
+                raise ValueError(f"row {row}: empty prompt (the first response token needs a context)")
+            n = len(p) + len(r)
+            ids[row, :n] = torch.tensor(p + r)
+            attention[row, :n] = 1
+            loss_mask[row, len(p):n] = torch.tensor(m, dtype=torch.long)
+            if rollout is not None:
+                rollout[row, len(p):n] = torch.tensor(rollout_log_probs[row])
+        return cls(ids, attention, loss_mask, rollout_log_probs=rollout)
+
+    def select(self, index: torch.Tensor | slice) -> TrainBatch:
+        """The rows at `index` (every tensor field sliced alike)."""
+        return replace(self, **{f.name: (getattr(self, f.name)[index] if getattr(self, f.name) is not None else None)
+                                for f in fields(self)})
+
+    def with_fields(self, **values: torch.Tensor) -> TrainBatch:
+        unknown = set(values) - set(PER_TOKEN_FIELDS)
+        if unknown:
+            raise KeyError(f"unknown TrainBatch fields {sorted(unknown)}; valid: {PER_TOKEN_FIELDS}")
+        return replace(self, **values)

@@ -1,0 +1,126 @@
+"""The torch backend's actor: log-probs and PPO / DAPO updates on a plain HF causal LM.
+
+An update walks the batch in mini-batches (one optimizer step each) split into
+micro-batches (one forward/backward each). Every loss term is aggregated with the global
+token and sequence counts of its mini-batch (megarl.algo.aggregation), so the gradient is
+the same however the mini-batch is split. Main entry point: `TorchActor`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+
+from megarl.algo import agg_loss, kl_penalty, masked_mean, policy_loss
+from megarl.backends.batch import TrainBatch
+from megarl.backends.torch.logprobs import token_log_probs
+from megarl.config import AlgorithmConfig, OptimConfig
+
+
+def build_optimizer(model: torch.nn.Module, optim: OptimConfig, total_steps: int):
+    """AdamW and a LambdaLR: linear warm-up to lr, then constant or cosine down to min_lr_ratio."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
+                                  weight_decay=optim.weight_decay)
+
+    def factor(step: int) -> float:
+        if optim.lr_warmup_steps and step < optim.lr_warmup_steps:
+            return (step + 1) / optim.lr_warmup_steps
+        if optim.lr_scheduler == "constant":
+            return 1.0
+        decay_steps = max(total_steps - optim.lr_warmup_steps, 1)
+        progress = min((step - optim.lr_warmup_steps) / decay_steps, 1.0)
+        return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+class TorchActor:
+    """Actor on one process (CPU or one GPU).
+
+    mini_batch_samples: samples per optimizer step; micro_batch_samples: samples per
+    forward/backward; temperature: the rollout temperature (log-probs are taken under it);
+    norm_length: the constant of seq-mean-token-sum-norm (the max response length).
+    """
+
+    def __init__(self, model: torch.nn.Module, algo: AlgorithmConfig, optim: OptimConfig, *, mini_batch_samples: int,
+                 micro_batch_samples: int, ppo_epochs: int = 1, temperature: float = 1.0, total_steps: int = 1,
+                 norm_length: int | None = None):
+        if mini_batch_samples % micro_batch_samples:
+            raise ValueError(f"micro batch of {micro_batch_samples} samples does not divide the mini batch of "
+                             f"{mini_batch_samples}")
+        self.model, self.algo, self.optim_cfg = model, algo, optim
+        self.mini, self.micro, self.epochs = mini_batch_samples, micro_batch_samples, ppo_epochs
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.norm_length = norm_length
+        self.optimizer, self.scheduler = build_optimizer(model, optim, total_steps)
+        self.device = next(model.parameters()).device
+
+    @torch.no_grad()
+    def compute_log_prob(self, batch: TrainBatch, with_entropy: bool = False):
+        """(log_probs, entropy or None), each (B, L), in micro-batches, without gradients."""
+        self.model.eval()
+        parts = [self._forward(batch.select(slice(i, i + self.micro)), with_entropy)
+                 for i in range(0, len(batch), self.micro)]
+        log_probs = torch.cat([p[0] for p in parts]).cpu()
+        entropy = torch.cat([p[1] for p in parts]).cpu() if with_entropy else None
+        return log_probs, entropy
+
+    def _forward(self, batch: TrainBatch, with_entropy: bool):
+        return token_log_probs(self.model, batch.input_ids.to(self.device), batch.attention_mask.to(self.device),
+                               self.temperature, with_entropy)
+
+    def update_actor(self, batch: TrainBatch) -> dict[str, float]:
+        """PPO epochs over the batch; needs old_log_probs and advantages. Returns mean metrics."""
+        if batch.old_log_probs is None or batch.advantages is None:
+            raise ValueError("update_actor needs batch.old_log_probs and batch.advantages")
+        if self.algo.use_kl_loss and batch.ref_log_probs is None:
+            raise ValueError("algorithm.use_kl_loss needs batch.ref_log_probs")
+        self.model.train()
+        sums: dict[str, float] = defaultdict(float)
+        steps = 0
+        for _ in range(self.epochs):
+            for start in range(0, len(batch), self.mini):
+                for key, value in self._mini_batch_step(batch.select(slice(start, start + self.mini))).items():
+                    sums[key] += value
+                steps += 1
+        return {key: value / steps for key, value in sums.items()}
+
+    def _mini_batch_step(self, mini: TrainBatch) -> dict[str, float]:
+        a = self.algo
+        counts = {"num_tokens": int(mini.loss_mask.sum()), "num_seqs": len(mini), "norm_length": self.norm_length}
+        metrics: dict[str, float] = defaultdict(float)
+        self.optimizer.zero_grad(set_to_none=True)
+        for start in range(0, len(mini), self.micro):
+            micro = mini.select(slice(start, start + self.micro))
+            share = int(micro.loss_mask.sum()) / max(counts["num_tokens"], 1)  # weight of its metrics
+            mask = micro.loss_mask.to(self.device)
+            log_probs, entropy = self._forward(micro, with_entropy=True)
+            loss, pg_metrics = policy_loss(
+                log_probs, micro.old_log_probs.to(self.device), micro.advantages.to(self.device), mask,
+                clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
+                loss_agg_mode=a.loss_agg_mode, ratio_level=a.ratio_level,
+                rollout_log_prob=micro.rollout_log_probs.to(self.device) if a.tis_cap else None,
+                tis_cap=a.tis_cap, **counts)
+            if a.entropy_coeff:
+                loss = loss - a.entropy_coeff * agg_loss(entropy, mask, a.loss_agg_mode, **counts)
+            if a.use_kl_loss:
+                kl = kl_penalty(log_probs, micro.ref_log_probs.to(self.device), a.kl_loss_type)
+                loss = loss + a.kl_loss_coef * agg_loss(kl, mask, a.loss_agg_mode, **counts)
+                metrics["kl_loss"] += share * float(masked_mean(kl.detach(), mask))
+            loss.backward()
+            for key, value in pg_metrics.items():
+                metrics[key] += share * value
+            metrics["entropy"] += share * float(masked_mean(entropy.detach(), mask))
+        max_norm = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip > 0 else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        metrics["lr"] = self.scheduler.get_last_lr()[0]
+        metrics["grad_norm"] = grad_norm
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+            self.scheduler.step()
+        else:  # a NaN/inf gradient must not reach the weights; the loop counts the skip
+            self.optimizer.zero_grad(set_to_none=True)
+            metrics["skipped_steps"] = 1.0
+        return metrics
