@@ -9,13 +9,13 @@ the same however the mini-batch is split. Main entry point: `TorchActor`.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 
 import torch
 
 from megarl.algo import agg_loss, kl_penalty, masked_mean, policy_loss
 from megarl.backends.batch import TrainBatch
 from megarl.backends.torch.logprobs import token_log_probs
+from megarl.backends.torch.step import accumulate_and_step, run_epochs
 from megarl.config import AlgorithmConfig, OptimConfig
 
 
@@ -78,49 +78,26 @@ class TorchActor:
         if self.algo.use_kl_loss and batch.ref_log_probs is None:
             raise ValueError("algorithm.use_kl_loss needs batch.ref_log_probs")
         self.model.train()
-        sums: dict[str, float] = defaultdict(float)
-        steps = 0
-        for _ in range(self.epochs):
-            for start in range(0, len(batch), self.mini):
-                for key, value in self._mini_batch_step(batch.select(slice(start, start + self.mini))).items():
-                    sums[key] += value
-                steps += 1
-        return {key: value / steps for key, value in sums.items()}
+        params = list(self.model.parameters())
+        return run_epochs(batch, self.mini, self.epochs, lambda mini: accumulate_and_step(
+            params, self.optimizer, self.scheduler, mini, self.micro, self.optim_cfg.grad_clip, self._loss,
+            self.norm_length))
 
-    def _mini_batch_step(self, mini: TrainBatch) -> dict[str, float]:
+    def _loss(self, micro: TrainBatch, counts: dict) -> tuple[torch.Tensor, dict[str, float]]:
         a = self.algo
-        counts = {"num_tokens": int(mini.loss_mask.sum()), "num_seqs": len(mini), "norm_length": self.norm_length}
-        metrics: dict[str, float] = defaultdict(float)
-        self.optimizer.zero_grad(set_to_none=True)
-        for start in range(0, len(mini), self.micro):
-            micro = mini.select(slice(start, start + self.micro))
-            share = int(micro.loss_mask.sum()) / max(counts["num_tokens"], 1)  # weight of its metrics
-            mask = micro.loss_mask.to(self.device)
-            log_probs, entropy = self._forward(micro, with_entropy=True)
-            loss, pg_metrics = policy_loss(
-                log_probs, micro.old_log_probs.to(self.device), micro.advantages.to(self.device), mask,
-                clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
-                loss_agg_mode=a.loss_agg_mode, ratio_level=a.ratio_level,
-                rollout_log_prob=micro.rollout_log_probs.to(self.device) if a.tis_cap else None,
-                tis_cap=a.tis_cap, **counts)
-            if a.entropy_coeff:
-                loss = loss - a.entropy_coeff * agg_loss(entropy, mask, a.loss_agg_mode, **counts)
-            if a.use_kl_loss:
-                kl = kl_penalty(log_probs, micro.ref_log_probs.to(self.device), a.kl_loss_type)
-                loss = loss + a.kl_loss_coef * agg_loss(kl, mask, a.loss_agg_mode, **counts)
-                metrics["kl_loss"] += share * float(masked_mean(kl.detach(), mask))
-            loss.backward()
-            for key, value in pg_metrics.items():
-                metrics[key] += share * value
-            metrics["entropy"] += share * float(masked_mean(entropy.detach(), mask))
-        max_norm = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
-        metrics["lr"] = self.scheduler.get_last_lr()[0]
-        metrics["grad_norm"] = grad_norm
-        if math.isfinite(grad_norm):
-            self.optimizer.step()
-            self.scheduler.step()
-        else:  # a NaN/inf gradient must not reach the weights; the loop counts the skip
-            self.optimizer.zero_grad(set_to_none=True)
-            metrics["skipped_steps"] = 1.0
-        return metrics
+        mask = micro.loss_mask.to(self.device)
+        log_probs, entropy = self._forward(micro, with_entropy=True)
+        loss, metrics = policy_loss(
+            log_probs, micro.old_log_probs.to(self.device), micro.advantages.to(self.device), mask,
+            clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
+            loss_agg_mode=a.loss_agg_mode, ratio_level=a.ratio_level,
+            rollout_log_prob=micro.rollout_log_probs.to(self.device) if a.tis_cap else None,
+            tis_cap=a.tis_cap, **counts)
+        if a.entropy_coeff:
+            loss = loss - a.entropy_coeff * agg_loss(entropy, mask, a.loss_agg_mode, **counts)
+        if a.use_kl_loss:
+            kl = kl_penalty(log_probs, micro.ref_log_probs.to(self.device), a.kl_loss_type)
+            loss = loss + a.kl_loss_coef * agg_loss(kl, mask, a.loss_agg_mode, **counts)
+            metrics["kl_loss"] = float(masked_mean(kl.detach(), mask))
+        metrics["entropy"] = float(masked_mean(entropy.detach(), mask))
+        return loss, metrics
