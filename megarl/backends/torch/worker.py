@@ -1,0 +1,137 @@
+"""The torch backend's TrainWorker: actor, optional frozen reference and critic on one device.
+
+Implements the TrainWorker interface of DESIGN.md (compute_log_prob, compute_values,
+update_actor, update_critic, export_hf_weights, save_checkpoint / load_checkpoint); the
+megatron backend implements the same methods. Main entry point: `TorchTrainWorker`.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from megarl.backends.batch import TrainBatch
+from megarl.backends.torch.actor import TorchActor
+from megarl.backends.torch.critic import TorchCritic
+from megarl.config import RunConfig
+
+
+def hf_state_buckets(model: torch.nn.Module, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+    """The model's HF-named tensors in buckets of about `bucket_bytes` (a tensor larger than
+    a bucket travels alone). A tied LM head is left out, as HF checkpoints leave it out."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0")
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    bucket: dict[str, torch.Tensor] = {}
+    size = 0
+    for name, tensor in model.state_dict().items():
+        if tied and name == "lm_head.weight":
+            continue
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = {}, 0
+        bucket[name] = tensor.detach()
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+class TorchTrainWorker:
+    def __init__(self, model: torch.nn.Module, cfg: RunConfig, total_steps: int, critic_model: torch.nn.Module | None = None):
+        a = cfg.algorithm
+        samples = cfg.rollout.n
+        self.cfg = cfg
+        self.actor = TorchActor(
+            model, a, cfg.actor.optim, mini_batch_samples=cfg.actor.ppo_mini_batch_size * samples,
+            micro_batch_samples=cfg.actor.ppo_micro_batch_size, ppo_epochs=cfg.actor.ppo_epochs,
+            temperature=cfg.rollout.temperature, total_steps=total_steps, norm_length=cfg.rollout.max_response_length)
+        needs_reference = a.use_kl_loss or a.use_kl_in_reward
+        self.reference = copy.deepcopy(model).eval().requires_grad_(False) if needs_reference else None
+        self.critic = None
+        if cfg.critic.enable:
+            self.critic = TorchCritic(
+                critic_model if critic_model is not None else copy.deepcopy(model), cfg.critic.optim,
+                cliprange_value=cfg.critic.cliprange_value, loss_agg_mode=a.loss_agg_mode,
+                mini_batch_samples=cfg.critic.ppo_mini_batch_size * samples,
+                micro_batch_samples=cfg.critic.ppo_micro_batch_size, ppo_epochs=cfg.critic.ppo_epochs,
+                total_steps=total_steps, norm_length=cfg.rollout.max_response_length)
+
+    # -- TrainWorker ---------------------------------------------------------------------
+    def compute_log_prob(self, batch: TrainBatch, with_entropy: bool = False):
+        return self.actor.compute_log_prob(batch, with_entropy)
+
+    def compute_ref_log_prob(self, batch: TrainBatch) -> torch.Tensor:
+        if self.reference is None:
+            raise RuntimeError("no reference model: turn on algorithm.use_kl_loss or use_kl_in_reward")
+        live = self.actor.model
+        self.actor.model = self.reference
+        try:
+            return self.actor.compute_log_prob(batch)[0]
+        finally:
+            self.actor.model = live
+
+    def compute_values(self, batch: TrainBatch) -> torch.Tensor:
+        if self.critic is None:
+            raise RuntimeError("no critic: set critic.enable=true")
+        return self.critic.compute_values(batch)
+
+    def update_actor(self, batch: TrainBatch) -> dict[str, float]:
+        return self.actor.update_actor(batch)
+
+    def update_critic(self, batch: TrainBatch) -> dict[str, float]:
+        if self.critic is None:
+            raise RuntimeError("no critic: set critic.enable=true")
+        return self.critic.update_critic(batch)
+
+    def export_hf_weights(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+        return hf_state_buckets(self.actor.model, bucket_bytes)
+
+    def save_checkpoint(self, directory: str | Path) -> None:
+        """Weights as safetensors; optimizer, scheduler and RNG states as tensor-only files
+        that load with torch.load(weights_only=True)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        parts = {"actor": self.actor}
+        if self.critic is not None:
+            parts["critic"] = self.critic
+        for name, part in parts.items():
+            save_file({k: v.contiguous() for k, v in part.model.state_dict().items()}, str(directory / f"{name}.safetensors"))
+            torch.save({"optimizer": part.optimizer.state_dict(), "scheduler": part.scheduler.state_dict()},
+                       directory / f"{name}_optim.pt")
+        torch.save({"torch": torch.get_rng_state(), "numpy": _numpy_rng_state(), "python": _python_rng_state()},
+                   directory / "rng.pt")
+
+    def load_checkpoint(self, directory: str | Path) -> None:
+        directory = Path(directory)
+        parts = {"actor": self.actor}
+        if self.critic is not None:
+            parts["critic"] = self.critic
+        for name, part in parts.items():
+            missing = [f for f in (f"{name}.safetensors", f"{name}_optim.pt") if not (directory / f).exists()]
+            if missing:
+                raise FileNotFoundError(f"checkpoint {directory} lacks {missing}; was it written by another config?")
+            part.model.load_state_dict(load_file(str(directory / f"{name}.safetensors")), strict=True)
+            state = torch.load(directory / f"{name}_optim.pt", weights_only=True)
+            part.optimizer.load_state_dict(state["optimizer"])
+            part.scheduler.load_state_dict(state["scheduler"])
+        rng = torch.load(directory / "rng.pt", weights_only=True)
+        torch.set_rng_state(rng["torch"])
+        np.random.set_state(("MT19937", rng["numpy"]["keys"].numpy().astype(np.uint32), int(rng["numpy"]["pos"]), 0, 0.0))
+        random.setstate((3, tuple(int(x) for x in rng["python"]), None))
+
+
+def _numpy_rng_state() -> dict[str, torch.Tensor]:
+    _, keys, pos, _, _ = np.random.get_state()
+    return {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": torch.tensor(pos)}
+
+
+def _python_rng_state() -> torch.Tensor:
+    version, internal, _ = random.getstate()
+    return torch.tensor(internal, dtype=torch.int64)

@@ -1,0 +1,102 @@
+"""Torch TrainWorker: exported weight buckets, reference model, checkpoint round trip and resume."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import random
+
+import numpy as np
+import torch
+
+from megarl.backends.torch.worker import TorchTrainWorker, hf_state_buckets
+from megarl.config import load_config
+from megarl.rollout.engine import SamplingParams
+from megarl.rollout.local import LocalEngine
+from test_backend_torch_actor import random_batch
+from tiny_models import reference_log_probs, tiny_model
+
+CFG = ["rollout.n=2", "data.train_batch_size=4", "data.gen_batch_size=4", "actor.ppo_mini_batch_size=4",
+       "actor.ppo_micro_batch_size=2", "actor.optim.lr=1e-3", "actor.optim.lr_warmup_steps=0",
+       "rollout.max_response_length=64", "algorithm.overlong.buffer_len=16"]
+
+
+def test_buckets_cover_the_state_once_and_respect_the_size():
+    for tie in (False, True):
+        model = tiny_model("qwen2", tie=tie)
+        limit = 40_000
+        buckets = list(hf_state_buckets(model, limit))
+        names = [n for b in buckets for n in b]
+        expected = [n for n in model.state_dict() if not (tie and n == "lm_head.weight")]
+        assert names == expected
+        for b in buckets:
+            size = sum(t.numel() * t.element_size() for t in b.values())
+            assert size <= limit or len(b) == 1
+
+
+def test_exported_weights_sync_into_the_engine_exactly():
+    trained, fresh = tiny_model("qwen2", seed=1), tiny_model("qwen2", seed=2)
+    worker = TorchTrainWorker(trained, load_config(None, CFG), total_steps=1)
+    engine = LocalEngine(fresh, eos_token_ids=[])
+
+    async def go():
+        await engine.update_weights(worker.export_hf_weights(bucket_bytes=50_000), version=1)
+        out = await engine.generate([4, 5, 6], SamplingParams(max_new_tokens=6, temperature=0.0))
+        await engine.close()
+        return out
+
+    out = asyncio.run(go())
+    for name, tensor in trained.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], tensor)
+    torch.testing.assert_close(torch.tensor(out.log_probs), reference_log_probs(trained, [4, 5, 6], out.token_ids),
+                               atol=1e-5, rtol=0)
+
+
+def test_reference_stays_frozen():
+    batch, g = random_batch()
+    worker = TorchTrainWorker(tiny_model("qwen2"), load_config(None, CFG + ["algorithm.use_kl_loss=true"]), 1)
+    ref_before = worker.compute_ref_log_prob(batch)
+    old, _ = worker.compute_log_prob(batch)
+    torch.testing.assert_close(ref_before, old)
+    worker.update_actor(batch.with_fields(old_log_probs=old, advantages=torch.randn(old.shape, generator=g),
+                                          ref_log_probs=ref_before))
+    new, _ = worker.compute_log_prob(batch)
+    assert not torch.allclose(new, old)
+    torch.testing.assert_close(worker.compute_ref_log_prob(batch), ref_before)
+
+
+def test_checkpoint_resume_equals_an_uninterrupted_run(tmp_path):
+    cfg = load_config(None, CFG + ["critic.enable=true", "critic.ppo_mini_batch_size=4",
+                                   "critic.ppo_micro_batch_size=2", "algorithm.adv_estimator=gae"])
+    batch, g = random_batch(seed=9)
+    advantages = torch.randn(batch.input_ids.shape, generator=g)
+    returns = torch.randn(batch.input_ids.shape, generator=g)
+
+    def step(worker):
+        old, _ = worker.compute_log_prob(batch)
+        values = worker.compute_values(batch)
+        worker.update_critic(batch.with_fields(values=values, returns=returns))
+        worker.update_actor(batch.with_fields(old_log_probs=old, advantages=advantages))
+        return torch.rand(3), np.random.rand(), random.random()  # RNG streams continue across the resume
+
+    base = tiny_model("qwen2")
+    torch.manual_seed(0), np.random.seed(0), random.seed(0)
+    straight = TorchTrainWorker(copy.deepcopy(base), cfg, total_steps=4)
+    step(straight)
+    draws_straight = step(straight)
+
+    torch.manual_seed(0), np.random.seed(0), random.seed(0)
+    first = TorchTrainWorker(copy.deepcopy(base), cfg, total_steps=4)
+    step(first)
+    first.save_checkpoint(tmp_path / "ckpt")
+    torch.manual_seed(123), np.random.seed(123), random.seed(123)  # a new process starts elsewhere
+    resumed = TorchTrainWorker(tiny_model("qwen2", seed=5), cfg, total_steps=4)
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    draws_resumed = step(resumed)
+
+    for name, tensor in straight.actor.model.state_dict().items():
+        torch.testing.assert_close(resumed.actor.model.state_dict()[name], tensor, atol=0, rtol=0)
+    for name, tensor in straight.critic.model.state_dict().items():
+        torch.testing.assert_close(resumed.critic.model.state_dict()[name], tensor, atol=0, rtol=0)
+    assert torch.equal(draws_straight[0], draws_resumed[0]) and draws_straight[1:] == draws_resumed[1:]
+    assert resumed.actor.scheduler.last_epoch == straight.actor.scheduler.last_epoch == 2
