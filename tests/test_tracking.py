@@ -1,0 +1,41 @@
+"""MLflow tracking read back with the MLflow client: params, metrics, artifacts, resume."""
+
+from __future__ import annotations
+
+from mlflow.tracking import MlflowClient
+
+from megarl.config import TrackingConfig
+from megarl.tracking import NullTracker, local_store_uri, open_tracker, ui_command
+
+
+def test_local_store_round_trip_and_resume(tmp_path):
+    cfg = TrackingConfig(experiment_name="exp")
+    tracker = open_tracker(cfg, tmp_path)
+    tracker.log_params({"algorithm.clip_ratio_high": 0.28, "data.train_files": ["a.parquet"], "x": "y" * 7000})
+    tracker.log_metrics({"train/acc": 0.25, "actor/grad_norm": float("nan")}, step=1)
+    tracker.log_text("algorithm: {}\n", "config.yaml")
+    tracker.log_table({"prompt": ["p1"], "response": ["r1"], "reward": [1.0]}, "rollouts/step_000001.json")
+    tracker.close()
+    resumed = open_tracker(cfg, tmp_path, run_id=tracker.run_id)
+    resumed.log_metrics({"train/acc": 0.75}, step=2)
+    resumed.close()
+
+    client = MlflowClient(tracking_uri=local_store_uri(tmp_path))
+    run = client.get_run(tracker.run_id)
+    assert run.data.params["algorithm.clip_ratio_high"] == "0.28"
+    assert run.data.params["data.train_files"] == '["a.parquet"]'
+    assert len(run.data.params["x"]) == 6000
+    history = client.get_metric_history(tracker.run_id, "train/acc")
+    assert [(m.step, m.value) for m in history] == [(1, 0.25), (2, 0.75)]
+    assert client.get_metric_history(tracker.run_id, "actor/grad_norm") == []  # non-finite values are dropped
+    artifacts = {a.path for a in client.list_artifacts(tracker.run_id)}
+    assert {"config.yaml", "rollouts"} <= artifacts
+    assert run.info.status == "FINISHED"
+    assert (tmp_path / "mlflow.db").exists() and str(tmp_path) in ui_command(tmp_path)
+
+
+def test_none_backend_records_nothing(tmp_path):
+    tracker = open_tracker(TrackingConfig(backend="none"), tmp_path)
+    assert isinstance(tracker, NullTracker)
+    tracker.log_metrics({"a": 1.0}, 1)
+    assert list(tmp_path.iterdir()) == []
