@@ -1,0 +1,70 @@
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from megarl.data.prompts import DataError, PromptSampler, load_prompts
+from tiny_models import tiny_tokenizer
+
+TOK = tiny_tokenizer()
+
+
+def rows(n=3):
+    return [{"data_source": "nq", "prompt": [{"role": "user", "content": f"question {i}"}],
+             "reward_model": {"style": "rule", "ground_truth": {"target": [f"a{i}"]}}, "extra_info": {"index": i}}
+            for i in range(n)]
+
+
+def test_parquet_and_jsonl_rows(tmp_path):
+    pq.write_table(pa.Table.from_pylist(rows()), tmp_path / "t.parquet")
+    (tmp_path / "t.jsonl").write_text("\n".join(json.dumps(r) for r in rows(2)) + "\n")
+    records, dropped = load_prompts([str(tmp_path / "t.parquet"), str(tmp_path / "t.jsonl")], TOK, max_prompt_length=64)
+    assert len(records) == 5 and dropped == 0
+    assert records[1].prompt_ids == TOK.encode("question 1", add_special_tokens=False)  # no chat template: contents
+    assert records[1].ground_truth == {"target": ["a1"]} and records[1].data_source == "nq"
+    assert [r.index for r in records] == [0, 1, 2, 3, 4]
+
+
+def test_chat_template_and_length_filter(tmp_path):
+    tok = tiny_tokenizer()
+    tok.chat_template = "{% for m in messages %}<|im_start|>{{ m.content }}<|im_end|>{% endfor %}<|im_start|>"
+    data = rows(2)
+    data[1]["prompt"] = "question " + "long " * 100
+    (tmp_path / "t.jsonl").write_text("\n".join(json.dumps(r) for r in data))
+    records, dropped = load_prompts([str(tmp_path / "t.jsonl")], tok, max_prompt_length=20)
+    assert dropped == 1 and len(records) == 1
+    assert tok.decode(records[0].prompt_ids) == "<|im_start|>question 0<|im_end|><|im_start|>"
+
+
+@pytest.mark.parametrize("row, words", [
+    ({"prompt": "q", "reward_model": {"ground_truth": "a"}}, "row 1: missing column 'data_source'"),
+    ({"prompt": "q", "data_source": "nq", "reward_model": "a"}, "ground_truth"),
+    ({"prompt": [], "data_source": "nq", "reward_model": {"ground_truth": "a"}}, "non-empty"),
+])
+def test_bad_rows_name_file_and_row(tmp_path, row, words):
+    (tmp_path / "t.jsonl").write_text(json.dumps(row) + "\n")
+    with pytest.raises(DataError, match=words):
+        load_prompts([str(tmp_path / "t.jsonl")], TOK, max_prompt_length=64)
+
+
+def test_bad_json_line(tmp_path):
+    (tmp_path / "t.jsonl").write_text(json.dumps(rows(1)[0]) + "\n{oops\n")
+    with pytest.raises(DataError, match=r"t.jsonl:2: not valid JSON"):
+        load_prompts([str(tmp_path / "t.jsonl")], TOK, max_prompt_length=64)
+
+
+def test_sampler_epochs_and_resume():
+    straight = PromptSampler(5, seed=3)
+    draws = [straight.take(3) for _ in range(4)]  # 12 draws over 3 epochs
+    flat = [i for d in draws for i in d]
+    assert sorted(flat[:5]) == list(range(5)) and sorted(flat[5:10]) == list(range(5))  # each epoch a permutation
+    resumed = PromptSampler(5, seed=3)
+    resumed.take(3), resumed.take(3)
+    state = resumed.state_dict()
+    fresh = PromptSampler(5, seed=3)
+    fresh.load_state_dict(state)
+    assert [fresh.take(3), fresh.take(3)] == draws[2:]
+    assert PromptSampler(4, seed=0, shuffle=False).take(6) == [0, 1, 2, 3, 0, 1]
+    with pytest.raises(DataError, match="same data and seed"):
+        PromptSampler(6, seed=3).load_state_dict(state)
