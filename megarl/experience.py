@@ -1,0 +1,97 @@
+"""From rollouts to a training batch: rewards, overlong shaping, advantages.
+
+The steps of DESIGN.md's data flow between "rollout" and "update", as small functions the
+training loop calls in order. Main entry points: `reward_requests`, `shape_overlong`,
+`to_train_batch`, `compute_advantages`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megarl.algo import (compute_gae_advantages, compute_grpo_advantages, compute_reinforce_plus_plus_advantages,
+                         compute_reinforce_plus_plus_baseline_advantages, compute_rloo_advantages, kl_penalty,
+                         overlong_penalty, scores_to_token_rewards)
+from megarl.backends.batch import TrainBatch
+from megarl.config import AlgorithmConfig
+from megarl.data.prompts import PromptRecord
+from megarl.reward import RewardRequest
+from megarl.rollout.agent import Trajectory
+
+
+@dataclass
+class Sample:
+    """One rollout of one prompt; `group` is the prompt group's uid."""
+
+    record: PromptRecord
+    group: int
+    trajectory: Trajectory
+    score: float = 0.0
+    acc: bool = False
+
+
+def reward_requests(samples: list[Sample], tokenizer) -> list[RewardRequest]:
+    """Score the whole response text (model turns and observations, as Search-R1 does)."""
+    return [RewardRequest(s.record.data_source, tokenizer.decode(s.trajectory.response_ids, skip_special_tokens=True),
+                          s.record.ground_truth, s.record.extra_info, group_id=s.group,
+                          response_length=len(s.trajectory.response_ids))
+            for s in samples]
+
+
+def shape_overlong(scores: list[float], lengths: list[int], max_response_length: int, algo: AlgorithmConfig) -> list[float]:
+    """DAPO soft overlong punishment added to each score (when algorithm.overlong.enable)."""
+    o = algo.overlong
+    if not o.enable:
+        return list(scores)
+    return [s + overlong_penalty(n, max_response_length, o.buffer_len, o.penalty_factor)
+            for s, n in zip(scores, lengths)]
+
+
+def to_train_batch(samples: list[Sample], pad_id: int) -> TrainBatch:
+    t = [s.trajectory for s in samples]
+    return TrainBatch.from_sequences([x.prompt_ids for x in t], [x.response_ids for x in t], [x.loss_mask for x in t],
+                                     pad_id=pad_id, rollout_log_probs=[x.rollout_log_probs for x in t])
+
+
+def compute_advantages(batch: TrainBatch, scores: list[float], groups: list[int], algo: AlgorithmConfig,
+                       ref_log_probs: torch.Tensor | None = None,
+                       old_log_probs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """(advantages, returns, metrics), each tensor (B, L) aligned with the batch, zero off the loss mask.
+
+    Outcome estimators (grpo, rloo) broadcast one value per sequence over its loss tokens;
+    token estimators (reinforce_plus_plus, gae) see the score on the last loss token, minus a
+    per-token KL penalty when algorithm.use_kl_in_reward.
+    """
+    mask = batch.loss_mask.float()
+    scores_t = torch.tensor(scores, dtype=torch.float32)
+    groups_t = torch.tensor(groups)
+    metrics: dict[str, float] = {}
+    estimator = algo.adv_estimator
+    if estimator in ("grpo", "rloo"):
+        if estimator == "grpo":
+            per_seq = compute_grpo_advantages(scores_t, groups_t, norm_by_std=algo.norm_adv_by_std)
+        else:
+            per_seq = compute_rloo_advantages(scores_t, groups_t)
+        advantages = per_seq[:, None] * mask
+        return advantages, advantages.clone(), metrics
+    if estimator == "reinforce_plus_plus_baseline":
+        advantages, returns = compute_reinforce_plus_plus_baseline_advantages(scores_t, groups_t, batch.loss_mask)
+        return advantages, returns, metrics
+    rewards = scores_to_token_rewards(scores_t, batch.loss_mask)
+    if algo.use_kl_in_reward:
+        if ref_log_probs is None or old_log_probs is None:
+            raise ValueError("algorithm.use_kl_in_reward needs reference and old log-probs")
+        kl = kl_penalty(old_log_probs, ref_log_probs, algo.kl_reward_type) * mask
+        rewards = rewards - algo.kl_reward_coef * kl
+        metrics["kl_in_reward"] = float(kl.sum() / mask.sum().clamp_min(1))
+    if estimator == "reinforce_plus_plus":
+        advantages, returns = compute_reinforce_plus_plus_advantages(rewards, batch.loss_mask, algo.gamma)
+        return advantages, returns, metrics
+    if estimator == "gae":
+        if batch.values is None:
+            raise ValueError("the gae estimator needs batch.values from the critic")
+        advantages, returns = compute_gae_advantages(rewards, batch.values, batch.loss_mask, algo.gamma, algo.lam)
+        return advantages, returns, metrics
+    raise ValueError(f"unknown advantage estimator {estimator!r}")

@@ -1,0 +1,69 @@
+"""Rollouts -> training batch: overlong shaping, batch layout, advantages broadcast onto tokens."""
+
+import pytest
+import torch
+
+from megarl.config import AlgorithmConfig, OverlongConfig
+from megarl.data.prompts import PromptRecord
+from megarl.experience import Sample, compute_advantages, reward_requests, shape_overlong, to_train_batch
+from megarl.rollout.agent import Trajectory
+from tiny_models import tiny_tokenizer
+
+TOK = tiny_tokenizer()
+
+
+def sample(prompt, response, mask, group, source="nq"):
+    t = Trajectory(prompt_ids=prompt, response_ids=response, loss_mask=mask,
+                   rollout_log_probs=[-0.5 if m else 0.0 for m in mask])
+    return Sample(PromptRecord(prompt, source, {"target": ["x"]}), group, t)
+
+
+SAMPLES = [sample([5, 6], [7, 8, 9], [1, 0, 1], 0), sample([5, 6], [10], [1], 0),
+           sample([11], [12, 13], [1, 1], 1), sample([11], [14, 15, 16, 17], [1, 1, 0, 1], 1)]
+
+
+def test_overlong_shaping_by_hand():
+    algo = AlgorithmConfig(overlong=OverlongConfig(enable=True, buffer_len=4, penalty_factor=1.0))
+    # max 10, buffer 4: lengths <= 6 unpunished; 8 -> -(8-6)/4 = -0.5; 10 -> -1.0
+    assert shape_overlong([1.0, 1.0, 0.0], [6, 8, 10], 10, algo) == [1.0, 0.5, -1.0]
+    off = AlgorithmConfig(overlong=OverlongConfig(enable=False))
+    assert shape_overlong([1.0], [10], 10, off) == [1.0]
+
+
+def test_reward_requests_carry_the_decoded_response():
+    s = sample([5], TOK.encode("<answer> x </answer>", add_special_tokens=False), [1] * 5, 3)
+    s.trajectory.loss_mask = [1] * len(s.trajectory.response_ids)
+    (req,) = reward_requests([s], TOK)
+    assert req.solution_str == "<answer> x </answer>" and req.group_id == 3
+    assert req.response_length == len(s.trajectory.response_ids)
+
+
+def test_train_batch_and_grpo_advantages_on_tokens():
+    batch = to_train_batch(SAMPLES, pad_id=0)
+    assert batch.input_ids.tolist()[0] == [5, 6, 7, 8, 9] and batch.input_ids.tolist()[1] == [5, 6, 10, 0, 0]
+    assert batch.loss_mask.tolist()[3] == [0, 1, 1, 0, 1] and batch.loss_mask.tolist()[1] == [0, 0, 1, 0, 0]
+    assert batch.rollout_log_probs[0].tolist() == [0, 0, -0.5, 0, -0.5]
+    adv, returns, _ = compute_advantages(batch, [1.0, 0.0, 0.0, 0.0], [0, 0, 1, 1], AlgorithmConfig())
+    # group 0 = {1, 0}: mean 0.5, sample std 0.7071 -> ±0.7071; group 1 constant -> 0
+    a = 0.5 / (2 ** 0.5 / 2 + 1e-6)
+    expected = torch.tensor([[0, 0, a, 0, a], [0, 0, -a, 0, 0], [0] * 5, [0] * 5], dtype=torch.float32)
+    torch.testing.assert_close(adv, expected)
+
+
+def test_gae_needs_values_and_kl_in_reward_needs_log_probs():
+    batch = to_train_batch(SAMPLES, pad_id=0)
+    with pytest.raises(ValueError, match="values"):
+        compute_advantages(batch, [1, 0, 0, 0], [0, 0, 1, 1], AlgorithmConfig(adv_estimator="gae"))
+    with pytest.raises(ValueError, match="reference"):
+        compute_advantages(batch, [1, 0, 0, 0], [0, 0, 1, 1],
+                           AlgorithmConfig(adv_estimator="reinforce_plus_plus", use_kl_in_reward=True))
+
+
+def test_gae_with_zero_values_and_unit_discount_is_the_score_on_every_loss_token():
+    # V = 0, γ = λ = 1: A_t = sum of future rewards = the score, on every loss token; then whitened
+    batch = to_train_batch(SAMPLES, pad_id=0)
+    batch = batch.with_fields(values=torch.zeros(batch.input_ids.shape))
+    scores = [1.0, 0.0, 2.0, 0.0]
+    _, returns, _ = compute_advantages(batch, scores, [0, 0, 1, 1], AlgorithmConfig(adv_estimator="gae"))
+    expected = batch.loss_mask.float() * torch.tensor(scores)[:, None]
+    torch.testing.assert_close(returns, expected)
