@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-from megarl.config import ConfigError, RunConfig, load_config, save_config
+from megarl.config import ConfigError, RunConfig, load_config
 from megarl.config_loader import dump_config
 from megarl.retrieval.commands import add_retrieval_commands
 
@@ -35,17 +34,18 @@ def _train(args: argparse.Namespace) -> int:
         sys.stdout.write(dump_config(cfg))
         print(f"# config OK{f' ({path})' if path else ''}", file=sys.stderr)
         return 0
-    resolved = save_config(cfg, Path(cfg.trainer.output_dir) / "config.yaml")
-    print(f"megarl: resolved config saved to {resolved}", file=sys.stderr)
     return run_training(cfg)
 
 
 def run_training(cfg: RunConfig) -> int:
-    # The training loop (megarl/train.py) lands with the end-to-end issue; until then a
-    # real run stops here rather than pretending to train.
-    print("megarl: the training loop is not part of this release yet; use --dry-run to validate configs.",
-          file=sys.stderr)
-    return 1
+    from megarl.train import TrainingStopped, train  # heavy imports only once the config is valid
+
+    try:
+        train(cfg)
+    except TrainingStopped as e:
+        print(f"megarl: training stopped: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"megarl: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
+    except (FileNotFoundError, NotImplementedError, ValueError) as e:  # bad paths, data, unsupported setups
+        print(f"megarl: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

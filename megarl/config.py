@@ -95,7 +95,7 @@ class RetrievalConfig:
     index_dir: str | None = param(None, "Index built by `megarl retrieval build` (used when url is None).")
     kind: Literal["bm25", "dense"] = param("bm25", "Index kind: bm25 (bm25s) or dense (E5 + faiss).")
     host: str = param("127.0.0.1", "Address the started retrieval server binds to.")
-    port: int = param(8000, "Port of the started retrieval server.", gt=0, lt=65536)
+    port: int = param(8000, "Port of the started retrieval server; 0 = any free port.", ge=0, lt=65536)
     topk: int = param(3, "Documents returned per search.", gt=0)
     timeout_s: float = param(30.0, "Timeout of one retrieval request in seconds.", gt=0.0)
     max_retries: int = param(3, "Retries (with backoff) before the observation reports a failed search.", ge=0)

@@ -31,7 +31,9 @@ def test_bad_config_exits_with_key_and_fix(capsys):
 
 def test_run_saves_resolved_config(tmp_path):
     out = tmp_path / "run"
-    main(["train", f"trainer.output_dir={out}", "algorithm.clip_ratio_high=0.3"])
+    # no model at model.path: the run stops with a clear error, after saving its config
+    assert main(["train", f"trainer.output_dir={out}", "algorithm.clip_ratio_high=0.3",
+                 f"model.path={tmp_path / 'no-model'}"]) == 1
     saved = yaml.safe_load((out / "config.yaml").read_text())
     assert saved["algorithm"]["clip_ratio_high"] == 0.3
     assert saved["trainer"]["output_dir"] == str(out)

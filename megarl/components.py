@@ -1,0 +1,118 @@
+"""Build a run's components from its config: tokenizer, prompts, engine, train worker,
+retriever, reward pool, tracker — and close them again.
+
+`megarl.train` calls `build_components` once and then only uses what it returns; keeping
+construction here keeps the loop readable. Main entry point: `build_components`.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from megarl.backends.torch.worker import TorchTrainWorker
+from megarl.config import RunConfig
+from megarl.data.prompts import PromptRecord, PromptSampler, load_prompts
+from megarl.reward import RewardPool, RewardSpec
+from megarl.rollout.agent import AgentSettings
+from megarl.rollout.local import LocalEngine
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Components:
+    cfg: RunConfig
+    tokenizer: object
+    train_records: list[PromptRecord]
+    val_records: list[PromptRecord]
+    sampler: PromptSampler
+    engine: LocalEngine
+    worker: TorchTrainWorker
+    reward_pool: RewardPool
+    searcher: object | None
+    total_steps: int
+    dropped_prompts: int
+    closers: ExitStack = field(default_factory=ExitStack)
+
+    def agent_settings(self, validation: bool = False) -> AgentSettings:
+        c, s = self.cfg, (self.cfg.rollout.val if validation else self.cfg.rollout)
+        return AgentSettings(max_turns=c.agent.max_turns, max_turn_length=c.agent.max_turn_length,
+                             max_obs_length=c.agent.max_obs_length, max_response_length=c.rollout.max_response_length,
+                             topk=c.agent.retrieval.topk, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
+
+    def close(self) -> None:
+        self.closers.close()
+
+
+def reward_spec(cfg: RunConfig) -> RewardSpec:
+    r = cfg.reward
+    return RewardSpec(custom_function=r.custom_function, weights=dict(r.weights), format_score=r.format_score,
+                      structure_format_score=r.structure_format_score, final_format_score=r.final_format_score,
+                      retrieval_score=r.retrieval_score, repetition_ngram_size=r.repetition_ngram_size,
+                      repetition_max_penalty=r.repetition_max_penalty, cosine_max_len=r.cosine_max_len,
+                      overlong_max_response_length=cfg.rollout.max_response_length,
+                      overlong_buffer_len=cfg.algorithm.overlong.buffer_len,
+                      overlong_penalty_factor=cfg.algorithm.overlong.penalty_factor)
+
+
+def build_components(cfg: RunConfig) -> Components:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if cfg.actor.backend != "torch" or cfg.rollout.engine != "local":
+        raise NotImplementedError("this release trains with actor.backend=torch and rollout.engine=local; "
+                                  "the megatron backend and the SGLang fleet come in later releases")
+    model_path = Path(cfg.model.path)
+    if not (model_path / "config.json").is_file():
+        raise FileNotFoundError(f"model.path={cfg.model.path} is not an HF model directory (no config.json)")
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
+    d = cfg.data
+    train_records, dropped = load_prompts(d.train_files, tokenizer, prompt_key=d.prompt_key,
+                                          max_prompt_length=d.max_prompt_length,
+                                          apply_chat_template=d.apply_chat_template)
+    val_records = []
+    if d.val_files:
+        val_records, _ = load_prompts(d.val_files, tokenizer, prompt_key=d.prompt_key,
+                                      max_prompt_length=d.max_prompt_length, apply_chat_template=d.apply_chat_template)
+    steps_per_epoch = max(len(train_records) // d.train_batch_size, 1)
+    total_steps = cfg.trainer.total_training_steps or steps_per_epoch * cfg.trainer.total_epochs
+
+    torch.manual_seed(cfg.trainer.seed)
+    dtype = getattr(torch, cfg.model.dtype)
+    model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=dtype)
+    engine_model = copy.deepcopy(model).eval()
+    worker = TorchTrainWorker(model, cfg, total_steps=total_steps)
+    engine = LocalEngine(engine_model, tokenizer, max_batch_size=cfg.rollout.max_concurrency, seed=cfg.trainer.seed)
+
+    closers = ExitStack()
+    searcher = None
+    if cfg.agent.max_turns > 0:
+        searcher = _start_retrieval(cfg, closers)
+    pool = RewardPool(reward_spec(cfg), num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
+    closers.callback(pool.close)
+    return Components(cfg, tokenizer, train_records, val_records,
+                      PromptSampler(len(train_records), cfg.trainer.seed, d.shuffle), engine, worker, pool, searcher,
+                      total_steps, dropped, closers)
+
+
+def _start_retrieval(cfg: RunConfig, closers: ExitStack):
+    from megarl.retrieval import RetrievalClient
+    from megarl.retrieval.index import load_index
+    from megarl.retrieval.server import BackgroundServer, create_app
+
+    r = cfg.agent.retrieval
+    url = r.url
+    if url is None:
+        if r.index_dir is None:
+            raise ValueError("agent.max_turns > 0 needs agent.retrieval.url or agent.retrieval.index_dir")
+        server = BackgroundServer(create_app(load_index(r.index_dir), default_topk=r.topk), host=r.host, port=r.port)
+        server.start()
+        closers.callback(server.stop)
+        url = server.url
+        log.info("retrieval server on %s serving %s", url, r.index_dir)
+    return RetrievalClient(url, timeout_s=r.timeout_s, max_retries=r.max_retries)

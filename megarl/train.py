@@ -1,0 +1,232 @@
+"""The training loop: one plain function, DESIGN.md's data flow from top to bottom.
+
+    megarl train CONFIG.yaml [key=value ...]
+
+Each step: draw prompts -> n rollouts each (search agent or single turn) -> rewards and
+overlong shaping -> dynamic sampling until train_batch_size informative groups -> old /
+reference log-probs, values -> advantages -> critic and actor updates -> weight sync to
+the engine -> metrics, checkpoint, validation. Main entry point: `train`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from tqdm import tqdm
+
+from megarl import checkpoint
+from megarl.algo import DynamicSampler, masked_mean
+from megarl.components import Components, build_components
+from megarl.config import RunConfig, save_config
+from megarl.config_loader import dump_config, flatten_config
+from megarl.experience import Sample, compute_advantages, reward_requests, shape_overlong, to_train_batch
+from megarl.rollout.agent import run_trajectories
+from megarl.tracking import open_tracker, ui_command
+
+log = logging.getLogger(__name__)
+
+
+class TrainingStopped(RuntimeError):
+    """The run stopped on purpose (e.g. too many bad steps); the last good state is saved."""
+
+
+def train(cfg: RunConfig) -> dict[str, float]:
+    out = Path(cfg.trainer.output_dir)
+    save_config(cfg, out / "config.yaml")
+    c = build_components(cfg)
+    ckpt_root = out / "checkpoints"
+    resume_from = _resume_path(cfg, ckpt_root)
+    meta = checkpoint.read_meta(resume_from) if resume_from else {}
+    tracker = open_tracker(cfg.tracking, out, run_id=meta.get("run_id"))
+    step, bad_steps, history = meta.get("step", 0), 0, meta.get("history", [])
+    status = "FAILED"
+    try:
+        if resume_from:
+            c.worker.load_checkpoint(resume_from)
+            c.sampler.load_state_dict(meta["sampler"])
+            _sync_weights(c, version=step)
+            log.info("resumed from %s (step %d)", resume_from, step)
+        else:
+            tracker.log_params(flatten_config(cfg))
+            tracker.log_text(dump_config(cfg), "config.yaml")
+            if cfg.trainer.val_before_train and c.val_records:
+                tracker.log_metrics(validate(c), step=0)
+        progress = tqdm(range(step, c.total_steps), initial=step, total=c.total_steps, desc="megarl", unit="step")
+        for step in progress:
+            metrics = train_step(c, step)
+            if metrics.get("actor/skipped_steps", 0) > 0:
+                bad_steps += 1
+                if bad_steps >= cfg.trainer.max_bad_steps:
+                    raise TrainingStopped(f"{bad_steps} steps in a row had NaN/inf gradients (trainer.max_bad_steps)"
+                                          f"; the last good state is the newest checkpoint in {ckpt_root}")
+            else:
+                bad_steps = 0
+            done = step + 1
+            if cfg.trainer.test_freq and c.val_records and (done % cfg.trainer.test_freq == 0 or done == c.total_steps):
+                metrics.update(validate(c))
+            tracker.log_metrics(metrics, step=done)
+            history.append({k: metrics[k] for k in ("train/reward_mean", "val/acc") if k in metrics} | {"step": done})
+            progress.set_postfix({k.split("/")[-1]: f"{metrics[k]:.3f}" for k in
+                                  ("train/reward_mean", "train/acc", "val/acc") if k in metrics})
+            if (cfg.trainer.save_freq and done % cfg.trainer.save_freq == 0) or done == c.total_steps:
+                _save(c, ckpt_root, done, tracker.run_id, history)
+        export_hf(c, out / "hf")
+        status = "FINISHED"
+        return history[-1] if history else {}
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
+    finally:
+        tracker.close(status)
+        c.close()
+        asyncio.run(c.engine.close())
+        print(f"megarl: run {status.lower()}; outputs in {out} (checkpoints, hf export, MLflow store)\n"
+              f"  view the curves: {ui_command(out)}")
+
+
+def train_step(c: Components, step: int) -> dict[str, float]:
+    cfg, metrics = c.cfg, {}
+    with _timer(metrics, "rollout"):
+        samples = collect_samples(c, step, metrics)
+    batch = to_train_batch(samples, pad_id=c.tokenizer.pad_token_id or 0)
+    scores = [s.score for s in samples]
+    groups = [s.group for s in samples]
+    with _timer(metrics, "old_log_prob"):
+        old_log_probs, _ = c.worker.compute_log_prob(batch)
+    mask = batch.loss_mask.bool()
+    metrics["rollout/logprob_mismatch"] = float((old_log_probs - batch.rollout_log_probs).abs()[mask].mean())
+    ref = c.worker.compute_ref_log_prob(batch) if c.worker.reference is not None else None
+    if cfg.critic.enable:
+        with _timer(metrics, "values"):
+            batch = batch.with_fields(values=c.worker.compute_values(batch))
+    advantages, returns, adv_metrics = compute_advantages(batch, scores, groups, cfg.algorithm, ref, old_log_probs)
+    batch = batch.with_fields(old_log_probs=old_log_probs, ref_log_probs=ref, advantages=advantages, returns=returns)
+    metrics.update({f"train/{k}": v for k, v in adv_metrics.items()})
+    if cfg.critic.enable:
+        with _timer(metrics, "update_critic"):
+            metrics.update({f"critic/{k}": v for k, v in c.worker.update_critic(batch).items()})
+    with _timer(metrics, "update_actor"):
+        actor_metrics = c.worker.update_actor(batch)
+    metrics.update({f"actor/{k}": v for k, v in actor_metrics.items()})
+    metrics["actor/pg_loss"] = actor_metrics.get("pg_loss", 0.0)
+    with _timer(metrics, "sync_weights"):
+        _sync_weights(c, version=step + 1)
+    metrics["actor/advantage_mean"] = float(masked_mean(advantages, batch.loss_mask))
+    tokens = int(batch.attention_mask.sum())
+    metrics["perf/tokens_per_s"] = tokens / max(sum(v for k, v in metrics.items() if k.startswith("timing/")), 1e-9)
+    return metrics
+
+
+def collect_samples(c: Components, step: int, metrics: dict) -> list[Sample]:
+    """Generation batches until train_batch_size informative groups (DAPO dynamic sampling)."""
+    cfg = c.cfg
+    ds = cfg.algorithm.dynamic_sampling
+    gen_size = cfg.data.gen_batch_size if ds.enable and cfg.data.gen_batch_size else cfg.data.train_batch_size
+    keeper = DynamicSampler(cfg.data.train_batch_size, ds.max_num_gen_batches)
+    generated: list[Sample] = []
+    batch_index = 0
+    while True:
+        indices = c.sampler.take(gen_size)
+        samples, failures = rollout(c, [c.train_records[i] for i in indices], cfg.rollout.n,
+                                    seed_base=(cfg.trainer.seed * 1_000_003 + step * 1009 + batch_index) * 10_000,
+                                    group_base=(step * 1000 + batch_index) * 100_000)
+        metrics["reward/failures"] = metrics.get("reward/failures", 0) + failures
+        generated += samples
+        batch_index += 1
+        if not ds.enable:
+            kept = samples
+            break
+        metric = [s.acc if ds.metric == "acc" else s.score for s in samples]
+        keeper.add(samples, [s.group for s in samples], [float(m) for m in metric])
+        if keeper.is_full:
+            kept = keeper.take()
+            break
+    _rollout_metrics(generated, kept, batch_index, metrics)
+    return kept
+
+
+def rollout(c: Components, records, n: int, seed_base: int, group_base: int,
+            validation: bool = False) -> tuple[list[Sample], int]:
+    """(samples, reward calls that failed or timed out): n trajectories per record, scored;
+    scores include overlong shaping (not in validation)."""
+    prompts = [r.prompt_ids for r in records for _ in range(n)]
+    seeds = [seed_base + i for i in range(len(prompts))]
+    trajectories = asyncio.run(run_trajectories(c.engine, c.tokenizer, prompts, c.agent_settings(validation),
+                                                c.searcher, seeds))
+    samples = [Sample(records[i // n], group_base + i // n, t) for i, t in enumerate(trajectories)]
+    results, stats = c.reward_pool.compute(reward_requests(samples, c.tokenizer))
+    scores = [r.score for r in results]
+    if not validation:
+        scores = shape_overlong(scores, [len(t.response_ids) for t in trajectories], c.cfg.rollout.max_response_length,
+                                c.cfg.algorithm)
+    for sample, result, score in zip(samples, results, scores):
+        sample.score, sample.acc = score, bool(result.acc)
+    return samples, stats.num_timeouts + stats.num_errors
+
+
+def validate(c: Components) -> dict[str, float]:
+    v = c.cfg.rollout.val
+    samples, _ = rollout(c, c.val_records, v.n, seed_base=7_777_777, group_base=0, validation=True)
+    by_prompt: dict[int, list[Sample]] = {}
+    for s in samples:
+        by_prompt.setdefault(s.group, []).append(s)
+    return {"val/score": sum(s.score for s in samples) / len(samples),
+            "val/acc": sum(s.acc for s in samples) / len(samples),  # = avg@n
+            f"val/pass_at_{v.n}": sum(any(s.acc for s in g) for g in by_prompt.values()) / len(by_prompt),
+            "val/search_calls_mean": sum(s.trajectory.num_searches for s in samples) / len(samples)}
+
+
+def _rollout_metrics(generated: list[Sample], kept: list[Sample], gen_batches: int, metrics: dict) -> None:
+    t = [s.trajectory for s in generated]
+    metrics.update({
+        "train/reward_mean": sum(s.score for s in kept) / len(kept),
+        "train/acc": sum(s.acc for s in generated) / len(generated),
+        "train/response_length_mean": sum(len(x.response_ids) for x in t) / len(t),
+        "train/kept_groups": len({s.group for s in kept}),
+        "train/gen_batches": gen_batches,
+        "rollout/search_calls_mean": sum(x.num_searches for x in t) / len(t),
+        "rollout/valid_action_rate": sum(x.num_valid_actions for x in t) / max(sum(x.num_turns for x in t), 1),
+        "rollout/failed_searches": sum(x.num_failed_searches for x in t),
+        "rollout/turns_mean": sum(x.num_turns for x in t) / len(t),
+    })
+
+
+def _sync_weights(c: Components, version: int) -> None:
+    buckets = c.worker.export_hf_weights(c.cfg.sync.bucket_mb << 20)
+    asyncio.run(c.engine.update_weights(buckets, version))
+
+
+def _save(c: Components, root: Path, step: int, run_id: str | None, history: list) -> None:
+    meta = {"run_id": run_id, "sampler": c.sampler.state_dict(), "history": history}
+    checkpoint.save_atomically(root, step, c.worker.save_checkpoint, meta)
+    checkpoint.prune(root, c.cfg.trainer.max_ckpt_to_keep)
+
+
+def export_hf(c: Components, directory: Path) -> Path:
+    """The actor as an HF model directory (safetensors, config, tokenizer)."""
+    c.worker.actor.model.save_pretrained(directory, safe_serialization=True)
+    c.tokenizer.save_pretrained(directory)
+    return directory
+
+
+def _resume_path(cfg: RunConfig, root: Path) -> Path | None:
+    mode = cfg.trainer.resume
+    if mode == "disable":
+        return None
+    if mode == "auto":
+        return checkpoint.latest_checkpoint(root)
+    path = Path(mode)
+    checkpoint.read_meta(path)  # a clear error when it is not a checkpoint
+    return path
+
+
+@contextmanager
+def _timer(metrics: dict, phase: str):
+    start = time.perf_counter()
+    yield
+    metrics[f"timing/{phase}_s"] = time.perf_counter() - start
+

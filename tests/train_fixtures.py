@@ -1,0 +1,37 @@
+"""A tiny model directory and arithmetic prompt files for end-to-end loop tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from tiny_models import tiny_model, tiny_tokenizer
+
+
+def write_tiny_run_inputs(root: Path, num_train: int = 8, num_val: int = 2) -> dict[str, str]:
+    tok = tiny_tokenizer()
+    model = tiny_model("qwen2", vocab_size=len(tok), eos_token_id=tok.eos_token_id)
+    model.save_pretrained(root / "model")
+    tok.save_pretrained(root / "model")
+
+    def rows(n, offset):
+        return [{"data_source": "math_dapo", "prompt": [{"role": "user", "content": f"{i} + {i + 1} = ? Answer:"}],
+                 "reward_model": {"ground_truth": str(2 * i + 1)}, "extra_info": {"index": i}}
+                for i in range(offset, offset + n)]
+
+    pq.write_table(pa.Table.from_pylist(rows(num_train, 0)), root / "train.parquet")
+    pq.write_table(pa.Table.from_pylist(rows(num_val, 100)), root / "val.parquet")
+    return {"model": str(root / "model"), "train": str(root / "train.parquet"), "val": str(root / "val.parquet")}
+
+
+def tiny_overrides(paths: dict[str, str], out: Path, steps: int = 2) -> list[str]:
+    return [f"model.path={paths['model']}", "model.dtype=float32",
+            f"data.train_files=[{paths['train']}]", f"data.val_files=[{paths['val']}]",
+            "data.max_prompt_length=64", "data.train_batch_size=2", "data.gen_batch_size=2",
+            "rollout.n=4", "rollout.max_response_length=12", "rollout.val.n=2", "rollout.val.temperature=0",
+            "algorithm.overlong.buffer_len=4", "algorithm.dynamic_sampling.enable=false",
+            "actor.ppo_mini_batch_size=1", "actor.ppo_micro_batch_size=2", "actor.optim.lr=1e-3",
+            "actor.optim.lr_warmup_steps=0", f"trainer.output_dir={out}", f"trainer.total_training_steps={steps}",
+            "trainer.test_freq=1", "trainer.save_freq=1", "reward.num_workers=0", "tracking.experiment_name=t"]
