@@ -43,3 +43,24 @@ def test_two_step_micro_run(inputs, tmp_path):
     assert run.data.params["rollout.n"] == "4"
     assert run.info.status == "FINISHED"
     assert (out / "config.yaml").exists()
+
+
+def test_resume_gives_the_same_weights_and_metrics(inputs, tmp_path):
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    train(load_config(None, tiny_overrides(inputs, straight, steps=4)))
+    train(load_config(None, tiny_overrides(inputs, split, steps=2)))
+    train(load_config(None, tiny_overrides(inputs, split, steps=4)))  # trainer.resume=auto picks step 2 up
+
+    a = load_file(str(straight / "checkpoints" / "step_000004" / "actor.safetensors"))
+    b = load_file(str(split / "checkpoints" / "step_000004" / "actor.safetensors"))
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+    def history(out):
+        client = MlflowClient(tracking_uri=local_store_uri(out))
+        (run,) = client.search_runs([client.get_experiment_by_name("t").experiment_id])
+        return run.info.run_id, {name: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, name)]
+                                 for name in ("train/reward_mean", "actor/pg_loss", "val/acc")}
+
+    (_, straight_metrics), (_, split_metrics) = history(straight), history(split)  # one run each: same MLflow run resumed
+    assert straight_metrics == split_metrics
