@@ -39,6 +39,7 @@ class Components:
     total_steps: int
     dropped_prompts: int
     closers: ExitStack = field(default_factory=ExitStack)
+    last_samples: list = field(default_factory=list)  # the latest training samples, for the rollout table
 
     def agent_settings(self, validation: bool = False) -> AgentSettings:
         c, s = self.cfg, (self.cfg.rollout.val if validation else self.cfg.rollout)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -61,6 +62,7 @@ def train(cfg: RunConfig) -> dict[str, float]:
             if metrics.get("actor/skipped_steps", 0) > 0:
                 bad_steps += 1
                 if bad_steps >= cfg.trainer.max_bad_steps:
+                    _save(c, ckpt_root, step + 1, tracker.run_id, history)  # skipped steps left the weights good
                     raise TrainingStopped(f"{bad_steps} steps in a row had NaN/inf gradients (trainer.max_bad_steps)"
                                           f"; the last good state is the newest checkpoint in {ckpt_root}")
             else:
@@ -69,12 +71,15 @@ def train(cfg: RunConfig) -> dict[str, float]:
             if cfg.trainer.test_freq and c.val_records and (done % cfg.trainer.test_freq == 0 or done == c.total_steps):
                 metrics.update(validate(c))
             tracker.log_metrics(metrics, step=done)
+            if cfg.tracking.log_rollouts_freq and done % cfg.tracking.log_rollouts_freq == 0:
+                tracker.log_table(rollout_table(c, c.last_samples), f"rollouts/step_{done:06d}.json")
             history.append({k: metrics[k] for k in ("train/reward_mean", "val/acc") if k in metrics} | {"step": done})
             progress.set_postfix({k.split("/")[-1]: f"{metrics[k]:.3f}" for k in
                                   ("train/reward_mean", "train/acc", "val/acc") if k in metrics})
             if (cfg.trainer.save_freq and done % cfg.trainer.save_freq == 0) or done == c.total_steps:
                 _save(c, ckpt_root, done, tracker.run_id, history)
         export_hf(c, out / "hf")
+        tracker.log_artifact(plot_curves(history, out / "reward_curve.png"))
         status = "FINISHED"
         return history[-1] if history else {}
     except KeyboardInterrupt:
@@ -146,6 +151,7 @@ def collect_samples(c: Components, step: int, metrics: dict) -> list[Sample]:
             kept = keeper.take()
             break
     _rollout_metrics(generated, kept, batch_index, metrics)
+    c.last_samples = kept
     return kept
 
 
@@ -160,12 +166,16 @@ def rollout(c: Components, records, n: int, seed_base: int, group_base: int,
     samples = [Sample(records[i // n], group_base + i // n, t) for i, t in enumerate(trajectories)]
     results, stats = c.reward_pool.compute(reward_requests(samples, c.tokenizer))
     scores = [r.score for r in results]
+    bad = [i for i, x in enumerate(scores) if not math.isfinite(x)]
+    if bad:  # a NaN reward would poison every advantage of its group
+        log.warning("%d rewards were NaN/inf (first: request %d); scored 0", len(bad), bad[0])
+        scores = [x if math.isfinite(x) else 0.0 for x in scores]
     if not validation:
         scores = shape_overlong(scores, [len(t.response_ids) for t in trajectories], c.cfg.rollout.max_response_length,
                                 c.cfg.algorithm)
     for sample, result, score in zip(samples, results, scores):
         sample.score, sample.acc = score, bool(result.acc)
-    return samples, stats.num_timeouts + stats.num_errors
+    return samples, stats.num_timeouts + stats.num_errors + len(bad)
 
 
 def validate(c: Components) -> dict[str, float]:
@@ -193,6 +203,35 @@ def _rollout_metrics(generated: list[Sample], kept: list[Sample], gen_batches: i
         "rollout/failed_searches": sum(x.num_failed_searches for x in t),
         "rollout/turns_mean": sum(x.num_turns for x in t) / len(t),
     })
+
+
+def rollout_table(c: Components, samples: list[Sample], rows: int = 16) -> dict[str, list]:
+    """A few samples of the step as columns (prompt, response, score, acc, searches)."""
+    picked = samples[:rows]
+    return {"prompt": [c.tokenizer.decode(s.trajectory.prompt_ids) for s in picked],
+            "response": [c.tokenizer.decode(s.trajectory.response_ids) for s in picked],
+            "score": [s.score for s in picked], "acc": [bool(s.acc) for s in picked],
+            "searches": [s.trajectory.num_searches for s in picked]}
+
+
+def plot_curves(history: list[dict], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key in ("train/reward_mean", "val/acc"):
+        points = [(h["step"], h[key]) for h in history if key in h]
+        if points:
+            ax.plot(*zip(*points), marker="o", label=key)
+    ax.set_xlabel("step")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def _sync_weights(c: Components, version: int) -> None:

@@ -64,3 +64,36 @@ def test_resume_gives_the_same_weights_and_metrics(inputs, tmp_path):
 
     (_, straight_metrics), (_, split_metrics) = history(straight), history(split)  # one run each: same MLflow run resumed
     assert straight_metrics == split_metrics
+
+
+def test_rollout_table_and_reward_curve_artifacts(inputs, tmp_path):
+    out = tmp_path / "run"
+    train(load_config(None, tiny_overrides(inputs, out, steps=2) + ["tracking.log_rollouts_freq=1"]))
+    client = MlflowClient(tracking_uri=local_store_uri(out))
+    (run,) = client.search_runs([client.get_experiment_by_name("t").experiment_id])
+    names = {a.path for a in client.list_artifacts(run.info.run_id, "rollouts")}
+    assert names == {"rollouts/step_000001.json", "rollouts/step_000002.json"}
+    assert "reward_curve.png" in {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert (out / "reward_curve.png").stat().st_size > 1000
+
+
+def test_nan_steps_stop_the_run_after_saving(inputs, tmp_path, monkeypatch):
+    import megarl.backends.torch.actor as actor_module
+    from megarl.train import TrainingStopped
+
+    real = actor_module.policy_loss
+
+    def nan_loss(*args, **kwargs):  # test double: a loss that went NaN
+        loss, metrics = real(*args, **kwargs)
+        return loss * float("nan"), metrics
+
+    monkeypatch.setattr(actor_module, "policy_loss", nan_loss)
+    out = tmp_path / "run"
+    cfg = load_config(None, tiny_overrides(inputs, out, steps=5) + ["trainer.max_bad_steps=2", "trainer.save_freq=0"])
+    with pytest.raises(TrainingStopped, match="2 steps in a row"):
+        train(cfg)
+    (saved,) = list_checkpoints(out / "checkpoints")
+    assert saved.name == "step_000002"
+    initial = AutoModelForCausalLM.from_pretrained(inputs["model"]).state_dict()
+    for name, tensor in load_file(str(saved / "actor.safetensors")).items():
+        assert torch.equal(tensor, initial[name]), name  # skipped steps never touched the weights
