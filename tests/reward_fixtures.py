@@ -47,3 +47,12 @@ def wrong_type_score(data_source, solution_str, ground_truth, extra_info=None):
 
 
 NOT_A_FUNCTION = 42
+
+
+def odd_prompts_constant(data_source, solution_str, ground_truth, extra_info=None):
+    """Even-indexed prompts: a score that varies with the response; odd ones: always 0
+    (their groups carry no signal and dynamic sampling must drop them)."""
+    if extra_info["index"] % 2:
+        return {"score": 0.0, "acc": False}
+    correct = sum(map(ord, solution_str)) % 2 == 0
+    return {"score": float(correct), "acc": correct}

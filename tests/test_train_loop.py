@@ -97,3 +97,20 @@ def test_nan_steps_stop_the_run_after_saving(inputs, tmp_path, monkeypatch):
     initial = AutoModelForCausalLM.from_pretrained(inputs["model"]).state_dict()
     for name, tensor in load_file(str(saved / "actor.safetensors")).items():
         assert torch.equal(tensor, initial[name]), name  # skipped steps never touched the weights
+
+
+def test_dynamic_sampling_refills_with_informative_groups(inputs, tmp_path):
+    out = tmp_path / "run"
+    overrides = tiny_overrides(inputs, out, steps=1) + [
+        "algorithm.dynamic_sampling.enable=true", "algorithm.dynamic_sampling.max_num_gen_batches=20",
+        "data.gen_batch_size=2", "data.train_batch_size=2", "data.shuffle=false",
+        "reward.custom_function=reward_fixtures:odd_prompts_constant", "trainer.val_before_train=false",
+        "trainer.test_freq=0", "algorithm.overlong.enable=false"]
+    train(load_config(None, overrides))
+    client = MlflowClient(tracking_uri=local_store_uri(out))
+    (run,) = client.search_runs([client.get_experiment_by_name("t").experiment_id])
+    metric = {k: v for k, v in run.data.metrics.items()}
+    # without shuffling each generation batch is one even and one odd prompt: at most one
+    # informative group per batch, so filling 2 groups takes at least 2 batches
+    assert metric["train/kept_groups"] == 2
+    assert metric["train/gen_batches"] >= 2
