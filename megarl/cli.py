@@ -1,6 +1,7 @@
 """The `megarl` command line.
 
     megarl train CONFIG.yaml [key=value ...] [--dry-run]
+    megarl export --run OUTPUT_DIR --out HF_DIR [--checkpoint STEP_DIR]
     megarl retrieval build --corpus FILE --out DIR [--kind bm25|dense]
     megarl retrieval serve --index DIR [--host 127.0.0.1 --port 8000 --topk 3]
 
@@ -56,8 +57,21 @@ def build_parser() -> argparse.ArgumentParser:
                        help="A YAML run file, then overrides such as algorithm.clip_ratio_high=0.28.")
     train.add_argument("--dry-run", action="store_true", help="Validate, print the resolved config and exit.")
     train.set_defaults(func=_train)
+    export = sub.add_parser("export", help="Write a run's checkpoint as an HF model directory.")
+    export.add_argument("--run", required=True, help="the run's trainer.output_dir")
+    export.add_argument("--out", required=True, help="HF model directory to write")
+    export.add_argument("--checkpoint", help="a step_NNNNNN directory (default: the newest)")
+    export.set_defaults(func=_export)
     add_retrieval_commands(sub)
     return parser
+
+
+def _export(args: argparse.Namespace) -> int:
+    from megarl.export import export_checkpoint
+
+    out = export_checkpoint(args.run, args.out, args.checkpoint)
+    print(f"megarl: exported to {out}", file=sys.stderr)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -114,3 +114,16 @@ def test_dynamic_sampling_refills_with_informative_groups(inputs, tmp_path):
     # informative group per batch, so filling 2 groups takes at least 2 batches
     assert metric["train/kept_groups"] == 2
     assert metric["train/gen_batches"] >= 2
+
+
+def test_export_command_writes_a_loadable_hf_model(inputs, tmp_path):
+    from megarl.cli import main
+
+    out = tmp_path / "run"
+    train(load_config(None, tiny_overrides(inputs, out, steps=1) + ["trainer.val_before_train=false"]))
+    assert main(["export", "--run", str(out), "--out", str(tmp_path / "hf")]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
+    saved = load_file(str(out / "checkpoints" / "step_000001" / "actor.safetensors"))
+    for name, tensor in saved.items():
+        assert torch.equal(exported[name], tensor), name
+    assert main(["export", "--run", str(tmp_path / "nothing"), "--out", str(tmp_path / "x")]) != 0

@@ -1,0 +1,33 @@
+"""`megarl export`: a trainer checkpoint -> an HF model directory (safetensors, config, tokenizer).
+
+Reads the run's resolved config (for the base model's architecture and tokenizer) and the
+checkpoint's actor weights. Main entry point: `export_checkpoint`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from megarl import checkpoint
+from megarl.config import load_config
+
+
+def export_checkpoint(run_dir: str | Path, out_dir: str | Path, step_dir: str | Path | None = None) -> Path:
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    run_dir = Path(run_dir)
+    cfg = load_config(run_dir / "config.yaml", [])
+    source = Path(step_dir) if step_dir else checkpoint.latest_checkpoint(run_dir / "checkpoints")
+    if source is None:
+        raise FileNotFoundError(f"no complete checkpoint under {run_dir / 'checkpoints'}")
+    checkpoint.read_meta(source)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model.path))
+    missing, unexpected = model.load_state_dict(load_file(str(source / "actor.safetensors")), strict=False)
+    missing = [m for m in missing if not (m == "lm_head.weight" and model.config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise ValueError(f"{source} does not fit {cfg.model.path}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path).save_pretrained(out_dir)
+    return out_dir
