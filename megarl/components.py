@@ -7,6 +7,7 @@ construction here keeps the loop readable. Main entry point: `build_components`.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import logging
 from contextlib import ExitStack
@@ -32,14 +33,23 @@ class Components:
     train_records: list[PromptRecord]
     val_records: list[PromptRecord]
     sampler: PromptSampler
-    engine: LocalEngine
-    worker: TorchTrainWorker
+    engine: object  # a RolloutEngine: LocalEngine or cluster.RemoteEngine
+    worker: object  # a TrainWorker: TorchTrainWorker or cluster.RemoteTrainWorker
     reward_pool: RewardPool
     searcher: object | None
     total_steps: int
     dropped_prompts: int
     closers: ExitStack = field(default_factory=ExitStack)
     last_samples: list = field(default_factory=list)  # the latest training samples, for the rollout table
+    ray_cluster: object | None = None
+
+    def sync_weights(self, version: int) -> None:
+        """Trainer weights -> engine, in buckets of sync.bucket_mb."""
+        if self.ray_cluster is not None:
+            self.ray_cluster.sync_weights(version)
+            return
+        buckets = self.worker.export_hf_weights(self.cfg.sync.bucket_mb << 20)
+        asyncio.run(self.engine.update_weights(buckets, version))
 
     def agent_settings(self, validation: bool = False) -> AgentSettings:
         c, s = self.cfg, (self.cfg.rollout.val if validation else self.cfg.rollout)
@@ -83,14 +93,21 @@ def build_components(cfg: RunConfig) -> Components:
     steps_per_epoch = max(len(train_records) // d.train_batch_size, 1)
     total_steps = cfg.trainer.total_training_steps or steps_per_epoch * cfg.trainer.total_epochs
 
-    torch.manual_seed(cfg.trainer.seed)
-    dtype = getattr(torch, cfg.model.dtype)
-    model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=dtype)
-    engine_model = copy.deepcopy(model).eval()
-    worker = TorchTrainWorker(model, cfg, total_steps=total_steps)
-    engine = LocalEngine(engine_model, tokenizer, max_batch_size=cfg.rollout.max_concurrency, seed=cfg.trainer.seed)
-
     closers = ExitStack()
+    ray_cluster = None
+    if cfg.cluster.launcher == "ray":
+        from megarl.cluster import RayCluster
+
+        ray_cluster = RayCluster(cfg, total_steps)
+        closers.callback(ray_cluster.shutdown)
+        worker, engine = ray_cluster.worker, ray_cluster.engine
+    else:
+        torch.manual_seed(cfg.trainer.seed)
+        model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=getattr(torch, cfg.model.dtype))
+        worker = TorchTrainWorker(model, cfg, total_steps=total_steps)
+        engine = LocalEngine(copy.deepcopy(model).eval(), tokenizer, max_batch_size=cfg.rollout.max_concurrency,
+                             seed=cfg.trainer.seed)
+    closers.callback(lambda: asyncio.run(engine.close()))
     searcher = None
     if cfg.agent.max_turns > 0:
         searcher = _start_retrieval(cfg, closers)
@@ -98,7 +115,7 @@ def build_components(cfg: RunConfig) -> Components:
     closers.callback(pool.close)
     return Components(cfg, tokenizer, train_records, val_records,
                       PromptSampler(len(train_records), cfg.trainer.seed, d.shuffle), engine, worker, pool, searcher,
-                      total_steps, dropped, closers)
+                      total_steps, dropped, closers, ray_cluster=ray_cluster)
 
 
 def _start_retrieval(cfg: RunConfig, closers: ExitStack):

@@ -256,6 +256,9 @@ class SyncConfig:
 
 @dataclass
 class ClusterConfig:
+    launcher: Literal["ray", "inprocess"] = param(
+        "ray", "ray = train worker and engine as Ray actors (any number of nodes); inprocess = one process "
+        "(debugging, tests).")
     ray_address: str | None = param(None, "Ray cluster to join ('auto' on slurm); None = start a local Ray.")
     nnodes: int = param(1, "Nodes of the run.", gt=0)
     gpus_per_node: int = param(0, "GPUs per node; 0 = CPU run.", ge=0)

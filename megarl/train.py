@@ -88,7 +88,6 @@ def train(cfg: RunConfig) -> dict[str, float]:
     finally:
         tracker.close(status)
         c.close()
-        asyncio.run(c.engine.close())
         print(f"megarl: run {status.lower()}; outputs in {out} (checkpoints, hf export, MLflow store)\n"
               f"  view the curves: {ui_command(out)}")
 
@@ -104,7 +103,7 @@ def train_step(c: Components, step: int) -> dict[str, float]:
         old_log_probs, _ = c.worker.compute_log_prob(batch)
     mask = batch.loss_mask.bool()
     metrics["rollout/logprob_mismatch"] = float((old_log_probs - batch.rollout_log_probs).abs()[mask].mean())
-    ref = c.worker.compute_ref_log_prob(batch) if c.worker.reference is not None else None
+    ref = c.worker.compute_ref_log_prob(batch) if c.worker.has_reference else None
     if cfg.critic.enable:
         with _timer(metrics, "values"):
             batch = batch.with_fields(values=c.worker.compute_values(batch))
@@ -235,8 +234,7 @@ def plot_curves(history: list[dict], path: Path) -> Path:
 
 
 def _sync_weights(c: Components, version: int) -> None:
-    buckets = c.worker.export_hf_weights(c.cfg.sync.bucket_mb << 20)
-    asyncio.run(c.engine.update_weights(buckets, version))
+    c.sync_weights(version)
 
 
 def _save(c: Components, root: Path, step: int, run_id: str | None, history: list) -> None:
@@ -247,7 +245,7 @@ def _save(c: Components, root: Path, step: int, run_id: str | None, history: lis
 
 def export_hf(c: Components, directory: Path) -> Path:
     """The actor as an HF model directory (safetensors, config, tokenizer)."""
-    c.worker.actor.model.save_pretrained(directory, safe_serialization=True)
+    c.worker.save_hf(directory)
     c.tokenizer.save_pretrained(directory)
     return directory
 

@@ -127,3 +127,16 @@ def test_export_command_writes_a_loadable_hf_model(inputs, tmp_path):
     for name, tensor in saved.items():
         assert torch.equal(exported[name], tensor), name
     assert main(["export", "--run", str(tmp_path / "nothing"), "--out", str(tmp_path / "x")]) != 0
+
+
+def test_ray_launcher_trains_exactly_like_one_process(inputs, tmp_path):
+    """The same 2 steps with the worker and the engine as Ray actors: identical weights."""
+    local, distributed = tmp_path / "local", tmp_path / "ray"
+    common = ["trainer.val_before_train=false", "trainer.test_freq=0"]
+    train(load_config(None, tiny_overrides(inputs, local, steps=2) + common))
+    train(load_config(None, tiny_overrides(inputs, distributed, steps=2) + common +
+                      ["cluster.launcher=ray", "cluster.cpus_per_node=2"]))
+    a = load_file(str(local / "checkpoints" / "step_000002" / "actor.safetensors"))
+    b = load_file(str(distributed / "checkpoints" / "step_000002" / "actor.safetensors"))
+    for name in a:
+        assert torch.equal(a[name], b[name]), name

@@ -34,4 +34,5 @@ def tiny_overrides(paths: dict[str, str], out: Path, steps: int = 2) -> list[str
             "algorithm.overlong.buffer_len=4", "algorithm.dynamic_sampling.enable=false",
             "actor.ppo_mini_batch_size=1", "actor.ppo_micro_batch_size=2", "actor.optim.lr=1e-3",
             "actor.optim.lr_warmup_steps=0", f"trainer.output_dir={out}", f"trainer.total_training_steps={steps}",
-            "trainer.test_freq=1", "trainer.save_freq=1", "reward.num_workers=0", "tracking.experiment_name=t"]
+            "trainer.test_freq=1", "trainer.save_freq=1", "reward.num_workers=0", "tracking.experiment_name=t",
+            "cluster.launcher=inprocess"]

@@ -64,6 +64,15 @@ class TorchTrainWorker:
                 total_steps=total_steps, norm_length=cfg.rollout.max_response_length)
 
     # -- TrainWorker ---------------------------------------------------------------------
+    @property
+    def has_reference(self) -> bool:
+        return self.reference is not None
+
+    def save_hf(self, directory: str | Path) -> str:
+        """The actor as HF safetensors + config in `directory` (the tokenizer is the caller's)."""
+        self.actor.model.save_pretrained(directory, safe_serialization=True)
+        return str(directory)
+
     def compute_log_prob(self, batch: TrainBatch, with_entropy: bool = False):
         return self.actor.compute_log_prob(batch, with_entropy)
 
