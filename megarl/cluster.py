@@ -38,8 +38,7 @@ class TrainWorkerActor:
         self.worker = TorchTrainWorker(_load_model(cfg), cfg, total_steps)
 
     def call(self, method: str, *args):
-        result = getattr(self.worker, method)(*args)
-        return result
+        return getattr(self.worker, method)(*args)
 
     def has_reference(self) -> bool:
         return self.worker.has_reference

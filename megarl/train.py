@@ -49,7 +49,7 @@ def train(cfg: RunConfig) -> dict[str, float]:
         if resume_from:
             c.worker.load_checkpoint(resume_from)
             c.sampler.load_state_dict(meta["sampler"])
-            _sync_weights(c, version=step)
+            c.sync_weights(version=step)
             log.info("resumed from %s (step %d)", resume_from, step)
         else:
             tracker.log_params(flatten_config(cfg))
@@ -116,9 +116,8 @@ def train_step(c: Components, step: int) -> dict[str, float]:
     with _timer(metrics, "update_actor"):
         actor_metrics = c.worker.update_actor(batch)
     metrics.update({f"actor/{k}": v for k, v in actor_metrics.items()})
-    metrics["actor/pg_loss"] = actor_metrics.get("pg_loss", 0.0)
     with _timer(metrics, "sync_weights"):
-        _sync_weights(c, version=step + 1)
+        c.sync_weights(version=step + 1)
     metrics["actor/advantage_mean"] = float(masked_mean(advantages, batch.loss_mask))
     tokens = int(batch.attention_mask.sum())
     metrics["perf/tokens_per_s"] = tokens / max(sum(v for k, v in metrics.items() if k.startswith("timing/")), 1e-9)
@@ -231,10 +230,6 @@ def plot_curves(history: list[dict], path: Path) -> Path:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
-
-
-def _sync_weights(c: Components, version: int) -> None:
-    c.sync_weights(version)
 
 
 def _save(c: Components, root: Path, step: int, run_id: str | None, history: list) -> None:

@@ -10,33 +10,26 @@
 Dense indexes (E5 encoder + faiss) need the `dense` extra; everything else is core.
 """
 
-from megarl.retrieval.client import ClientStats, RetrievalClient, SearchResult
-from megarl.retrieval.corpus import iter_corpus, write_jsonl_corpus
-from megarl.retrieval.documents import Document, Hit, format_documents, split_title_text
-from megarl.retrieval.errors import CorpusError, IndexExistsError, IndexFormatError, RetrievalError
-from megarl.retrieval.index import build_index, load_index, read_manifest
-from megarl.retrieval.retriever import Retriever
-from megarl.retrieval.server import BackgroundServer, create_app, serve
+import importlib
 
-__all__ = [
-    "BackgroundServer",
-    "ClientStats",
-    "CorpusError",
-    "Document",
-    "Hit",
-    "IndexExistsError",
-    "IndexFormatError",
-    "RetrievalClient",
-    "RetrievalError",
-    "Retriever",
-    "SearchResult",
-    "build_index",
-    "create_app",
-    "format_documents",
-    "iter_corpus",
-    "load_index",
-    "read_manifest",
-    "serve",
-    "split_title_text",
-    "write_jsonl_corpus",
-]
+# Names resolve on first use, so that `import megarl.retrieval.<module>` (the CLI builds its
+# parser from megarl.retrieval.commands) does not load FastAPI, uvicorn and httpx.
+_EXPORTS = {
+    "client": ("ClientStats", "RetrievalClient", "SearchResult"),
+    "corpus": ("iter_corpus", "write_jsonl_corpus"),
+    "documents": ("Document", "Hit", "format_documents", "split_title_text"),
+    "errors": ("CorpusError", "IndexExistsError", "IndexFormatError", "RetrievalError"),
+    "index": ("build_index", "load_index", "read_manifest"),
+    "retriever": ("Retriever",),
+    "server": ("BackgroundServer", "create_app", "serve"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module 'megarl.retrieval' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"megarl.retrieval.{_MODULE_OF[name]}"), name)
+    globals()[name] = value
+    return value

@@ -15,7 +15,7 @@ import torch
 from megarl.algo import agg_loss, kl_penalty, masked_mean, policy_loss
 from megarl.backends.batch import TrainBatch
 from megarl.backends.torch.logprobs import token_log_probs
-from megarl.backends.torch.step import accumulate_and_step, run_epochs
+from megarl.backends.torch.step import accumulate_and_step, check_split, run_epochs
 from megarl.config import AlgorithmConfig, OptimConfig
 
 
@@ -47,9 +47,7 @@ class TorchActor:
     def __init__(self, model: torch.nn.Module, algo: AlgorithmConfig, optim: OptimConfig, *, mini_batch_samples: int,
                  micro_batch_samples: int, ppo_epochs: int = 1, temperature: float = 1.0, total_steps: int = 1,
                  norm_length: int | None = None):
-        if mini_batch_samples % micro_batch_samples:
-            raise ValueError(f"micro batch of {micro_batch_samples} samples does not divide the mini batch of "
-                             f"{mini_batch_samples}")
+        check_split(mini_batch_samples, micro_batch_samples)
         self.model, self.algo, self.optim_cfg = model, algo, optim
         self.mini, self.micro, self.epochs = mini_batch_samples, micro_batch_samples, ppo_epochs
         self.temperature = temperature if temperature > 0 else 1.0
@@ -58,18 +56,19 @@ class TorchActor:
         self.device = next(model.parameters()).device
 
     @torch.no_grad()
-    def compute_log_prob(self, batch: TrainBatch, with_entropy: bool = False):
-        """(log_probs, entropy or None), each (B, L), in micro-batches, without gradients."""
+    def compute_log_prob(self, batch: TrainBatch, with_entropy: bool = False, model: torch.nn.Module | None = None):
+        """(log_probs, entropy or None), each (B, L), in micro-batches, without gradients;
+        `model` (e.g. the frozen reference) defaults to the actor's own."""
         self.model.eval()
-        parts = [self._forward(batch.select(slice(i, i + self.micro)), with_entropy)
+        parts = [self._forward(batch.select(slice(i, i + self.micro)), with_entropy, model)
                  for i in range(0, len(batch), self.micro)]
         log_probs = torch.cat([p[0] for p in parts]).cpu()
         entropy = torch.cat([p[1] for p in parts]).cpu() if with_entropy else None
         return log_probs, entropy
 
-    def _forward(self, batch: TrainBatch, with_entropy: bool):
-        return token_log_probs(self.model, batch.input_ids.to(self.device), batch.attention_mask.to(self.device),
-                               self.temperature, with_entropy)
+    def _forward(self, batch: TrainBatch, with_entropy: bool, model: torch.nn.Module | None = None):
+        return token_log_probs(model or self.model, batch.input_ids.to(self.device),
+                               batch.attention_mask.to(self.device), self.temperature, with_entropy)
 
     def update_actor(self, batch: TrainBatch) -> dict[str, float]:
         """PPO epochs over the batch; needs old_log_probs and advantages. Returns mean metrics."""

@@ -13,7 +13,7 @@ import torch
 from megarl.algo import value_loss
 from megarl.backends.batch import TrainBatch
 from megarl.backends.torch.actor import build_optimizer
-from megarl.backends.torch.step import accumulate_and_step, run_epochs
+from megarl.backends.torch.step import accumulate_and_step, check_split, run_epochs
 from megarl.config import OptimConfig
 
 
@@ -39,9 +39,7 @@ class TorchCritic:
     def __init__(self, causal_lm: torch.nn.Module, optim: OptimConfig, *, cliprange_value: float,
                  loss_agg_mode: str = "token-mean", mini_batch_samples: int, micro_batch_samples: int,
                  ppo_epochs: int = 1, total_steps: int = 1, norm_length: int | None = None):
-        if mini_batch_samples % micro_batch_samples:
-            raise ValueError(f"micro batch of {micro_batch_samples} samples does not divide the mini batch of "
-                             f"{mini_batch_samples}")
+        check_split(mini_batch_samples, micro_batch_samples)
         self.model = ValueModel(causal_lm)
         self.optim_cfg, self.cliprange_value, self.loss_agg_mode = optim, cliprange_value, loss_agg_mode
         self.mini, self.micro, self.epochs, self.norm_length = mini_batch_samples, micro_batch_samples, ppo_epochs, norm_length

@@ -19,6 +19,12 @@ from megarl.backends.batch import TrainBatch
 LossFn = Callable[[TrainBatch, dict], tuple[torch.Tensor, dict[str, float]]]
 
 
+def check_split(mini_batch_samples: int, micro_batch_samples: int) -> None:
+    if mini_batch_samples % micro_batch_samples:
+        raise ValueError(f"micro batch of {micro_batch_samples} samples does not divide the mini batch of "
+                         f"{mini_batch_samples}")
+
+
 def accumulate_and_step(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
                         scheduler: torch.optim.lr_scheduler.LRScheduler, mini: TrainBatch, micro_size: int,
                         grad_clip: float, loss_fn: LossFn, norm_length: int | None = None) -> dict[str, float]:

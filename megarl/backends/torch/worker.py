@@ -79,12 +79,7 @@ class TorchTrainWorker:
     def compute_ref_log_prob(self, batch: TrainBatch) -> torch.Tensor:
         if self.reference is None:
             raise RuntimeError("no reference model: turn on algorithm.use_kl_loss or use_kl_in_reward")
-        live = self.actor.model
-        self.actor.model = self.reference
-        try:
-            return self.actor.compute_log_prob(batch)[0]
-        finally:
-            self.actor.model = live
+        return self.actor.compute_log_prob(batch, model=self.reference)[0]
 
     def compute_values(self, batch: TrainBatch) -> torch.Tensor:
         if self.critic is None:
