@@ -30,7 +30,7 @@ test: $(STAMP)
 
 quickstart: $(STAMP)
 	$(BIN)/megarl train examples/quickstart/search_r1_tiny.yaml --dry-run
-	@echo "make quickstart: the config above is valid; the end-to-end training run arrives with the training-loop release."
+	@echo "make quickstart: the config above is valid; the quickstart's generated inputs (search world, tokenizer, warmed-up tiny model) are not built yet, so no training run starts."
 
 bench: $(STAMP)
 	$(BIN)/python tools/bench/rewards.py
