@@ -28,9 +28,11 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	$(BIN)/python -m pytest tests $(PYTEST_ARGS)
 
+# Search-R1 + DAPO on the CPU: build the search world, index and warmed-up tiny model
+# (skipped when already built), then train with the example config (resumes if interrupted).
 quickstart: $(STAMP)
-	$(BIN)/megarl train examples/quickstart/search_r1_tiny.yaml --dry-run
-	@echo "make quickstart: the config above is valid; the quickstart's generated inputs (search world, tokenizer, warmed-up tiny model) are not built yet, so no training run starts."
+	$(BIN)/python -m megarl.quickstart prepare outputs/quickstart
+	$(BIN)/megarl train examples/quickstart/search_r1_tiny.yaml
 
 bench: $(STAMP)
 	$(BIN)/python tools/bench/rewards.py

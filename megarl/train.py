@@ -22,7 +22,7 @@ from tqdm import tqdm
 from megarl import checkpoint
 from megarl.algo import DynamicSampler, masked_mean
 from megarl.components import Components, build_components
-from megarl.config import RunConfig, save_config
+from megarl.config import RunConfig, TrackingConfig, save_config
 from megarl.config_loader import dump_config, flatten_config
 from megarl.experience import Sample, compute_advantages, reward_requests, shape_overlong, to_train_batch
 from megarl.rollout.agent import run_trajectories
@@ -55,7 +55,9 @@ def train(cfg: RunConfig) -> dict[str, float]:
             tracker.log_params(flatten_config(cfg))
             tracker.log_text(dump_config(cfg), "config.yaml")
             if cfg.trainer.val_before_train and c.val_records:
-                tracker.log_metrics(validate(c), step=0)
+                first = validate(c)
+                tracker.log_metrics(first, step=0)
+                history.append({"step": 0, "val/acc": first["val/acc"]})
         progress = tqdm(range(step, c.total_steps), initial=step, total=c.total_steps, desc="megarl", unit="step")
         for step in progress:
             metrics = train_step(c, step)
@@ -73,7 +75,7 @@ def train(cfg: RunConfig) -> dict[str, float]:
             tracker.log_metrics(metrics, step=done)
             if cfg.tracking.log_rollouts_freq and done % cfg.tracking.log_rollouts_freq == 0:
                 tracker.log_table(rollout_table(c, c.last_samples), f"rollouts/step_{done:06d}.json")
-            history.append({k: metrics[k] for k in ("train/reward_mean", "val/acc") if k in metrics} | {"step": done})
+            history.append({k: metrics[k] for k in HISTORY_KEYS if k in metrics} | {"step": done})
             progress.set_postfix({k.split("/")[-1]: f"{metrics[k]:.3f}" for k in
                                   ("train/reward_mean", "train/acc", "val/acc") if k in metrics})
             if (cfg.trainer.save_freq and done % cfg.trainer.save_freq == 0) or done == c.total_steps:
@@ -88,8 +90,25 @@ def train(cfg: RunConfig) -> dict[str, float]:
     finally:
         tracker.close(status)
         c.close()
-        print(f"megarl: run {status.lower()}; outputs in {out} (checkpoints, hf export, MLflow store)\n"
-              f"  view the curves: {ui_command(out)}")
+        print(summary(status, out, history, cfg.tracking))
+
+
+HISTORY_KEYS = ("train/reward_mean", "train/acc", "rollout/search_calls_mean", "val/acc")
+
+
+def summary(status: str, out: Path, history: list[dict], tracking: TrackingConfig) -> str:
+    """The closing lines on the console: first and last val/acc, where everything is."""
+    lines = [f"megarl: run {status.lower()}"]
+    val = [(h["step"], h["val/acc"]) for h in history if "val/acc" in h]
+    if val:
+        lines.append(f"  val/acc: {val[0][1]:.3f} at step {val[0][0]} -> {val[-1][1]:.3f} at step {val[-1][0]}")
+    lines += [f"  checkpoints: {out / 'checkpoints'}", f"  HF export:   {out / 'hf'}"]
+    if tracking.backend == "mlflow" and tracking.uri:
+        lines.append(f"  MLflow:      {tracking.uri}")
+    elif tracking.backend == "mlflow":
+        lines += [f"  MLflow:      {out / 'mlflow.db'} (artifacts in {out / 'mlartifacts'})",
+                  f"  view the curves: {ui_command(out)}"]
+    return "\n".join(lines)
 
 
 def train_step(c: Components, step: int) -> dict[str, float]:
@@ -219,7 +238,7 @@ def plot_curves(history: list[dict], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for key in ("train/reward_mean", "val/acc"):
+    for key in HISTORY_KEYS:
         points = [(h["step"], h[key]) for h in history if key in h]
         if points:
             ax.plot(*zip(*points), marker="o", label=key)

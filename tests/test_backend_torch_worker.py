@@ -7,6 +7,7 @@ import copy
 import random
 
 import numpy as np
+import pytest
 import torch
 
 from megarl.backends.torch.worker import TorchTrainWorker, hf_state_buckets
@@ -65,7 +66,8 @@ def test_reference_stays_frozen():
     torch.testing.assert_close(worker.compute_ref_log_prob(batch), ref_before)
 
 
-def test_checkpoint_resume_equals_an_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("tie", [False, True])  # tied embeddings are stored once
+def test_checkpoint_resume_equals_an_uninterrupted_run(tmp_path, tie):
     cfg = load_config(None, CFG + ["critic.enable=true", "critic.ppo_mini_batch_size=4",
                                    "critic.ppo_micro_batch_size=2", "algorithm.adv_estimator=gae"])
     batch, g = random_batch(seed=9)
@@ -79,7 +81,7 @@ def test_checkpoint_resume_equals_an_uninterrupted_run(tmp_path):
         worker.update_actor(batch.with_fields(old_log_probs=old, advantages=advantages))
         return torch.rand(3), np.random.rand(), random.random()  # RNG streams continue across the resume
 
-    base = tiny_model("qwen2")
+    base = tiny_model("qwen2", tie=tie)
     torch.manual_seed(0), np.random.seed(0), random.seed(0)
     straight = TorchTrainWorker(copy.deepcopy(base), cfg, total_steps=4)
     step(straight)
@@ -90,7 +92,7 @@ def test_checkpoint_resume_equals_an_uninterrupted_run(tmp_path):
     step(first)
     first.save_checkpoint(tmp_path / "ckpt")
     torch.manual_seed(123), np.random.seed(123), random.seed(123)  # a new process starts elsewhere
-    resumed = TorchTrainWorker(tiny_model("qwen2", seed=5), cfg, total_steps=4)
+    resumed = TorchTrainWorker(tiny_model("qwen2", tie=tie, seed=5), cfg, total_steps=4)
     resumed.load_checkpoint(tmp_path / "ckpt")
     draws_resumed = step(resumed)
 
@@ -100,3 +102,11 @@ def test_checkpoint_resume_equals_an_uninterrupted_run(tmp_path):
         torch.testing.assert_close(resumed.critic.model.state_dict()[name], tensor, atol=0, rtol=0)
     assert torch.equal(draws_straight[0], draws_resumed[0]) and draws_straight[1:] == draws_resumed[1:]
     assert resumed.actor.scheduler.last_epoch == straight.actor.scheduler.last_epoch == 2
+
+
+def test_checkpoint_of_another_architecture_is_refused(tmp_path):
+    cfg = load_config(None, CFG)
+    TorchTrainWorker(tiny_model("qwen2", tie=True), cfg, total_steps=1).save_checkpoint(tmp_path / "ckpt")
+    untied = TorchTrainWorker(tiny_model("qwen2", tie=False), cfg, total_steps=1)
+    with pytest.raises(ValueError, match="does not match the model: missing \\['model.embed_tokens.weight'\\]"):
+        untied.load_checkpoint(tmp_path / "ckpt")

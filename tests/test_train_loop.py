@@ -25,9 +25,9 @@ def inputs(tmp_path_factory):
     return write_tiny_run_inputs(tmp_path_factory.mktemp("inputs"))
 
 
-def test_two_step_micro_run(inputs, tmp_path):
+def test_two_step_micro_run(inputs, tmp_path, capsys):
     out = tmp_path / "run"
-    train(load_config(None, tiny_overrides(inputs, out, steps=2)))
+    train(load_config(None, tiny_overrides(inputs, out, steps=2) + ["trainer.val_before_train=true"]))
     assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["step_000001", "step_000002"]
     exported = AutoModelForCausalLM.from_pretrained(out / "hf")
     initial = AutoModelForCausalLM.from_pretrained(inputs["model"])
@@ -43,6 +43,12 @@ def test_two_step_micro_run(inputs, tmp_path):
     assert run.data.params["rollout.n"] == "4"
     assert run.info.status == "FINISHED"
     assert (out / "config.yaml").exists()
+    # the closing summary quotes the first and last val/acc as MLflow recorded them
+    val = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "val/acc")}
+    assert sorted(val) == [0, 1, 2]
+    printed = capsys.readouterr().out
+    assert f"val/acc: {val[0]:.3f} at step 0 -> {val[2]:.3f} at step 2" in printed
+    assert f"HF export:   {out / 'hf'}" in printed and "mlflow ui --backend-store-uri sqlite:" in printed
 
 
 def test_resume_gives_the_same_weights_and_metrics(inputs, tmp_path):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_model, save_model
 
 from megarl.backends.batch import TrainBatch
 from megarl.backends.torch.actor import TorchActor
@@ -106,7 +106,7 @@ class TorchTrainWorker:
         if self.critic is not None:
             parts["critic"] = self.critic
         for name, part in parts.items():
-            save_file({k: v.contiguous() for k, v in part.model.state_dict().items()}, str(directory / f"{name}.safetensors"))
+            save_model(part.model, str(directory / f"{name}.safetensors"))  # stores tied weights once
             torch.save({"optimizer": part.optimizer.state_dict(), "scheduler": part.scheduler.state_dict()},
                        directory / f"{name}_optim.pt")
         torch.save({"torch": torch.get_rng_state(), "numpy": _numpy_rng_state(), "python": _python_rng_state()},
@@ -121,7 +121,10 @@ class TorchTrainWorker:
             missing = [f for f in (f"{name}.safetensors", f"{name}_optim.pt") if not (directory / f).exists()]
             if missing:
                 raise FileNotFoundError(f"checkpoint {directory} lacks {missing}; was it written by another config?")
-            part.model.load_state_dict(load_file(str(directory / f"{name}.safetensors")), strict=True)
+            absent, unexpected = load_model(part.model, str(directory / f"{name}.safetensors"), strict=False)
+            if absent or unexpected:  # load_model already left out the tied copies
+                raise ValueError(f"checkpoint {directory / (name + '.safetensors')} does not match the model: "
+                                 f"missing {sorted(absent)[:5]}, unexpected {sorted(unexpected)[:5]}")
             state = torch.load(directory / f"{name}_optim.pt", weights_only=True)
             part.optimizer.load_state_dict(state["optimizer"])
             part.scheduler.load_state_dict(state["scheduler"])

@@ -1,0 +1,175 @@
+"""Inputs of the CPU quickstart, built locally: nothing comes from a model hub.
+
+    python -m megarl.quickstart prepare outputs/quickstart
+    megarl train examples/quickstart/search_r1_tiny.yaml
+
+`prepare` writes, under its directory:
+  data/   the synthetic search world (corpus.jsonl, train.parquet, val.parquet)
+  index/  its BM25 index (the retrieval server of the run serves it)
+  model/  a tiny Qwen2-architecture model and a byte-level BPE tokenizer trained on the world,
+          warmed up by supervised learning on demonstrations in which only some trajectories
+          search (the rest guess), so RL has something to discover: searching pays.
+
+The warm-up is a two-phase curriculum. Phase one shows searching demonstrations on the bare
+question: on short sequences a tiny model learns to copy the entity into its query and the
+answer out of the observation in a few hundred steps. Phase two uses the full Search-R1
+instruction and mixes in guessing demonstrations. The demonstrations draw fresh answers
+(`megarl.synthetic.warmup_examples`), so the model learns to read, not to memorise facts.
+
+Every output is written to a temporary directory and renamed into place, and a finished
+`prepare` is skipped when run again with the same settings (see `prepared.json`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+STAMP = "prepared.json"
+
+
+@dataclass(frozen=True)
+class QuickstartSettings:
+    num_entities: int = 200
+    answers_per_relation: int = 16
+    val_fraction: float = 0.1
+    seed: int = 0
+    vocab_size: int = 2000
+    hidden_size: int = 256  # wide and shallow: copying emerges in a few hundred steps
+    num_layers: int = 2
+    num_heads: int = 8
+    num_kv_heads: int = 4
+    read_steps: int = 400  # phase one: searching demonstrations on bare questions
+    mix_steps: int = 300  # phase two: full instruction, search_fraction of the demonstrations search
+    search_fraction: float = 0.3
+    batch_size: int = 16
+    lr: float = 2e-3
+    topk: int = 1  # as in examples/quickstart/search_r1_tiny.yaml
+
+
+def prepare(out_dir: str | Path, settings: QuickstartSettings = QuickstartSettings(), force: bool = False) -> Path:
+    """Build data/, index/ and model/ under out_dir (skipped when already built alike)."""
+    out = Path(out_dir)
+    stamp = out / STAMP
+    if not force and stamp.exists() and json.loads(stamp.read_text()).get("settings") == asdict(settings):
+        print(f"quickstart inputs in {out} are up to date (delete {stamp} or pass --force to rebuild)")
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    stamp.unlink(missing_ok=True)
+    start = time.perf_counter()
+    s = settings
+
+    from megarl.retrieval import build_index
+    from megarl.synthetic import read_facts, write_search_world
+
+    data = _fresh(out / "data")
+    paths = write_search_world(data, s.num_entities, s.val_fraction, s.seed, s.answers_per_relation)
+    _replace(data, out / "data")
+    train_facts = read_facts(out / "data" / "train.parquet")
+    print(f"[1/4] search world: {len(train_facts)} training questions, "
+          f"{len(read_facts(out / 'data' / 'val.parquet'))} validation questions in {out / 'data'}")
+
+    build_index(out / "data" / paths["corpus"].name, out / "index", kind="bm25", overwrite=True, show_progress=False)
+    print(f"[2/4] BM25 index in {out / 'index'}")
+
+    tokenizer = _train_tokenizer(out / "data", s)
+    model = _tiny_qwen2(len(tokenizer), tokenizer.eos_token_id, s)
+    print(f"[3/4] tokenizer ({len(tokenizer)} tokens) and a tiny Qwen2 "
+          f"({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters)")
+
+    stats = _warm_up(model, tokenizer, train_facts, s)
+    model_dir = _fresh(out / "model")
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    _replace(model_dir, out / "model")
+    stats["seconds"] = round(time.perf_counter() - start, 1)
+    stamp.write_text(json.dumps({"settings": asdict(s), "stats": stats}, indent=2))
+    print(f"[4/4] warmed-up model in {out / 'model'} (final loss {stats['final_loss']:.4f}; "
+          f"{stats['search_fraction']:.0%} of phase-two demonstrations search); {stats['seconds']:.0f} s in all")
+    return out
+
+
+def _train_tokenizer(data_dir: Path, s: QuickstartSettings):
+    from megarl.data.tokenizer import train_bpe_tokenizer
+    from megarl.rollout.agent import INVALID_ACTION_MESSAGE, SEARCH_INSTRUCTION
+    from megarl.synthetic import question, read_facts
+
+    facts = read_facts(data_dir / "train.parquet") + read_facts(data_dir / "val.parquet")
+    with open(data_dir / "corpus.jsonl", encoding="utf-8") as fh:
+        texts = [json.loads(line)["contents"] for line in fh]
+    texts += [SEARCH_INSTRUCTION.format(question=question(f)) for f in facts]
+    texts += [INVALID_ACTION_MESSAGE
+              + "<search> </search>\n\n<information>Doc 1(Title: </information>\n\n<answer> </answer>"] * 50
+    tokenizer = train_bpe_tokenizer(texts, s.vocab_size)
+    split = sorted({n for f in facts for n in (f.entity, f.answer) if len(tokenizer.encode(" " + n)) > 1})
+    if split:  # still trains, only slower: copying a name takes several tokens
+        log.warning("%d names are split into several tokens (e.g. %s); raise vocab_size", len(split), split[0])
+    return tokenizer
+
+
+def _tiny_qwen2(vocab_size: int, eos_id: int, s: QuickstartSettings):
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(s.seed)
+    config = Qwen2Config(vocab_size=vocab_size, hidden_size=s.hidden_size, intermediate_size=3 * s.hidden_size,
+                         num_hidden_layers=s.num_layers, num_attention_heads=s.num_heads,
+                         num_key_value_heads=s.num_kv_heads, max_position_embeddings=2048, tie_word_embeddings=True,
+                         bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id)
+    return Qwen2ForCausalLM(config)
+
+
+def _warm_up(model, tokenizer, facts, s: QuickstartSettings) -> dict:
+    from megarl.config import OptimConfig
+    from megarl.sft import supervised_warmup
+    from megarl.synthetic import warmup_examples
+
+    optim = OptimConfig(lr=s.lr, lr_warmup_steps=50, lr_scheduler="constant", weight_decay=0.0, grad_clip=1.0)
+    def repeats(steps: int) -> int:  # fresh answers every epoch: nothing to memorise
+        return -(-steps * s.batch_size // len(facts))
+
+    reading = warmup_examples(facts, tokenizer, 1.0, s.seed, topk=s.topk, bare_question=True,
+                              repeats=repeats(s.read_steps))
+    supervised_warmup(model, reading, steps=s.read_steps, batch_size=s.batch_size, optim=optim, seed=s.seed,
+                      pad_id=tokenizer.pad_token_id, desc="warm-up 1/2 (reading)")
+    mixed = warmup_examples(facts, tokenizer, s.search_fraction, s.seed + 1, topk=s.topk, repeats=repeats(s.mix_steps))
+    losses = supervised_warmup(model, mixed, steps=s.mix_steps, batch_size=s.batch_size, optim=optim,
+                               seed=s.seed + 1, pad_id=tokenizer.pad_token_id, desc="warm-up 2/2 (search or guess)")
+    tail = losses[-50:]
+    return {"final_loss": sum(tail) / len(tail), "search_fraction": sum(d.searched for d in mixed) / len(mixed)}
+
+
+def _fresh(final: Path) -> Path:
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def _replace(tmp: Path, final: Path) -> None:
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megarl.quickstart", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("prepare", help="build the search world, index and warmed-up tiny model")
+    p.add_argument("out_dir", help="where data/, index/ and model/ go (the quickstart config reads outputs/quickstart)")
+    p.add_argument("--force", action="store_true", help="rebuild even when up to date")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    prepare(args.out_dir, force=args.force)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""The quickstart's inputs and config, end to end at a tiny scale."""
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from mlflow.tracking import MlflowClient
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from megarl.config import load_config
+from megarl.quickstart import QuickstartSettings, main, prepare
+from megarl.synthetic import read_facts
+from megarl.tracking import local_store_uri
+from megarl.train import train
+
+CONFIG = Path(__file__).resolve().parents[1] / "examples" / "quickstart" / "search_r1_tiny.yaml"
+TINY = replace(QuickstartSettings(), num_entities=12, vocab_size=600, hidden_size=32, num_heads=4, num_kv_heads=2,
+               read_steps=3, mix_steps=3, batch_size=4)
+
+
+def test_prepare_builds_inputs_once(tmp_path, capsys):
+    out = prepare(tmp_path / "qs", TINY)
+    model = AutoModelForCausalLM.from_pretrained(out / "model")
+    tok = AutoTokenizer.from_pretrained(out / "model")
+    assert model.config.model_type == "qwen2" and model.config.vocab_size == len(tok)
+    assert (out / "index" / "manifest.json").exists()
+    assert len(read_facts(out / "data" / "train.parquet")) + len(read_facts(out / "data" / "val.parquet")) == 36
+    stamp = json.loads((out / "prepared.json").read_text())
+    assert stamp["settings"]["num_entities"] == 12 and stamp["stats"]["final_loss"] > 0
+    before = (out / "model" / "model.safetensors").stat().st_mtime_ns
+    capsys.readouterr()
+    prepare(tmp_path / "qs", TINY)  # up to date: nothing is rebuilt
+    assert "up to date" in capsys.readouterr().out
+    assert (out / "model" / "model.safetensors").stat().st_mtime_ns == before
+    assert not list(out.glob("*.tmp"))
+
+
+def test_quickstart_config_trains_on_prepared_inputs(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # the config's paths are relative: outputs/quickstart/...
+    prepare(Path("outputs/quickstart"), TINY)
+    cfg = load_config(str(CONFIG), ["trainer.total_training_steps=1", "data.train_batch_size=2",
+                                    "data.gen_batch_size=2", "rollout.n=2", "actor.ppo_mini_batch_size=2",
+                                    "actor.ppo_micro_batch_size=4", "cluster.launcher=inprocess",
+                                    "algorithm.dynamic_sampling.enable=false"])  # an untrained model fails every group
+    train(cfg)
+    out = Path("outputs/quickstart/run")
+    client = MlflowClient(tracking_uri=local_store_uri(out))
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert {m.step for m in client.get_metric_history(run.info.run_id, "val/acc")} == {0, 1}
+    assert client.get_metric_history(run.info.run_id, "rollout/search_calls_mean")
+    assert (out / "hf" / "model.safetensors").exists()
+    assert "val/acc:" in capsys.readouterr().out
+
+
+def test_command_line(tmp_path, monkeypatch):
+    import megarl.quickstart as qs
+
+    seen = {}
+    monkeypatch.setattr(qs, "prepare", lambda out, force=False: seen.update(out=out, force=force))
+    assert main(["prepare", str(tmp_path), "--force"]) == 0
+    assert seen == {"out": str(tmp_path), "force": True}
