@@ -41,11 +41,17 @@ def _train(args: argparse.Namespace) -> int:
 def run_training(cfg: RunConfig) -> int:
     from megarl.train import TrainingStopped, train  # heavy imports only once the config is valid
 
+    from megarl.components import ComponentDied
+
     try:
         train(cfg)
-    except TrainingStopped as e:
+    except (TrainingStopped, ComponentDied) as e:
         print(f"megarl: training stopped: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("megarl: interrupted; actors and servers are shut down, the newest checkpoint is intact",
+              file=sys.stderr)
+        return 130
     return 0
 
 

@@ -1,11 +1,14 @@
-"""Ray coordination: the train worker and the rollout engine as Ray actors in a placement group.
+"""Ray coordination: train worker, rollout engine, retrieval server and reward workers as Ray
+actors in one placement group.
 
 On one CPU machine Ray starts locally and everything fits one node; with
 `cluster.ray_address=auto` (the slurm recipes) the same code joins a multi-node cluster.
 The driver talks to the actors through small proxies with the same methods as the
-in-process objects (`RemoteTrainWorker`, `RemoteEngine`), so `megarl.train` does not know
-which it has. Weights go from the worker actor to the engine actor directly, bucket by
-bucket, without passing through the driver. Main entry point: `RayCluster`.
+in-process objects (`RemoteTrainWorker`, `RemoteEngine`, `RemoteRewardPool`), so
+`megarl.train` does not know which it has; the search agent reaches the retrieval actor's
+HTTP server like any retriever. Weights go from the worker actor to the engine actor
+directly, bucket by bucket, without passing through the driver. An actor that dies is
+reported by name (`ComponentDied`). Main entry point: `RayCluster`.
 """
 
 from __future__ import annotations
@@ -16,10 +19,15 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from megarl.config import RunConfig
+from megarl.components import ComponentDied, reward_spec
+from megarl.config import RetrievalConfig, RunConfig
 from megarl.rollout.engine import GenerationOutput, SamplingParams
 
 log = logging.getLogger(__name__)
+
+
+def _died(what: str, error: Exception) -> ComponentDied:
+    return ComponentDied(f"{what} died: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
 
 
 def _load_model(cfg: RunConfig):
@@ -75,6 +83,43 @@ class EngineActor:
         return await getattr(self.engine, method)()
 
 
+@ray.remote
+class RetrievalActor:
+    """megarl's retrieval server (FastAPI + uvicorn, as `megarl retrieval serve`) in its own process."""
+
+    def __init__(self, r: RetrievalConfig):
+        from megarl.retrieval.index import load_index
+        from megarl.retrieval.server import BackgroundServer, create_app
+
+        self.server = BackgroundServer(create_app(load_index(r.index_dir), default_topk=r.topk), host=r.host,
+                                       port=r.port).start()
+
+    def url(self) -> str:
+        host = self.server.host
+        if host in ("0.0.0.0", "::", ""):  # bound to every interface: reach it through the node's address
+            host = ray.util.get_node_ip_address()
+        return f"http://{host}:{self.server.port}"
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+@ray.remote
+class RewardActor:
+    """A RewardPool (and its worker processes, if any) in its own process."""
+
+    def __init__(self, spec, num_workers: int, timeout_s: float):
+        from megarl.reward import RewardPool
+
+        self.pool = RewardPool(spec, num_workers=num_workers, timeout_s=timeout_s)
+
+    def compute(self, requests):
+        return self.pool.compute(requests)
+
+    def close(self) -> None:
+        self.pool.close()
+
+
 class RemoteTrainWorker:
     """The TrainWorker methods, each a blocking call into the worker actor."""
 
@@ -86,7 +131,33 @@ class RemoteTrainWorker:
         if method not in ("compute_log_prob", "compute_ref_log_prob", "compute_values", "update_actor",
                           "update_critic", "save_checkpoint", "load_checkpoint", "save_hf"):
             raise AttributeError(method)
-        return lambda *args: ray.get(self.actor.call.remote(method, *args))
+
+        def call(*args):
+            try:
+                return ray.get(self.actor.call.remote(method, *args))
+            except ray.exceptions.RayActorError as e:
+                raise _died("train worker (Ray actor TrainWorkerActor)", e) from e
+
+        return call
+
+
+class RemoteRewardPool:
+    """`RewardPool.compute` in the reward actor."""
+
+    def __init__(self, actor):
+        self.actor = actor
+
+    def compute(self, requests):
+        try:
+            return ray.get(self.actor.compute.remote(requests))
+        except ray.exceptions.RayActorError as e:
+            raise _died("reward workers (Ray actor RewardActor)", e) from e
+
+    def close(self) -> None:
+        try:
+            ray.get(self.actor.close.remote(), timeout=30)
+        except (ray.exceptions.RayError, TimeoutError) as e:  # already gone: nothing left to close
+            log.debug("reward actor close: %s", e)
 
 
 class RemoteEngine:
@@ -96,7 +167,10 @@ class RemoteEngine:
         self.actor = actor
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationOutput:
-        return await self.actor.generate.remote(list(prompt_ids), params)
+        try:
+            return await self.actor.generate.remote(list(prompt_ids), params)
+        except ray.exceptions.RayActorError as e:
+            raise _died("rollout engine (Ray actor EngineActor)", e) from e
 
     async def update_weights(self, buckets, version: int) -> None:
         for bucket in buckets:
@@ -121,14 +195,19 @@ class RemoteEngine:
         return await self.actor.call.remote("health")
 
     async def close(self) -> None:
-        await self.actor.call.remote("close")
+        try:
+            await self.actor.call.remote("close")
+        except ray.exceptions.RayActorError as e:  # already gone: nothing left to close
+            log.debug("engine actor close: %s", e)
 
 
 class RayCluster:
     """Starts (or joins) Ray, reserves a placement group, and creates the actors.
 
-    One bundle per actor ({"CPU": 1}, plus {"GPU": 1} when cluster.gpus_per_node > 0),
-    packed onto as few nodes as possible.
+    Bundles, packed onto as few nodes as possible: the train worker and the engine get one
+    each ({"CPU": 1}, plus {"GPU": 1} when cluster.gpus_per_node > 0); the retrieval server
+    and the reward actor share a {"CPU": 1} bundle. A local Ray is started with at least 3
+    logical CPUs (scheduling slots, not cores), so a 2-core machine runs it all.
     """
 
     def __init__(self, cfg: RunConfig, total_steps: int):
@@ -139,31 +218,58 @@ class RayCluster:
             if c.ray_address:
                 ray.init(address=c.ray_address, log_to_driver=True)
             else:
-                ray.init(num_cpus=c.cpus_per_node or max(2, _cpu_count()), num_gpus=c.gpus_per_node,
+                ray.init(num_cpus=c.cpus_per_node or max(3, _cpu_count()), num_gpus=c.gpus_per_node,
                          include_dashboard=False, log_to_driver=True)
             self._started_ray = True
-        bundle = {"CPU": 1} | ({"GPU": 1} if cfg.cluster.gpus_per_node else {})
-        self.pg = placement_group([bundle, bundle], strategy="PACK", name="megarl")
+        device = {"CPU": 1} | ({"GPU": 1} if cfg.cluster.gpus_per_node else {})
+        bundles = [device, device, {"CPU": 1}]
+        self.pg = placement_group(bundles, strategy="PACK", name="megarl")
         ready, _ = ray.wait([self.pg.ready()], timeout=120)
         if not ready:
-            raise RuntimeError(f"Ray could not reserve {bundle} x 2 within 120 s; available: "
+            raise RuntimeError(f"Ray could not reserve {bundles} within 120 s; available: "
                                f"{ray.available_resources()} — add resources or lower the request")
         place = [PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=i)
-                 for i in range(2)]
+                 for i in range(len(bundles))]
         gpus = 1 if cfg.cluster.gpus_per_node else 0
         self.worker_actor = TrainWorkerActor.options(num_cpus=1, num_gpus=gpus, scheduling_strategy=place[0],
                                                      name=None).remote(cfg, total_steps)
         self.engine_actor = EngineActor.options(num_cpus=1, num_gpus=gpus, scheduling_strategy=place[1],
                                                 max_concurrency=1000).remote(cfg)
+        self.reward_actor = RewardActor.options(num_cpus=0.5, scheduling_strategy=place[2]).remote(
+            reward_spec(cfg), cfg.reward.num_workers, cfg.reward.timeout_s)
+        self.retrieval_actor = None
+        if cfg.agent.max_turns > 0 and cfg.agent.retrieval.url is None:
+            if cfg.agent.retrieval.index_dir is None:
+                raise ValueError("agent.max_turns > 0 needs agent.retrieval.url or agent.retrieval.index_dir")
+            self.retrieval_actor = RetrievalActor.options(num_cpus=0.5, scheduling_strategy=place[2]).remote(
+                cfg.agent.retrieval)
         self.worker = RemoteTrainWorker(self.worker_actor)
         self.engine = RemoteEngine(self.engine_actor)
+        self.reward_pool = RemoteRewardPool(self.reward_actor)
+        self.retrieval_url = None
+        if self.retrieval_actor is not None:
+            try:
+                self.retrieval_url = ray.get(self.retrieval_actor.url.remote())
+            except ray.exceptions.RayActorError as e:
+                raise _died(f"retrieval server (Ray actor RetrievalActor serving {cfg.agent.retrieval.index_dir})",
+                            e) from e
+
+    def check_retrieval(self) -> None:
+        """ComponentDied when the retrieval actor is gone."""
+        if self.retrieval_actor is None:
+            return
+        try:
+            ray.get(self.retrieval_actor.url.remote(), timeout=30)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+            raise _died(f"retrieval server at {self.retrieval_url} (Ray actor RetrievalActor)", e) from e
 
     def sync_weights(self, version: int) -> None:
         ray.get(self.worker_actor.push_weights.remote(self.engine_actor, self.cfg.sync.bucket_mb << 20, version))
 
     def shutdown(self) -> None:
-        for actor in (self.worker_actor, self.engine_actor):
-            ray.kill(actor)
+        for actor in (self.worker_actor, self.engine_actor, self.reward_actor, self.retrieval_actor):
+            if actor is not None:
+                ray.kill(actor)
         remove_placement_group(self.pg)
         if self._started_ray:
             ray.shutdown()

@@ -14,6 +14,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 import torch
 
 from megarl.backends.torch.worker import TorchTrainWorker
@@ -26,6 +27,10 @@ from megarl.rollout.local import LocalEngine
 log = logging.getLogger(__name__)
 
 
+class ComponentDied(RuntimeError):
+    """A part of the run (engine, train worker, retrieval server, reward workers) is gone."""
+
+
 @dataclass
 class Components:
     cfg: RunConfig
@@ -35,13 +40,14 @@ class Components:
     sampler: PromptSampler
     engine: object  # a RolloutEngine: LocalEngine or cluster.RemoteEngine
     worker: object  # a TrainWorker: TorchTrainWorker or cluster.RemoteTrainWorker
-    reward_pool: RewardPool
+    reward_pool: object  # RewardPool or cluster.RemoteRewardPool
     searcher: object | None
     total_steps: int
     dropped_prompts: int
     closers: ExitStack = field(default_factory=ExitStack)
     last_samples: list = field(default_factory=list)  # the latest training samples, for the rollout table
     ray_cluster: object | None = None
+    retrieval_server: object | None = None  # the in-process BackgroundServer, when this process runs it
 
     def sync_weights(self, version: int) -> None:
         """Trainer weights -> engine, in buckets of sync.bucket_mb."""
@@ -50,6 +56,21 @@ class Components:
             return
         buckets = self.worker.export_hf_weights(self.cfg.sync.bucket_mb << 20)
         asyncio.run(self.engine.update_weights(buckets, version))
+
+    def check_retrieval(self) -> None:
+        """After failed searches: ComponentDied naming the retrieval server when it is gone or
+        does not answer its health check; transient failures (it answers) pass."""
+        if self.searcher is None:
+            return
+        if self.ray_cluster is not None:
+            self.ray_cluster.check_retrieval()
+        base = self.searcher.url.removesuffix("/retrieve")
+        try:
+            response = httpx.get(base + "/health", timeout=self.cfg.agent.retrieval.timeout_s)
+            response.raise_for_status()
+        except httpx.HTTPError as e:
+            where = " (Ray actor RetrievalActor)" if self.ray_cluster and self.ray_cluster.retrieval_actor else ""
+            raise ComponentDied(f"retrieval server at {base}{where} is not answering: {type(e).__name__}: {e}") from e
 
     def agent_settings(self, validation: bool = False) -> AgentSettings:
         c, s = self.cfg, (self.cfg.rollout.val if validation else self.cfg.rollout)
@@ -100,37 +121,42 @@ def build_components(cfg: RunConfig) -> Components:
 
         ray_cluster = RayCluster(cfg, total_steps)
         closers.callback(ray_cluster.shutdown)
-        worker, engine = ray_cluster.worker, ray_cluster.engine
+        worker, engine, pool = ray_cluster.worker, ray_cluster.engine, ray_cluster.reward_pool
     else:
         torch.manual_seed(cfg.trainer.seed)
         model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=getattr(torch, cfg.model.dtype))
         worker = TorchTrainWorker(model, cfg, total_steps=total_steps)
         engine = LocalEngine(copy.deepcopy(model).eval(), tokenizer, max_batch_size=cfg.rollout.max_concurrency,
                              seed=cfg.trainer.seed)
+        pool = RewardPool(reward_spec(cfg), num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
     closers.callback(lambda: asyncio.run(engine.close()))
-    searcher = None
-    if cfg.agent.max_turns > 0:
-        searcher = _start_retrieval(cfg, closers)
-    pool = RewardPool(reward_spec(cfg), num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
     closers.callback(pool.close)
+    searcher, server = None, None
+    if cfg.agent.max_turns > 0:
+        searcher, server = _connect_retrieval(cfg, closers, ray_cluster)
     return Components(cfg, tokenizer, train_records, val_records,
                       PromptSampler(len(train_records), cfg.trainer.seed, d.shuffle), engine, worker, pool, searcher,
-                      total_steps, dropped, closers, ray_cluster=ray_cluster)
+                      total_steps, dropped, closers, ray_cluster=ray_cluster, retrieval_server=server)
 
 
-def _start_retrieval(cfg: RunConfig, closers: ExitStack):
+def _connect_retrieval(cfg: RunConfig, closers: ExitStack, ray_cluster):
+    """(client, in-process server or None): agent.retrieval.url, else the Ray cluster's
+    retrieval actor, else a server started in this process on index_dir."""
     from megarl.retrieval import RetrievalClient
-    from megarl.retrieval.index import load_index
-    from megarl.retrieval.server import BackgroundServer, create_app
 
     r = cfg.agent.retrieval
-    url = r.url
-    if url is None:
+    url, server = r.url, None
+    if url is None and ray_cluster is not None:
+        url = ray_cluster.retrieval_url
+    elif url is None:
+        from megarl.retrieval.index import load_index
+        from megarl.retrieval.server import BackgroundServer, create_app
+
         if r.index_dir is None:
             raise ValueError("agent.max_turns > 0 needs agent.retrieval.url or agent.retrieval.index_dir")
         server = BackgroundServer(create_app(load_index(r.index_dir), default_topk=r.topk), host=r.host, port=r.port)
         server.start()
         closers.callback(server.stop)
         url = server.url
-        log.info("retrieval server on %s serving %s", url, r.index_dir)
-    return RetrievalClient(url, timeout_s=r.timeout_s, max_retries=r.max_retries)
+    log.info("retrieval server on %s%s", url, f" serving {r.index_dir}" if r.url is None else "")
+    return RetrievalClient(url, timeout_s=r.timeout_s, max_retries=r.max_retries), server

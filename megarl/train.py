@@ -180,6 +180,11 @@ def rollout(c: Components, records, n: int, seed_base: int, group_base: int,
     seeds = [seed_base + i for i in range(len(prompts))]
     trajectories = asyncio.run(run_trajectories(c.engine, c.tokenizer, prompts, c.agent_settings(validation),
                                                 c.searcher, seeds))
+    failed = sum(t.num_failed_searches for t in trajectories)
+    if failed:
+        c.check_retrieval()  # a dead server stops the run with its name; a transient failure is counted
+        log.warning("%d of %d searches failed (the model saw 'Search failed: ...')", failed,
+                    sum(t.num_searches for t in trajectories))
     samples = [Sample(records[i // n], group_base + i // n, t) for i, t in enumerate(trajectories)]
     results, stats = c.reward_pool.compute(reward_requests(samples, c.tokenizer))
     scores = [r.score for r in results]

@@ -1,0 +1,84 @@
+"""A dead retrieval server, engine or reward actor stops the run with its name."""
+
+import time
+from dataclasses import replace
+
+import pytest
+import ray
+
+from megarl.components import ComponentDied, build_components
+from megarl.config import load_config
+from megarl.quickstart import QuickstartSettings, prepare
+from megarl import train as train_module
+from megarl.rollout.agent import Trajectory
+from megarl.train import train_step
+
+TINY = replace(QuickstartSettings(), num_entities=12, vocab_size=600, hidden_size=32, num_heads=4, num_kv_heads=2,
+               read_steps=2, mix_steps=2, batch_size=4, search_fraction=1.0)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    return prepare(tmp_path_factory.mktemp("qs"), TINY)
+
+
+def config(world, out, launcher):
+    return load_config(None, [
+        f"model.path={world / 'model'}", f"data.train_files=[{world / 'data' / 'train.parquet'}]",
+        "data.train_batch_size=2", "data.gen_batch_size=2", "data.max_prompt_length=256", "rollout.n=2",
+        "rollout.max_response_length=48", "algorithm.overlong.buffer_len=8", "algorithm.dynamic_sampling.enable=false",
+        "agent.max_turns=1", "agent.max_turn_length=12", "agent.max_obs_length=32",
+        f"agent.retrieval.index_dir={world / 'index'}", "agent.retrieval.port=0", "agent.retrieval.max_retries=0",
+        "agent.retrieval.timeout_s=5", "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size=4",
+        f"trainer.output_dir={out}", "tracking.backend=none", f"cluster.launcher={launcher}"])
+
+
+def test_stopped_in_process_retrieval_server_is_named(world, tmp_path, monkeypatch):
+    c = build_components(config(world, tmp_path, "inprocess"))
+    try:
+        c.check_retrieval()  # alive: passes
+        c.retrieval_server.stop()
+        with pytest.raises(ComponentDied, match=r"retrieval server at http://127\.0\.0\.1:\d+ is not answering"):
+            c.check_retrieval()
+
+        # a rollout whose searches failed asks for the check (the tiny model rarely searches by itself)
+        async def failed_searches(engine, tokenizer, prompts, settings, searcher, seeds):
+            return [Trajectory(prompt_ids=p, response_ids=[1], loss_mask=[1], rollout_log_probs=[0.0],
+                               num_searches=1, num_failed_searches=1) for p in prompts]
+
+        monkeypatch.setattr(train_module, "run_trajectories", failed_searches)
+        with pytest.raises(ComponentDied, match="retrieval server"):
+            train_step(c, 0)
+    finally:
+        c.close()
+
+
+def kill(actor) -> None:
+    """ray.kill, then wait until the actor is really gone (the kill is asynchronous)."""
+    ray.kill(actor)
+    for _ in range(300):
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.1)
+    raise AssertionError("the actor outlived ray.kill")
+
+
+def test_dead_ray_actors_are_named(world, tmp_path):
+    c = build_components(config(world, tmp_path, "ray"))
+    try:
+        train_step(c, 0)  # everything alive: a normal step
+        c.check_retrieval()
+        kill(c.ray_cluster.retrieval_actor)
+        with pytest.raises(ComponentDied, match=r"retrieval server at http://\S+ \(Ray actor RetrievalActor\)"):
+            c.check_retrieval()
+        kill(c.ray_cluster.reward_actor)
+        with pytest.raises(ComponentDied, match="reward workers \\(Ray actor RewardActor\\) died"):
+            c.reward_pool.compute([])
+        kill(c.ray_cluster.engine_actor)
+        with pytest.raises(ComponentDied, match="rollout engine \\(Ray actor EngineActor\\) died"):
+            train_step(c, 5)
+    finally:
+        c.close()
+    assert not ray.is_initialized()
