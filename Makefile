@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.megarl-installed
 
-.PHONY: setup test quickstart bench clean
+.PHONY: setup test quickstart quickstart-math bench clean
 
 setup: $(STAMP)
 
@@ -33,6 +33,11 @@ test: $(STAMP)
 quickstart: $(STAMP)
 	$(BIN)/python -m megarl.quickstart prepare outputs/quickstart
 	$(BIN)/megarl train examples/quickstart/search_r1_tiny.yaml
+
+# Single-turn DAPO on synthetic arithmetic (DAPO math reward), same way.
+quickstart-math: $(STAMP)
+	$(BIN)/python -m megarl.quickstart prepare-math outputs/quickstart_math
+	$(BIN)/megarl train examples/quickstart/dapo_math_tiny.yaml
 
 bench: $(STAMP)
 	$(BIN)/python tools/bench/rewards.py

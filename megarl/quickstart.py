@@ -1,7 +1,9 @@
-"""Inputs of the CPU quickstart, built locally: nothing comes from a model hub.
+"""Inputs of the CPU quickstarts, built locally: nothing comes from a model hub.
 
-    python -m megarl.quickstart prepare outputs/quickstart
+    python -m megarl.quickstart prepare outputs/quickstart                # Search-R1 + DAPO
     megarl train examples/quickstart/search_r1_tiny.yaml
+    python -m megarl.quickstart prepare-math outputs/quickstart_math      # single-turn DAPO math
+    megarl train examples/quickstart/dapo_math_tiny.yaml
 
 `prepare` writes, under its directory:
   data/   the synthetic search world (corpus.jsonl, train.parquet, val.parquet)
@@ -16,8 +18,12 @@ answer out of the observation in a few hundred steps. Phase two uses the full Se
 instruction and mixes in guessing demonstrations. The demonstrations draw fresh answers
 (`megarl.synthetic.warmup_examples`), so the model learns to read, not to memorise facts.
 
+`prepare-math` writes data/ (every sum a + b of one-digit numbers, in the DAPO-Math prompt
+and "Answer:" format) and model/, warmed up on answers that are right only
+`correct_fraction` of the time, so DAPO has a noisy policy to sharpen.
+
 Every output is written to a temporary directory and renamed into place, and a finished
-`prepare` is skipped when run again with the same settings (see `prepared.json`).
+preparation is skipped when run again with the same settings (see `prepared.json`).
 """
 
 from __future__ import annotations
@@ -55,15 +61,39 @@ class QuickstartSettings:
     topk: int = 1  # as in examples/quickstart/search_r1_tiny.yaml
 
 
-def prepare(out_dir: str | Path, settings: QuickstartSettings = QuickstartSettings(), force: bool = False) -> Path:
-    """Build data/, index/ and model/ under out_dir (skipped when already built alike)."""
-    out = Path(out_dir)
+@dataclass(frozen=True)
+class MathSettings:
+    max_operand: int = 9
+    num_val: int = 30
+    seed: int = 0
+    vocab_size: int = 1000
+    hidden_size: int = 256
+    num_layers: int = 2
+    num_heads: int = 8
+    num_kv_heads: int = 4
+    bare_steps: int = 300  # phase one: the problem alone as the prompt
+    steps: int = 300  # phase two: the full DAPO-Math prompt
+    correct_fraction: float = 0.3
+    batch_size: int = 16
+    lr: float = 2e-3
+
+
+def _up_to_date(out: Path, settings, force: bool) -> bool:
     stamp = out / STAMP
     if not force and stamp.exists() and json.loads(stamp.read_text()).get("settings") == asdict(settings):
         print(f"quickstart inputs in {out} are up to date (delete {stamp} or pass --force to rebuild)")
-        return out
+        return True
     out.mkdir(parents=True, exist_ok=True)
     stamp.unlink(missing_ok=True)
+    return False
+
+
+def prepare(out_dir: str | Path, settings: QuickstartSettings = QuickstartSettings(), force: bool = False) -> Path:
+    """Build data/, index/ and model/ under out_dir (skipped when already built alike)."""
+    out = Path(out_dir)
+    if _up_to_date(out, settings, force):
+        return out
+    stamp = out / STAMP
     start = time.perf_counter()
     s = settings
 
@@ -82,18 +112,62 @@ def prepare(out_dir: str | Path, settings: QuickstartSettings = QuickstartSettin
 
     tokenizer = _train_tokenizer(out / "data", s)
     model = _tiny_qwen2(len(tokenizer), tokenizer.eos_token_id, s)
+    model_dir = _fresh(out / "model")
+    tokenizer = _as_the_trainer_loads_it(model, tokenizer, model_dir)
+    _check_names(out / "data", tokenizer)
     print(f"[3/4] tokenizer ({len(tokenizer)} tokens) and a tiny Qwen2 "
           f"({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters)")
 
     stats = _warm_up(model, tokenizer, train_facts, s)
-    model_dir = _fresh(out / "model")
     model.save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
     _replace(model_dir, out / "model")
     stats["seconds"] = round(time.perf_counter() - start, 1)
     stamp.write_text(json.dumps({"settings": asdict(s), "stats": stats}, indent=2))
     print(f"[4/4] warmed-up model in {out / 'model'} (final loss {stats['final_loss']:.4f}; "
           f"{stats['search_fraction']:.0%} of phase-two demonstrations search); {stats['seconds']:.0f} s in all")
+    return out
+
+
+def prepare_math(out_dir: str | Path, settings: MathSettings = MathSettings(), force: bool = False) -> Path:
+    """Build data/ and model/ for the single-turn DAPO arithmetic run (skipped when up to date)."""
+    from megarl.config import OptimConfig
+    from megarl.data.tokenizer import train_bpe_tokenizer
+    from megarl.sft import supervised_warmup
+    from megarl.synthetic import DAPO_MATH_INSTRUCTION, arithmetic_examples, read_sums, write_arithmetic_world
+
+    out = Path(out_dir)
+    if _up_to_date(out, settings, force):
+        return out
+    s, start = settings, time.perf_counter()
+    data = _fresh(out / "data")
+    write_arithmetic_world(data, s.max_operand, s.num_val, s.seed)
+    _replace(data, out / "data")
+    items = read_sums(out / "data" / "train.parquet")
+    print(f"[1/3] arithmetic problems: {len(items)} for training, {s.num_val} of them for validation")
+    texts = [DAPO_MATH_INSTRUCTION.format(problem=x.problem) + f"{x.a} + {x.b} = {x.answer}\nAnswer: {x.answer}"
+             for x in items] + [str(n) for n in range(4 * s.max_operand + 4)]
+    tokenizer = train_bpe_tokenizer(texts, s.vocab_size)
+    model = _tiny_qwen2(len(tokenizer), tokenizer.eos_token_id, s)
+    model_dir = _fresh(out / "model")
+    tokenizer = _as_the_trainer_loads_it(model, tokenizer, model_dir)
+    print(f"[2/3] tokenizer ({len(tokenizer)} tokens) and a tiny Qwen2 "
+          f"({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters)")
+    optim = OptimConfig(lr=s.lr, lr_warmup_steps=30, lr_scheduler="constant", weight_decay=0.0, grad_clip=1.0)
+    bare = arithmetic_examples(items, tokenizer, s.correct_fraction, s.seed, bare_problem=True,
+                               repeats=-(-s.bare_steps * s.batch_size // len(items)))
+    supervised_warmup(model, bare, steps=s.bare_steps, batch_size=s.batch_size, optim=optim, seed=s.seed,
+                      pad_id=tokenizer.pad_token_id, desc="warm-up 1/2 (bare problems)")
+    examples = arithmetic_examples(items, tokenizer, s.correct_fraction, s.seed + 1,
+                                   repeats=-(-s.steps * s.batch_size // len(items)))
+    losses = supervised_warmup(model, examples, steps=s.steps, batch_size=s.batch_size, optim=optim,
+                               seed=s.seed + 1, pad_id=tokenizer.pad_token_id, desc="warm-up 2/2 (DAPO prompt)")
+    model.save_pretrained(model_dir)
+    _replace(model_dir, out / "model")
+    tail = losses[-50:]
+    stats = {"final_loss": sum(tail) / len(tail), "seconds": round(time.perf_counter() - start, 1)}
+    (out / STAMP).write_text(json.dumps({"settings": asdict(s), "stats": stats}, indent=2))
+    print(f"[3/3] warmed-up model in {out / 'model'} (final loss {stats['final_loss']:.4f}; answers right "
+          f"{s.correct_fraction:.0%} of the time in the demonstrations); {stats['seconds']:.0f} s in all")
     return out
 
 
@@ -108,14 +182,30 @@ def _train_tokenizer(data_dir: Path, s: QuickstartSettings):
     texts += [SEARCH_INSTRUCTION.format(question=question(f)) for f in facts]
     texts += [INVALID_ACTION_MESSAGE
               + "<search> </search>\n\n<information>Doc 1(Title: </information>\n\n<answer> </answer>"] * 50
-    tokenizer = train_bpe_tokenizer(texts, s.vocab_size)
+    return train_bpe_tokenizer(texts, s.vocab_size)
+
+
+def _check_names(data_dir: Path, tokenizer) -> None:
+    from megarl.synthetic import read_facts
+
+    facts = read_facts(data_dir / "train.parquet") + read_facts(data_dir / "val.parquet")
     split = sorted({n for f in facts for n in (f.entity, f.answer) if len(tokenizer.encode(" " + n)) > 1})
     if split:  # still trains, only slower: copying a name takes several tokens
         log.warning("%d names are split into several tokens (e.g. %s); raise vocab_size", len(split), split[0])
-    return tokenizer
 
 
-def _tiny_qwen2(vocab_size: int, eos_id: int, s: QuickstartSettings):
+def _as_the_trainer_loads_it(model, tokenizer, model_dir: Path):
+    """Save the tokenizer beside the model's config and load it back with AutoTokenizer, as
+    the trainer will: transformers picks the tokenizer class from the model type (Qwen2's
+    splits digits one by one), so demonstrations must be encoded by the reloaded one."""
+    from transformers import AutoTokenizer
+
+    model.config.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def _tiny_qwen2(vocab_size: int, eos_id: int, s: QuickstartSettings | MathSettings):
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -165,9 +255,14 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("prepare", help="build the search world, index and warmed-up tiny model")
     p.add_argument("out_dir", help="where data/, index/ and model/ go (the quickstart config reads outputs/quickstart)")
     p.add_argument("--force", action="store_true", help="rebuild even when up to date")
+    p.set_defaults(run=lambda a: prepare(a.out_dir, force=a.force))
+    m = sub.add_parser("prepare-math", help="build the arithmetic problems and warmed-up tiny model")
+    m.add_argument("out_dir", help="where data/ and model/ go (the math config reads outputs/quickstart_math)")
+    m.add_argument("--force", action="store_true", help="rebuild even when up to date")
+    m.set_defaults(run=lambda a: prepare_math(a.out_dir, force=a.force))
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    prepare(args.out_dir, force=args.force)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args.run(args)
     return 0
 
 

@@ -145,7 +145,7 @@ class Demonstration:
     prompt_ids: list[int]
     response_ids: list[int]
     loss_mask: list[int]
-    searched: bool
+    searched: bool = False
 
 
 def warmup_examples(facts: list[Fact], tokenizer, search_fraction: float, seed: int, topk: int = 1,
@@ -188,4 +188,74 @@ def warmup_examples(facts: list[Fact], tokenizer, search_fraction: float, seed: 
             response += ids
             mask += [m] * len(ids)
         out.append(Demonstration(prompt, response, mask, searched))
+    return out
+
+
+# ---- single-turn arithmetic for DAPO (the DAPO-Math prompt and "Answer:" format) ----
+
+DAPO_MATH_INSTRUCTION = (
+    "Solve the following math problem step by step. The last line of your response should be of the form "
+    "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{problem}\n\n"
+    "Remember to put your answer on its own line after \"Answer:\"."
+)
+MATH_DATA_SOURCE = "math_dapo"
+
+
+@dataclass(frozen=True)
+class Sum:
+    a: int
+    b: int
+
+    @property
+    def problem(self) -> str:
+        return f"What is {self.a} + {self.b}?"
+
+    @property
+    def answer(self) -> int:
+        return self.a + self.b
+
+
+def math_row(item: Sum, index: int, split: str) -> dict:
+    """A row as DAPO-Math-17k stores it: chat prompt, data_source routed to the DAPO math reward."""
+    return {"data_source": MATH_DATA_SOURCE,
+            "prompt": [{"role": "user", "content": DAPO_MATH_INSTRUCTION.format(problem=item.problem)}],
+            "ability": "MATH",
+            "reward_model": {"style": "rule", "ground_truth": str(item.answer)},
+            "extra_info": {"split": split, "index": index, "a": item.a, "b": item.b}}
+
+
+def write_arithmetic_world(out_dir: str | Path, max_operand: int = 9, num_val: int = 30,
+                           seed: int = 0) -> dict[str, Path]:
+    """train.parquet with every sum a + b for 0 <= a, b <= max_operand, and val.parquet with
+    num_val of them (validation measures how reliably the policy answers problems it was
+    trained on: the run shows DAPO sharpening a noisy policy, not generalisation)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    items = [Sum(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
+    val = random.Random(seed).sample(items, min(num_val, len(items)))
+    paths = {"train": out / "train.parquet", "val": out / "val.parquet"}
+    pq.write_table(pa.Table.from_pylist([math_row(x, i, "train") for i, x in enumerate(items)]), paths["train"])
+    pq.write_table(pa.Table.from_pylist([math_row(x, i, "test") for i, x in enumerate(val)]), paths["val"])
+    return paths
+
+
+def read_sums(parquet_path: str | Path) -> list[Sum]:
+    return [Sum(r["extra_info"]["a"], r["extra_info"]["b"]) for r in pq.read_table(parquet_path).to_pylist()]
+
+
+def arithmetic_examples(items: list[Sum], tokenizer, correct_fraction: float, seed: int,
+                        repeats: int = 1, bare_problem: bool = False) -> list[Demonstration]:
+    """Demonstrations "a + b = c\\nAnswer: c" (EOS-terminated) in which c is right with
+    probability correct_fraction and otherwise off by 1 to 3: a noisy policy for DAPO to sharpen.
+    bare_problem: the prompt is only the problem (first phase of a warm-up curriculum)."""
+    rng = random.Random(seed)
+    out = []
+    for item in [x for _ in range(repeats) for x in items]:
+        right = rng.random() < correct_fraction
+        c = item.answer if right else item.answer + rng.choice([o for o in (-3, -2, -1, 1, 2, 3) if item.answer + o >= 0])
+        text = item.problem if bare_problem else DAPO_MATH_INSTRUCTION.format(problem=item.problem)
+        prompt = tokenizer.encode(text, add_special_tokens=False)
+        response = tokenizer.encode(f"{item.a} + {item.b} = {c}\nAnswer: {c}", add_special_tokens=False)
+        response.append(tokenizer.eos_token_id)
+        out.append(Demonstration(prompt, response, [1] * len(response)))
     return out

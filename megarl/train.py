@@ -76,8 +76,7 @@ def train(cfg: RunConfig) -> dict[str, float]:
             if cfg.tracking.log_rollouts_freq and done % cfg.tracking.log_rollouts_freq == 0:
                 tracker.log_table(rollout_table(c, c.last_samples), f"rollouts/step_{done:06d}.json")
             history.append({k: metrics[k] for k in HISTORY_KEYS if k in metrics} | {"step": done})
-            progress.set_postfix({k.split("/")[-1]: f"{metrics[k]:.3f}" for k in
-                                  ("train/reward_mean", "train/acc", "val/acc") if k in metrics})
+            progress.set_postfix({short: f"{metrics[k]:.3f}" for short, k in PROGRESS_KEYS.items() if k in metrics})
             if (cfg.trainer.save_freq and done % cfg.trainer.save_freq == 0) or done == c.total_steps:
                 _save(c, ckpt_root, done, tracker.run_id, history)
         export_hf(c, out / "hf")
@@ -93,6 +92,8 @@ def train(cfg: RunConfig) -> dict[str, float]:
         print(summary(status, out, history, cfg.tracking))
 
 
+PROGRESS_KEYS = {"reward": "train/reward_mean", "acc": "train/acc", "searches": "rollout/search_calls_mean",
+                 "val_acc": "val/acc"}
 HISTORY_KEYS = ("train/reward_mean", "train/acc", "rollout/search_calls_mean", "val/acc")
 
 

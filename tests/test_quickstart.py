@@ -8,12 +8,15 @@ from mlflow.tracking import MlflowClient
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from megarl.config import load_config
-from megarl.quickstart import QuickstartSettings, main, prepare
-from megarl.synthetic import read_facts
+from megarl.quickstart import MathSettings, QuickstartSettings, main, prepare, prepare_math
+from megarl.synthetic import read_facts, read_sums
 from megarl.tracking import local_store_uri
 from megarl.train import train
 
 CONFIG = Path(__file__).resolve().parents[1] / "examples" / "quickstart" / "search_r1_tiny.yaml"
+MATH_CONFIG = CONFIG.with_name("dapo_math_tiny.yaml")
+TINY_MATH = replace(MathSettings(), max_operand=3, num_val=5, vocab_size=300, hidden_size=32, num_heads=4, num_kv_heads=2, bare_steps=2, steps=3,
+                   batch_size=4)
 TINY = replace(QuickstartSettings(), num_entities=12, vocab_size=600, hidden_size=32, num_heads=4, num_kv_heads=2,
                read_steps=3, mix_steps=3, batch_size=4)
 
@@ -56,6 +59,26 @@ def test_command_line(tmp_path, monkeypatch):
     import megarl.quickstart as qs
 
     seen = {}
-    monkeypatch.setattr(qs, "prepare", lambda out, force=False: seen.update(out=out, force=force))
+    monkeypatch.setattr(qs, "prepare", lambda out, force=False: seen.update(search=out, force=force))
+    monkeypatch.setattr(qs, "prepare_math", lambda out, force=False: seen.update(math=out))
     assert main(["prepare", str(tmp_path), "--force"]) == 0
-    assert seen == {"out": str(tmp_path), "force": True}
+    assert main(["prepare-math", str(tmp_path / "m")]) == 0
+    assert seen == {"search": str(tmp_path), "force": True, "math": str(tmp_path / "m")}
+
+
+def test_math_quickstart_config_trains_on_prepared_inputs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    out = prepare_math(Path("outputs/quickstart_math"), TINY_MATH)
+    train_items, val_items = read_sums(out / "data" / "train.parquet"), read_sums(out / "data" / "val.parquet")
+    assert len(train_items) == 16 and set(val_items) <= set(train_items)
+    cfg = load_config(str(MATH_CONFIG), ["trainer.total_training_steps=1", "data.train_batch_size=2",
+                                         "data.gen_batch_size=2", "rollout.n=2", "rollout.val.n=1",
+                                         "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size=4",
+                                         "cluster.launcher=inprocess", "algorithm.dynamic_sampling.enable=false"])
+    assert cfg.agent.max_turns == 0
+    train(cfg)
+    client = MlflowClient(tracking_uri=local_store_uri(Path("outputs/quickstart_math/run")))
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    # the DAPO math reward scores every sample +1 or -1 (overlong shaping only lowers it)
+    assert -2.0 <= client.get_metric_history(run.info.run_id, "train/reward_mean")[0].value <= 1.0
+    assert {m.step for m in client.get_metric_history(run.info.run_id, "val/acc")} == {0, 1}

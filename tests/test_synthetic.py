@@ -9,8 +9,8 @@ from megarl.retrieval import build_index, load_index
 from megarl.retrieval.corpus import iter_corpus
 from megarl.reward import compute_score
 from megarl.rollout.agent import SEARCH_INSTRUCTION, build_search_prompt
-from megarl.synthetic import (RELATIONS, make_facts, question, read_facts, search_query, warmup_examples,
-                              write_search_world)
+from megarl.synthetic import (RELATIONS, arithmetic_examples, make_facts, question, read_facts, read_sums,
+                              search_query, warmup_examples, write_arithmetic_world, write_search_world)
 from tiny_models import tiny_tokenizer
 
 
@@ -85,3 +85,24 @@ def test_guessing_demonstrations_and_the_bare_prompt():
             guess = re.fullmatch(r"<answer> (\w+) </answer>", tok.decode(demo.response_ids))[1]
             assert guess in {f.answer for f in facts if f.relation == fact.relation}
             assert demo.loss_mask == [1] * len(demo.response_ids)
+
+
+def test_arithmetic_rows_and_noisy_demonstrations(tmp_path):
+    paths = write_arithmetic_world(tmp_path, max_operand=4, num_val=6, seed=2)
+    train, val = read_sums(paths["train"]), read_sums(paths["val"])
+    assert sorted((x.a, x.b) for x in train) == [(a, b) for a in range(5) for b in range(5)]
+    assert len(val) == 6 and set(val) <= set(train)
+    records, _ = load_prompts([str(paths["train"])], tiny_tokenizer(), max_prompt_length=10_000)
+    for record, item in zip(records, train):
+        assert record.data_source == "math_dapo" and record.ground_truth == str(item.a + item.b)
+        assert compute_score(record.data_source, f"so\nAnswer: {item.a + item.b}", record.ground_truth)["score"] == 1.0
+    tok = tiny_tokenizer(600)
+    demos = arithmetic_examples(train, tok, correct_fraction=0.3, seed=0, repeats=8)
+    right = 0
+    for demo, item in zip(demos, train * 8):
+        assert demo.response_ids[-1] == tok.eos_token_id
+        m = re.fullmatch(r"(\d+) \+ (\d+) = (\d+)\nAnswer: (\d+)", tok.decode(demo.response_ids[:-1]))
+        assert (int(m[1]), int(m[2])) == (item.a, item.b) and m[3] == m[4]
+        assert 0 <= int(m[4]) and abs(int(m[4]) - item.answer) <= 3
+        right += int(m[4]) == item.answer
+    assert 30 <= right <= 90  # 200 demonstrations at p = 0.3: 60 expected
