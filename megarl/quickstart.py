@@ -262,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     m.set_defaults(run=lambda a: prepare_math(a.out_dir, force=a.force))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("bm25s").setLevel(logging.WARNING)  # it logs every build step at DEBUG
     args.run(args)
     return 0
 
