@@ -141,7 +141,7 @@ def test_ray_launcher_trains_exactly_like_one_process(inputs, tmp_path):
     common = ["trainer.val_before_train=false", "trainer.test_freq=0"]
     train(load_config(None, tiny_overrides(inputs, local, steps=2) + common))
     train(load_config(None, tiny_overrides(inputs, distributed, steps=2) + common +
-                      ["cluster.launcher=ray", "cluster.cpus_per_node=2"]))
+                      ["cluster.launcher=ray", "cluster.cpus_per_node=3"]))
     a = load_file(str(local / "checkpoints" / "step_000002" / "actor.safetensors"))
     b = load_file(str(distributed / "checkpoints" / "step_000002" / "actor.safetensors"))
     for name in a:
