@@ -103,18 +103,18 @@ def prepare(out_dir: str | Path, settings: QuickstartSettings = QuickstartSettin
     data = _fresh(out / "data")
     paths = write_search_world(data, s.num_entities, s.val_fraction, s.seed, s.answers_per_relation)
     _replace(data, out / "data")
-    train_facts = read_facts(out / "data" / "train.parquet")
+    train_facts, val_facts = read_facts(out / "data" / "train.parquet"), read_facts(out / "data" / "val.parquet")
     print(f"[1/4] search world: {len(train_facts)} training questions, "
-          f"{len(read_facts(out / 'data' / 'val.parquet'))} validation questions in {out / 'data'}")
+          f"{len(val_facts)} validation questions in {out / 'data'}")
 
     build_index(out / "data" / paths["corpus"].name, out / "index", kind="bm25", overwrite=True, show_progress=False)
     print(f"[2/4] BM25 index in {out / 'index'}")
 
-    tokenizer = _train_tokenizer(out / "data", s)
+    tokenizer = _train_tokenizer(out / "data" / "corpus.jsonl", train_facts + val_facts, s)
     model = _tiny_qwen2(len(tokenizer), tokenizer.eos_token_id, s)
     model_dir = _fresh(out / "model")
     tokenizer = _as_the_trainer_loads_it(model, tokenizer, model_dir)
-    _check_names(out / "data", tokenizer)
+    _check_names(train_facts + val_facts, tokenizer)
     print(f"[3/4] tokenizer ({len(tokenizer)} tokens) and a tiny Qwen2 "
           f"({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters)")
 
@@ -171,13 +171,12 @@ def prepare_math(out_dir: str | Path, settings: MathSettings = MathSettings(), f
     return out
 
 
-def _train_tokenizer(data_dir: Path, s: QuickstartSettings):
+def _train_tokenizer(corpus: Path, facts, s: QuickstartSettings):
     from megarl.data.tokenizer import train_bpe_tokenizer
     from megarl.rollout.agent import INVALID_ACTION_MESSAGE, SEARCH_INSTRUCTION
-    from megarl.synthetic import question, read_facts
+    from megarl.synthetic import question
 
-    facts = read_facts(data_dir / "train.parquet") + read_facts(data_dir / "val.parquet")
-    with open(data_dir / "corpus.jsonl", encoding="utf-8") as fh:
+    with open(corpus, encoding="utf-8") as fh:
         texts = [json.loads(line)["contents"] for line in fh]
     texts += [SEARCH_INSTRUCTION.format(question=question(f)) for f in facts]
     texts += [INVALID_ACTION_MESSAGE
@@ -185,10 +184,7 @@ def _train_tokenizer(data_dir: Path, s: QuickstartSettings):
     return train_bpe_tokenizer(texts, s.vocab_size)
 
 
-def _check_names(data_dir: Path, tokenizer) -> None:
-    from megarl.synthetic import read_facts
-
-    facts = read_facts(data_dir / "train.parquet") + read_facts(data_dir / "val.parquet")
+def _check_names(facts, tokenizer) -> None:
     split = sorted({n for f in facts for n in (f.entity, f.answer) if len(tokenizer.encode(" " + n)) > 1})
     if split:  # still trains, only slower: copying a name takes several tokens
         log.warning("%d names are split into several tokens (e.g. %s); raise vocab_size", len(split), split[0])
