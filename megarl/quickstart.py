@@ -57,7 +57,7 @@ class QuickstartSettings:
     mix_steps: int = 300  # phase two: full instruction, search_fraction of the demonstrations search
     search_fraction: float = 0.3
     batch_size: int = 16
-    lr: float = 2e-3
+    lr: float = 1e-3
     topk: int = 1  # as in examples/quickstart/search_r1_tiny.yaml
 
 
@@ -258,7 +258,6 @@ def main(argv: list[str] | None = None) -> int:
     m.set_defaults(run=lambda a: prepare_math(a.out_dir, force=a.force))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("bm25s").setLevel(logging.WARNING)  # it logs every build step at DEBUG
     args.run(args)
     return 0
 

@@ -8,6 +8,7 @@ themselves live in the index's DocStore.
 
 from __future__ import annotations
 
+import logging
 from array import array
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -20,6 +21,9 @@ from bm25s.tokenization import Tokenizer
 from megarl.retrieval.docstore import DocStore
 from megarl.retrieval.documents import Document, Hit
 from megarl.retrieval.errors import RetrievalError
+
+# bm25s sets its logger to DEBUG on import; let it follow the application's logging instead
+logging.getLogger("bm25s").setLevel(logging.NOTSET)
 from megarl.retrieval.retriever import check_search_args
 
 BM25_SUBDIR = "bm25"
