@@ -75,7 +75,7 @@ class MathSettings:
     steps: int = 300  # phase two: the full DAPO-Math prompt
     correct_fraction: float = 0.3
     batch_size: int = 16
-    lr: float = 2e-3
+    lr: float = 1e-3
 
 
 def _up_to_date(out: Path, settings, force: bool) -> bool:
