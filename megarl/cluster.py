@@ -239,8 +239,6 @@ class RayCluster:
             reward_spec(cfg), cfg.reward.num_workers, cfg.reward.timeout_s)
         self.retrieval_actor = None
         if cfg.agent.max_turns > 0 and cfg.agent.retrieval.url is None:
-            if cfg.agent.retrieval.index_dir is None:
-                raise ValueError("agent.max_turns > 0 needs agent.retrieval.url or agent.retrieval.index_dir")
             self.retrieval_actor = RetrievalActor.options(num_cpus=0.5, scheduling_strategy=place[2]).remote(
                 cfg.agent.retrieval)
         self.worker = RemoteTrainWorker(self.worker_actor)

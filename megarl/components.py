@@ -152,8 +152,6 @@ def _connect_retrieval(cfg: RunConfig, closers: ExitStack, ray_cluster):
         from megarl.retrieval.index import load_index
         from megarl.retrieval.server import BackgroundServer, create_app
 
-        if r.index_dir is None:
-            raise ValueError("agent.max_turns > 0 needs agent.retrieval.url or agent.retrieval.index_dir")
         server = BackgroundServer(create_app(load_index(r.index_dir), default_topk=r.topk), host=r.host, port=r.port)
         server.start()
         closers.callback(server.stop)

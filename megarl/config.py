@@ -320,6 +320,9 @@ class RunConfig:
             problems.add("agent.max_turn_length",
                          f"{self.agent.max_turn_length} exceeds rollout.max_response_length={r.max_response_length}",
                          "a single turn cannot be longer than the whole trajectory budget")
+        if self.agent.max_turns > 0 and self.agent.retrieval.url is None and self.agent.retrieval.index_dir is None:
+            problems.add("agent.retrieval", f"agent.max_turns={self.agent.max_turns} searches, but nothing serves the searches",
+                         "set agent.retrieval.index_dir (megarl starts a server on it) or agent.retrieval.url")
         for name, worker in (("actor", actor), ("critic", self.critic)):
             p = worker.parallel
             if worker.backend == "torch" and (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,

@@ -127,7 +127,9 @@ def test_out_of_range(override, bound):
     (["reward.repetition_max_penalty=0.5"], "reward.repetition_max_penalty", "out of range"),
     (["rollout.engine=sglang"], "rollout.engine", "needs GPUs"),
     (["agent.max_turns=2", "agent.max_turn_length=4096", "rollout.max_response_length=1024",
-      "algorithm.overlong.buffer_len=256"], "agent.max_turn_length", "exceeds rollout.max_response_length"),
+      "algorithm.overlong.buffer_len=256", "agent.retrieval.index_dir=idx"],
+     "agent.max_turn_length", "exceeds rollout.max_response_length"),
+    (["agent.max_turns=2"], "agent.retrieval", "nothing serves the searches"),
 ])
 def test_inconsistent_values(overrides, key, words):
     found = problems_of(overrides)
