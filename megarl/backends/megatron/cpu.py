@@ -1,0 +1,69 @@
+"""Run megatron-core on a CPU-only machine (gloo, fp32, tiny models): for tests and CI.
+
+megatron-core assumes CUDA in a few places that have nothing to do with the numerics:
+the device of the current rank, the CUDA RNG state its RNG tracker forks, `synchronize`,
+and factory calls that pass `device="cuda"` (the pipeline schedules' buffers, the default
+causal mask, rotary frequencies). `enable_cpu_mode()` redirects exactly those to the CPU
+and leaves everything else alone. It does nothing when CUDA is available, so the same code
+runs unchanged on GPUs. Call it before building models (the backend does).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_lock = threading.Lock()
+_enabled = False
+
+
+def cuda_absent() -> bool:
+    return not torch.cuda.is_available()
+
+
+def enable_cpu_mode() -> bool:
+    """Redirect megatron-core's CUDA-only calls to the CPU when CUDA is absent; True if it did.
+    Idempotent and process-wide."""
+    global _enabled
+    if not cuda_absent():
+        return False
+    with _lock:
+        if _enabled:
+            return True
+        torch.cuda.current_device = lambda: "cpu"
+        torch.cuda.synchronize = lambda device=None: None
+        torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+        torch.cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
+        # the CPU generator itself: torch.manual_seed calls torch.cuda.manual_seed_all
+        torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+        torch.cuda.manual_seed_all = lambda seed: torch.default_generator.manual_seed(int(seed))
+
+        from megatron.core.tensor_parallel import random as mp_random
+
+        mp_random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
+        mp_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+        _CudaToCpu().__enter__()  # for the life of the process
+        _enabled = True
+    return True
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return isinstance(device, str) and device.startswith("cuda")
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Rewrites device="cuda" in factory calls and `.cuda()` / `.to("cuda")` to the CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.to and args[1:] and _is_cuda(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)

@@ -1,0 +1,153 @@
+"""HF ⇄ Megatron tensor mapping for the dense families of `megarl.models.spec`.
+
+One table serves loading, export, checkpoint conversion and weight sync. Each megatron
+parameter has a `TensorRule`: the HF tensors it is made of, how they are fused, and the
+axis along which tensor parallelism splits it. Names use megatron-core's local layer spec
+with global layer numbers (`decoder.layers.{i}.…`); `te_name` gives the Transformer Engine
+spec's name, where the norms live inside the following linear layer.
+
+Fused layouts (megatron-core's):
+- linear_qkv: per query group g, [the group's query heads, its key head, its value head]
+  stacked along the output rows; TP gives each rank a contiguous run of groups.
+- linear_fc1: [gate; up] per TP rank, i.e. rank r holds cat(gate_r, up_r).
+- embedding / output_layer: the vocabulary padded with zero rows to
+  `spec.padded_vocab_size(tp)`, split by rows across ranks; padding never leaves.
+
+`shard_from_hf` builds one rank's shard from HF tensors; `hf_from_shards` inverts it from
+all ranks' shards. Both are exact (slicing and concatenation only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megarl.models.spec import ModelSpec
+
+COPY, QKV, GLU = "copy", "qkv", "glu"
+
+
+@dataclass(frozen=True)
+class TensorRule:
+    megatron: str
+    hf: tuple[str, ...]
+    kind: str = COPY
+    tp_axis: int | None = None  # None: every TP rank holds the whole tensor
+    vocab: bool = False  # rows are vocabulary entries (padded on the megatron side)
+
+
+def layer_rules(spec: ModelSpec, i: int) -> list[TensorRule]:
+    m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+    att, mlp = h + "self_attn.", h + "mlp."
+    rules = [
+        TensorRule(m + "input_layernorm.weight", (h + "input_layernorm.weight",)),
+        TensorRule(m + "self_attention.linear_qkv.weight",
+                   (att + "q_proj.weight", att + "k_proj.weight", att + "v_proj.weight"), QKV, 0),
+    ]
+    if spec.qkv_bias:
+        rules.append(TensorRule(m + "self_attention.linear_qkv.bias",
+                                (att + "q_proj.bias", att + "k_proj.bias", att + "v_proj.bias"), QKV, 0))
+    if spec.qk_norm:
+        rules += [TensorRule(m + "self_attention.q_layernorm.weight", (att + "q_norm.weight",)),
+                  TensorRule(m + "self_attention.k_layernorm.weight", (att + "k_norm.weight",))]
+    rules += [
+        TensorRule(m + "self_attention.linear_proj.weight", (att + "o_proj.weight",), COPY, 1),
+        TensorRule(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",)),
+        TensorRule(m + "mlp.linear_fc1.weight", (mlp + "gate_proj.weight", mlp + "up_proj.weight"), GLU, 0),
+        TensorRule(m + "mlp.linear_fc2.weight", (mlp + "down_proj.weight",), COPY, 1),
+    ]
+    return rules
+
+
+def embedding_rule() -> TensorRule:
+    return TensorRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), COPY, 0, vocab=True)
+
+
+def head_rules(spec: ModelSpec) -> list[TensorRule]:
+    """The final norm and, unless the embeddings are tied, the output layer."""
+    rules = [TensorRule("decoder.final_layernorm.weight", ("model.norm.weight",))]
+    if not spec.tied_embeddings:
+        rules.append(TensorRule("output_layer.weight", ("lm_head.weight",), COPY, 0, vocab=True))
+    return rules
+
+
+def all_rules(spec: ModelSpec) -> list[TensorRule]:
+    return [embedding_rule()] + [r for i in range(spec.num_layers) for r in layer_rules(spec, i)] + head_rules(spec)
+
+
+def hf_names(spec: ModelSpec) -> list[str]:
+    """Every tensor name of the HF checkpoint, in megatron order (tied: no lm_head)."""
+    return [n for r in all_rules(spec) for n in r.hf]
+
+
+_TE_NAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+             "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+
+
+def te_name(name: str) -> str:
+    """The Transformer Engine layer spec's name for a local-spec parameter name."""
+    for local, te in _TE_NAMES.items():
+        if name.endswith(local) and ".layers." in name:
+            return name[: -len(local)] + te
+    return name
+
+
+def shard_from_hf(rule: TensorRule, tensors: dict[str, torch.Tensor], spec: ModelSpec, tp_rank: int,
+                  tp_size: int) -> torch.Tensor:
+    """This TP rank's megatron tensor for `rule`, from the HF tensors it names."""
+    parts = [tensors[n] for n in rule.hf]
+    if rule.kind == QKV:
+        return _qkv_shard(parts, spec, tp_rank, tp_size)
+    if rule.kind == GLU:
+        gate, up = (_split(t, 0, tp_rank, tp_size) for t in parts)
+        return torch.cat([gate, up], dim=0)
+    (tensor,) = parts
+    if rule.vocab:
+        tensor = _pad_rows(tensor, spec.padded_vocab_size(tp_size))
+    return tensor if rule.tp_axis is None else _split(tensor, rule.tp_axis, tp_rank, tp_size)
+
+
+def hf_from_shards(rule: TensorRule, shards: list[torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """The HF tensors of `rule` from every TP rank's shard (in rank order)."""
+    if rule.tp_axis is None:
+        return {rule.hf[0]: shards[0]}
+    if rule.kind == QKV:
+        return dict(zip(rule.hf, _qkv_unfuse(torch.cat(shards, dim=0), spec), strict=True))
+    if rule.kind == GLU:
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return {rule.hf[0]: torch.cat([g for g, _ in halves]), rule.hf[1]: torch.cat([u for _, u in halves])}
+    full = torch.cat(shards, dim=rule.tp_axis)
+    return {rule.hf[0]: full[: spec.vocab_size] if rule.vocab else full}
+
+
+def _split(t: torch.Tensor, axis: int, rank: int, size: int) -> torch.Tensor:
+    if t.shape[axis] % size:
+        raise ValueError(f"dimension {axis} of a {tuple(t.shape)} tensor does not split over {size} TP ranks")
+    return t.chunk(size, dim=axis)[rank]
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    if t.shape[0] == rows:
+        return t
+    return torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))], dim=0)
+
+
+def _qkv_shard(parts: list[torch.Tensor], spec: ModelSpec, rank: int, size: int) -> torch.Tensor:
+    q, k, v = parts
+    d, per = spec.head_dim, spec.heads_per_group
+    groups = spec.num_kv_heads // size
+    rest = q.shape[1:]
+    q = q.reshape(spec.num_kv_heads, per * d, *rest)
+    k = k.reshape(spec.num_kv_heads, d, *rest)
+    v = v.reshape(spec.num_kv_heads, d, *rest)
+    mine = slice(rank * groups, (rank + 1) * groups)
+    return torch.cat([q[mine], k[mine], v[mine]], dim=1).reshape(-1, *rest)
+
+
+def _qkv_unfuse(fused: torch.Tensor, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    d, per = spec.head_dim, spec.heads_per_group
+    rest = fused.shape[1:]
+    grouped = fused.reshape(spec.num_kv_heads, (per + 2) * d, *rest)
+    q, k, v = grouped.split([per * d, d, d], dim=1)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
