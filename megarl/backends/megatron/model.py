@@ -1,0 +1,225 @@
+"""megatron-core GPT models from HF configs: layouts, building, HF weight loading and export.
+
+    layout = Layout(tp=2, pp=2)
+    layout.check(spec, world_size)                 # every problem at once, before allocating
+    initialize(layout, seed=0)                      # megatron's process groups and RNG
+    chunks = build_model(spec, layout)              # one GPTModel per virtual pipeline stage
+    load_hf_weights(chunks, spec, "path/to/hf")     # this rank's shards, tensor by tensor
+    for name, tensor in export_hf_tensors(chunks, spec): ...   # this stage's HF tensors, TP-gathered
+
+The HF ⇄ megatron correspondence is `megarl.models.mapping`; this module only places
+tensors. Layer names inside a chunk are local (`decoder.layers.0` is the chunk's first
+layer); `layer_offset` turns them into global numbers.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megarl.models import ModelSpec, rope_inv_freq
+from megarl.models.mapping import TensorRule, embedding_rule, head_rules, hf_from_shards, layer_rules, \
+    shard_from_hf, te_name
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LayoutError(ValueError):
+    """The parallel layout does not fit the model or the world size."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    vpp: int | None = None  # virtual pipeline stages per PP rank (interleaved schedule)
+    sequence_parallel: bool = False
+
+    def dp(self, world_size: int) -> int:
+        return world_size // (self.tp * self.pp * self.cp)
+
+    def check(self, spec: ModelSpec, world_size: int) -> None:
+        """Raise LayoutError listing every way this layout does not fit `spec` and the world."""
+        p = []
+        if min(self.tp, self.pp, self.cp) < 1 or (self.vpp is not None and self.vpp < 1):
+            p.append(f"parallel sizes must be positive (tp={self.tp}, pp={self.pp}, cp={self.cp}, vpp={self.vpp})")
+        else:
+            if spec.num_heads % self.tp:
+                p.append(f"{spec.num_heads} attention heads do not divide over tp={self.tp}")
+            if spec.num_kv_heads % self.tp:
+                p.append(f"{spec.num_kv_heads} key/value heads (query groups) do not divide over tp={self.tp}")
+            stages = self.pp * (self.vpp or 1)
+            if spec.num_layers % stages:
+                p.append(f"{spec.num_layers} layers do not divide into pp={self.pp} x vpp={self.vpp or 1} stages")
+            if self.vpp is not None and self.pp == 1:
+                p.append("virtual pipeline stages (vpp) need pp > 1")
+            if self.sequence_parallel and self.tp == 1:
+                p.append("sequence parallelism needs tp > 1")
+            if world_size % (self.tp * self.pp * self.cp):
+                p.append(f"world size {world_size} is not a multiple of tp x pp x cp = {self.tp * self.pp * self.cp}")
+        if p:
+            raise LayoutError("parallel layout does not fit: " + "; ".join(p))
+
+
+def initialize(layout: Layout, seed: int = 0) -> None:
+    """megatron's process groups (torch.distributed must be initialised) and its RNG tracker."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megarl.backends.megatron.cpu import enable_cpu_mode
+
+    enable_cpu_mode()
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(layout.tp, layout.pp, layout.vpp, context_parallel_size=layout.cp)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def transformer_config(spec: ModelSpec, layout: Layout, dtype: str = "float32", recompute: str | None = None):
+    from megatron.core.transformer import TransformerConfig
+
+    torch_dtype = DTYPES[dtype]
+    cpu = not torch.cuda.is_available()
+    return TransformerConfig(
+        num_layers=spec.num_layers, hidden_size=spec.hidden_size, ffn_hidden_size=spec.ffn_hidden_size,
+        num_attention_heads=spec.num_heads, num_query_groups=spec.num_kv_heads, kv_channels=spec.head_dim,
+        normalization="RMSNorm", layernorm_epsilon=spec.norm_eps, gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=spec.qkv_bias,
+        qk_layernorm=spec.qk_norm, hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp, context_parallel_size=layout.cp,
+        sequence_parallel=layout.sequence_parallel, params_dtype=torch_dtype, pipeline_dtype=torch_dtype,
+        bf16=torch_dtype == torch.bfloat16, fp16=torch_dtype == torch.float16,
+        use_cpu_initialization=cpu, perform_initialization=False,
+        bias_activation_fusion=not cpu, bias_dropout_fusion=not cpu, apply_rope_fusion=False,
+        masked_softmax_fusion=not cpu, persist_layer_norm=not cpu, gradient_accumulation_fusion=False,
+        recompute_granularity=recompute, recompute_method="uniform" if recompute == "full" else None,
+        recompute_num_layers=1 if recompute == "full" else None,
+    )
+
+
+def layer_spec(spec: ModelSpec, impl: str = "local"):
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if impl == "transformer_engine":
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
+    if impl != "local":
+        raise ValueError(f"transformer_impl {impl!r}: use local or transformer_engine")
+    return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+
+
+def build_model(spec: ModelSpec, layout: Layout, dtype: str = "float32", impl: str = "local",
+                recompute: str | None = None) -> list[torch.nn.Module]:
+    """This rank's GPTModel chunks (one per virtual stage; one without vpp), weights uninitialised."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    config = transformer_config(spec, layout, dtype, recompute)
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    chunks = []
+    for vp in range(layout.vpp or 1):
+        vp_stage = vp if layout.vpp else None
+        model = GPTModel(
+            config, layer_spec(spec, impl), vocab_size=spec.padded_vocab_size(layout.tp),
+            max_sequence_length=spec.max_position_embeddings,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            parallel_output=True, share_embeddings_and_output_weights=spec.tied_embeddings,
+            position_embedding_type="rope", rotary_base=int(spec.rope_theta), vp_stage=vp_stage)
+        if hasattr(model, "rotary_pos_emb"):  # HF's frequencies (llama3 scaling with its own parameters)
+            model.rotary_pos_emb.inv_freq = rope_inv_freq(spec).to(model.rotary_pos_emb.inv_freq.device)
+        chunks.append(model.to(device))
+    return chunks
+
+
+def layer_offset(model: torch.nn.Module) -> int:
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    return get_transformer_layer_offset(model.config, model.vp_stage)
+
+
+def chunk_rules(model: torch.nn.Module, spec: ModelSpec) -> list[tuple[str, TensorRule]]:
+    """(this chunk's parameter name, rule) for every parameter the chunk holds."""
+    te = any(n.endswith("layer_norm_weight") for n, _ in model.named_parameters())
+    rename = te_name if te else (lambda n: n)
+    out = []
+    if model.pre_process:
+        out.append(("embedding.word_embeddings.weight", embedding_rule()))
+    offset = layer_offset(model)
+    for local in range(len(model.decoder.layers)):
+        for rule in layer_rules(spec, offset + local):
+            name = rule.megatron.replace(f"decoder.layers.{offset + local}.", f"decoder.layers.{local}.", 1)
+            out.append((rename(name), rule))
+    if model.post_process:
+        for rule in head_rules(spec):
+            out.append((rule.megatron, rule))
+        if spec.tied_embeddings and not model.pre_process:  # the last stage's copy of the shared table
+            out.append(("output_layer.weight", embedding_rule()))
+    return out
+
+
+def load_hf_weights(chunks: list[torch.nn.Module], spec: ModelSpec, hf_dir: str | Path) -> None:
+    """Copy an HF safetensors checkpoint into this rank's shards, reading one tensor at a
+    time (no process holds the whole model); raises KeyError naming missing tensors."""
+    from megatron.core import parallel_state
+    from safetensors import safe_open
+
+    tp_rank, tp = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+    where = _safetensors_index(Path(hf_dir))
+    with torch.no_grad():
+        for model in chunks:
+            params = dict(model.named_parameters())
+            for name, rule in chunk_rules(model, spec):
+                missing = [n for n in rule.hf if n not in where]
+                if missing:
+                    raise KeyError(f"{hf_dir}: the checkpoint has no {missing} (needed for megatron {rule.megatron})")
+                tensors = {}
+                for n in rule.hf:
+                    with safe_open(where[n], framework="pt") as f:
+                        tensors[n] = f.get_tensor(n)
+                shard = shard_from_hf(rule, tensors, spec, tp_rank, tp)
+                target = params[name]
+                if target.shape != shard.shape:
+                    raise ValueError(f"{name}: megatron expects {tuple(target.shape)}, the mapping gave "
+                                     f"{tuple(shard.shape)}")
+                target.copy_(shard)
+
+
+def export_hf_tensors(chunks: list[torch.nn.Module], spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
+    """This pipeline stage's HF-named tensors, gathered across its TP group (every TP rank
+    yields the same tensors). The tied output layer of a last stage is not exported (the
+    first stage exports the shared table). A collective: all TP ranks must iterate."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    for model in chunks:
+        params = dict(model.named_parameters())
+        for name, rule in chunk_rules(model, spec):
+            if name == "output_layer.weight" and spec.tied_embeddings:
+                continue
+            local = params[name].detach()
+            if rule.tp_axis is None or tp == 1:
+                shards = [local]
+            else:
+                shards = [torch.empty_like(local) for _ in range(tp)]
+                torch.distributed.all_gather(shards, local.contiguous(), group=group)
+            yield from hf_from_shards(rule, shards, spec).items()
+
+
+def _safetensors_index(hf_dir: Path) -> dict[str, Path]:
+    index = hf_dir / "model.safetensors.index.json"
+    if index.exists():
+        return {n: hf_dir / f for n, f in json.loads(index.read_text())["weight_map"].items()}
+    single = hf_dir / "model.safetensors"
+    if not single.exists():
+        raise FileNotFoundError(f"{hf_dir}: no model.safetensors or model.safetensors.index.json")
+    from safetensors import safe_open
+
+    with safe_open(single, framework="pt") as f:
+        return {n: single for n in f.keys()}  # noqa: SIM118 (safe_open has keys(), no iteration)

@@ -1,0 +1,66 @@
+"""Run a function on N local processes joined by gloo, as megatron ranks on CPU.
+
+`run_distributed(world_size, fn, *args)` returns every rank's return value (rank order; tensors, lists, dicts, numbers) or
+raises with the failing rank's traceback; a hang is a failure after `timeout` seconds.
+`fn` must be importable (module level), since the processes are spawned.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import queue
+import socket
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, results, fn, args) -> None:
+    import torch
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    try:
+        torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+        buf = io.BytesIO()  # as bytes: shared-memory tensors die with the process
+        torch.save(fn(*args), buf)
+        results.put((rank, True, buf.getvalue()))
+    except BaseException:  # noqa: BLE001 (reported to the parent)
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def run_distributed(world_size: int, fn, *args, timeout: float = 300.0) -> list:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, results, fn, args), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out: dict[int, object] = {}
+    try:
+        while len(out) < world_size:
+            try:
+                rank, ok, value = results.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"{world_size - len(out)} of {world_size} ranks gave no result in {timeout} s") from None
+            if not ok:
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            out[rank] = torch.load(io.BytesIO(value), weights_only=True)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [out[r] for r in range(world_size)]
