@@ -3,7 +3,8 @@
 megatron-core assumes CUDA in a few places that have nothing to do with the numerics:
 the device of the current rank, the CUDA RNG state its RNG tracker forks, `synchronize`,
 and factory calls that pass `device="cuda"` (the pipeline schedules' buffers, the default
-causal mask, rotary frequencies). `enable_cpu_mode()` redirects exactly those to the CPU
+causal mask, rotary frequencies), and type checks that compare `tensor.type()` with
+"torch.cuda.FloatTensor" (the optimizers). `enable_cpu_mode()` redirects exactly those to the CPU
 and leaves everything else alone. It does nothing when CUDA is available, so the same code
 runs unchanged on GPUs. Call it before building models (the backend does).
 """
@@ -56,7 +57,8 @@ def _is_cuda(device) -> bool:
 
 
 class _CudaToCpu(TorchFunctionMode):
-    """Rewrites device="cuda" in factory calls and `.cuda()` / `.to("cuda")` to the CPU."""
+    """Rewrites device="cuda" in factory calls and `.cuda()` / `.to("cuda")` to the CPU, and
+    answers `tensor.type()` with the CUDA type name megatron's optimizers check for."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
@@ -64,6 +66,9 @@ class _CudaToCpu(TorchFunctionMode):
             kwargs["device"] = "cpu"
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
         if func is torch.Tensor.to and args[1:] and _is_cuda(args[1]):
             args = (args[0], "cpu", *args[2:])
         return func(*args, **kwargs)
