@@ -11,6 +11,7 @@ import io
 import os
 import queue
 import socket
+import time
 import traceback
 
 import torch
@@ -49,12 +50,20 @@ def run_distributed(world_size: int, fn, *args, timeout: float = 300.0) -> list:
     for p in procs:
         p.start()
     out: dict[int, object] = {}
+    deadline = time.monotonic() + timeout
     try:
         while len(out) < world_size:
             try:
-                rank, ok, value = results.get(timeout=timeout)
+                rank, ok, value = results.get(timeout=1.0)
             except queue.Empty:
-                raise TimeoutError(f"{world_size - len(out)} of {world_size} ranks gave no result in {timeout} s") from None
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out]
+                if dead:
+                    raise RuntimeError(f"ranks {dead} exited with codes {[procs[r].exitcode for r in dead]} "
+                                       "before giving a result") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{world_size - len(out)} of {world_size} ranks gave no result "
+                                       f"in {timeout} s") from None
+                continue
             if not ok:
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
             out[rank] = torch.load(io.BytesIO(value), weights_only=True)

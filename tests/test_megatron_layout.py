@@ -4,7 +4,7 @@ import pytest
 
 from megarl.backends.megatron.model import Layout, LayoutError
 from megarl.models import ModelSpec
-from tests.tiny_models import tiny_hf_config
+from tiny_models import tiny_hf_config
 
 SPEC = ModelSpec.from_hf(tiny_hf_config("qwen2"))  # 4 heads, 2 KV heads, 4 layers
 

@@ -7,9 +7,9 @@ import torch
 
 from megarl.backends.batch import TrainBatch
 from megarl.backends.torch.logprobs import token_log_probs
-from tests.megatron_cases import logprobs_and_export
-from tests.megatron_dist import run_distributed
-from tests.tiny_models import tiny_hf_model
+from megatron_cases import logprobs_and_export
+from megatron_dist import run_distributed
+from tiny_models import tiny_hf_model
 
 pytest.importorskip("megatron.core")
 
@@ -48,3 +48,41 @@ def test_log_probs_match_hf_and_export_is_exact(tmp_path, family, tied, layout):
     assert exported.keys() == state.keys()
     for name, tensor in state.items():
         assert torch.equal(exported[name], tensor), name
+
+
+@pytest.mark.parametrize("family, tied, layout", [("qwen2", False, dict(tp=2)), ("llama", True, dict(pp=2)),
+                                                  ("qwen3", False, dict(tp=1, world=2))])
+def test_one_optimizer_step_equals_the_torch_backend(tmp_path, family, tied, layout):
+    from megarl.backends.torch.actor import TorchActor
+    from megarl.config import AlgorithmConfig, OptimConfig
+    from megatron_cases import actor_step
+
+    model = tiny_hf_model(family, tie_word_embeddings=tied)
+    model.save_pretrained(tmp_path)
+    batch = a_batch(model.config.vocab_size)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        now, _ = token_log_probs(model, batch.input_ids, batch.attention_mask)
+    batch = batch.with_fields(old_log_probs=now + 0.3 * torch.randn(now.shape, generator=g),  # some ratios clip
+                              advantages=torch.randn(len(batch), 1, generator=g).expand_as(now).clone())
+    algo = AlgorithmConfig()  # DAPO: clip 0.2 / 0.28, token-mean
+    # Adam's first step moves every weight by about lr * g / (|g| + eps): with a tiny eps a
+    # weight whose gradient is near eps amplifies rounding noise up to lr, so a larger eps
+    # makes the comparison well conditioned (an update error is then at most lr / eps times
+    # the gradient error)
+    optim = OptimConfig(lr=1e-3, eps=1e-3, lr_warmup_steps=0, weight_decay=0.0, grad_clip=1.0)
+    world = layout.pop("world", layout.get("tp", 1) * layout.get("pp", 1))
+    results = run_distributed(world, actor_step, str(tmp_path), layout, batch, 1, algo, optim)
+
+    actor = TorchActor(model, algo, optim, mini_batch_samples=len(batch), micro_batch_samples=2)
+    want = actor.update_actor(batch)
+    exported = {}
+    for tensors, _ in results:
+        exported.update(tensors)
+    state = {n: t for n, t in model.state_dict().items() if not (tied and n == "lm_head.weight")}
+    assert exported.keys() == state.keys()
+    for name, tensor in state.items():
+        torch.testing.assert_close(exported[name], tensor, rtol=0, atol=1e-5, msg=name)
+    got = results[-1][1]  # the last stage's metrics
+    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+    assert want["clipfrac"] > 0 and got["clipfrac"] == pytest.approx(want["clipfrac"], abs=1e-6)

@@ -5,7 +5,7 @@ import torch
 
 from megarl.models import ModelSpec, UnsupportedModel, rope_inv_freq
 from megarl.models.mapping import all_rules, hf_from_shards, hf_names, shard_from_hf
-from tests.tiny_models import tiny_hf_config, tiny_hf_model
+from tiny_models import tiny_hf_config, tiny_hf_model
 
 
 def spec_of(family, **kw):

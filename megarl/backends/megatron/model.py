@@ -95,7 +95,10 @@ def transformer_config(spec: ModelSpec, layout: Layout, dtype: str = "float32", 
         virtual_pipeline_model_parallel_size=layout.vpp, context_parallel_size=layout.cp,
         sequence_parallel=layout.sequence_parallel, params_dtype=torch_dtype, pipeline_dtype=torch_dtype,
         bf16=torch_dtype == torch.bfloat16, fp16=torch_dtype == torch.float16,
-        use_cpu_initialization=cpu, perform_initialization=False,
+        # perform_initialization: megatron marks weights as tensor-parallel only while initialising
+        # them; without the marks the optimizer's grad norm would skip TP shards (weights are then
+        # overwritten by load_hf_weights anyway)
+        use_cpu_initialization=cpu, perform_initialization=True,
         bias_activation_fusion=not cpu, bias_dropout_fusion=not cpu, apply_rope_fusion=False,
         masked_softmax_fusion=not cpu, persist_layer_norm=not cpu, gradient_accumulation_fusion=False,
         recompute_granularity=recompute, recompute_method="uniform" if recompute == "full" else None,

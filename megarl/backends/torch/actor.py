@@ -8,12 +8,13 @@ the same however the mini-batch is split. Main entry point: `TorchActor`.
 
 from __future__ import annotations
 
-import math
+from functools import partial
 
 import torch
 
-from megarl.algo import agg_loss, kl_penalty, masked_mean, policy_loss
 from megarl.backends.batch import TrainBatch
+from megarl.backends.loss import actor_loss
+from megarl.backends.schedule import lr_factor
 from megarl.backends.torch.logprobs import token_log_probs
 from megarl.backends.torch.step import accumulate_and_step, check_split, run_epochs
 from megarl.config import AlgorithmConfig, OptimConfig
@@ -23,17 +24,7 @@ def build_optimizer(model: torch.nn.Module, optim: OptimConfig, total_steps: int
     """AdamW and a LambdaLR: linear warm-up to lr, then constant or cosine down to min_lr_ratio."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
                                   weight_decay=optim.weight_decay)
-
-    def factor(step: int) -> float:
-        if optim.lr_warmup_steps and step < optim.lr_warmup_steps:
-            return (step + 1) / optim.lr_warmup_steps
-        if optim.lr_scheduler == "constant":
-            return 1.0
-        decay_steps = max(total_steps - optim.lr_warmup_steps, 1)
-        progress = min((step - optim.lr_warmup_steps) / decay_steps, 1.0)
-        return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, optim, total_steps))
 
 
 class TorchActor:
@@ -83,20 +74,5 @@ class TorchActor:
             self.norm_length))
 
     def _loss(self, micro: TrainBatch, counts: dict) -> tuple[torch.Tensor, dict[str, float]]:
-        a = self.algo
-        mask = micro.loss_mask.to(self.device)
         log_probs, entropy = self._forward(micro, with_entropy=True)
-        loss, metrics = policy_loss(
-            log_probs, micro.old_log_probs.to(self.device), micro.advantages.to(self.device), mask,
-            clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
-            loss_agg_mode=a.loss_agg_mode, ratio_level=a.ratio_level,
-            rollout_log_prob=micro.rollout_log_probs.to(self.device) if a.tis_cap else None,
-            tis_cap=a.tis_cap, **counts)
-        if a.entropy_coeff:
-            loss = loss - a.entropy_coeff * agg_loss(entropy, mask, a.loss_agg_mode, **counts)
-        if a.use_kl_loss:
-            kl = kl_penalty(log_probs, micro.ref_log_probs.to(self.device), a.kl_loss_type)
-            loss = loss + a.kl_loss_coef * agg_loss(kl, mask, a.loss_agg_mode, **counts)
-            metrics["kl_loss"] = float(masked_mean(kl.detach(), mask))
-        metrics["entropy"] = float(masked_mean(entropy.detach(), mask))
-        return loss, metrics
+        return actor_loss(log_probs, entropy, micro, self.algo, counts)
