@@ -169,7 +169,7 @@ class OptimConfig:
     lr_warmup_steps: int = param(10, "Linear warm-up in optimizer steps.", ge=0)
     lr_scheduler: Literal["constant", "cosine"] = param("constant", "Schedule after warm-up.")
     min_lr_ratio: float = param(0.0, "Cosine floor as a fraction of lr.", ge=0.0, le=1.0)
-    weight_decay: float = param(0.1, "AdamW weight decay.", ge=0.0)
+    weight_decay: float = param(0.1, "AdamW weight decay (not on biases and norm weights).", ge=0.0)
     betas: list[float] = param(help="AdamW betas.", factory=lambda: [0.9, 0.999])
     eps: float = param(1e-8, "AdamW epsilon.", gt=0.0)
     grad_clip: float = param(1.0, "Clip the global gradient norm to this; 0 = off.", ge=0.0)

@@ -47,7 +47,8 @@ def actor_step(hf_dir: str, layout_kw: dict, batch, micro_batch_size: int, algo,
     rows = len(batch) // dp
     counts = {"num_tokens": int(batch.loss_mask.sum()), "num_seqs": len(batch), "norm_length": None}
     metrics = optimizer_step(model, optimizer, spec.vocab_size, batch.select(slice(dp_rank * rows, (dp_rank + 1) * rows)),
-                             micro_batch_size=micro_batch_size, algo=algo, counts=counts, lr=optim.lr)
+                             micro_batch_size=micro_batch_size, algo=algo, counts=counts, lr=optim.lr,
+                             weight_decay=optim.weight_decay)
     exported = dict(export_hf_tensors(chunks, spec))
     keep = parallel_state.get_tensor_model_parallel_rank() == 0 and dp_rank == 0
     return (exported if keep else {}), metrics

@@ -70,7 +70,7 @@ def test_one_optimizer_step_equals_the_torch_backend(tmp_path, family, tied, lay
     # weight whose gradient is near eps amplifies rounding noise up to lr, so a larger eps
     # makes the comparison well conditioned (an update error is then at most lr / eps times
     # the gradient error)
-    optim = OptimConfig(lr=1e-3, eps=1e-3, lr_warmup_steps=0, weight_decay=0.0, grad_clip=1.0)
+    optim = OptimConfig(lr=1e-3, eps=1e-3, lr_warmup_steps=0, weight_decay=0.1, grad_clip=1.0)
     world = layout.pop("world", layout.get("tp", 1) * layout.get("pp", 1))
     results = run_distributed(world, actor_step, str(tmp_path), layout, batch, 1, algo, optim)
 

@@ -42,8 +42,9 @@ def wrap_for_training(chunks: list[torch.nn.Module], optim: OptimConfig):
 
 def optimizer_step(model: list[torch.nn.Module], optimizer, vocab_size: int, mini: TrainBatch, *,
                    micro_batch_size: int, algo: AlgorithmConfig, counts: dict, lr: float,
-                   temperature: float = 1.0) -> dict[str, float]:
-    """Forward/backward over `mini` (this DP rank's rows) and one optimizer step at `lr`.
+                   weight_decay: float, temperature: float = 1.0) -> dict[str, float]:
+    """Forward/backward over `mini` (this DP rank's rows) and one optimizer step at `lr`
+    and `weight_decay`.
     `counts` (num_tokens, num_seqs, norm_length) are those of the whole mini-batch over all
     DP ranks. Returns metrics averaged by loss-token share over the whole mini-batch (on the
     last pipeline stage; other stages get lr and grad_norm only)."""
@@ -78,8 +79,9 @@ def optimizer_step(model: list[torch.nn.Module], optimizer, vocab_size: int, min
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    for group in optimizer.param_groups:
-        group["lr"] = lr
+    for group in optimizer.param_groups:  # what megatron's OptimizerParamScheduler would set
+        group["lr"] = lr * group.get("lr_mult", 1.0)
+        group["weight_decay"] = weight_decay * group.get("wd_mult", 1.0)  # 0 on biases and norms
     iterators = [iter(items) for _ in model] if len(model) > 1 else iter(items)
     store = get_forward_backward_func()(
         forward_step_func=step, data_iterator=iterators, model=model if len(model) > 1 else model[0],

@@ -21,9 +21,15 @@ from megarl.config import AlgorithmConfig, OptimConfig
 
 
 def build_optimizer(model: torch.nn.Module, optim: OptimConfig, total_steps: int):
-    """AdamW and a LambdaLR: linear warm-up to lr, then constant or cosine down to min_lr_ratio."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
-                                  weight_decay=optim.weight_decay)
+    """AdamW and a LambdaLR (megarl.backends.schedule). Biases and norm weights (1-D) get no
+    weight decay, as in megatron's optimizer, so both backends take the same step."""
+    decay, plain = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (plain if p.ndim == 1 or name.endswith(".bias") else decay).append(p)
+    groups = [{"params": decay, "weight_decay": optim.weight_decay}, {"params": plain, "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=optim.lr, betas=tuple(optim.betas),
+                                  eps=optim.eps)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, optim, total_steps))
 
 
