@@ -40,23 +40,53 @@ def _load_model(cfg: RunConfig):
 
 @ray.remote
 class TrainWorkerActor:
-    def __init__(self, cfg: RunConfig, total_steps: int):
-        from megarl.backends.torch.worker import TorchTrainWorker
+    """One rank of the train worker group: the torch backend's worker (a group of one) or a
+    megatron rank. `setup` builds the worker; with several ranks every rank's setup joins
+    one torch.distributed group (gloo on CPU, NCCL on GPUs) first."""
 
-        self.worker = TorchTrainWorker(_load_model(cfg), cfg, total_steps)
+    def address(self) -> tuple[str, int]:
+        """This node's address and a free port, for rank 0 to host the process group."""
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+    def setup(self, cfg: RunConfig, total_steps: int, rank: int, world_size: int, master: tuple[str, int]) -> bool:
+        if cfg.actor.backend == "torch":
+            from megarl.backends.torch.worker import TorchTrainWorker
+
+            self.worker, self.is_source = TorchTrainWorker(_load_model(cfg), cfg, total_steps), True
+            return self.worker.has_reference
+        import os
+        from datetime import timedelta
+
+        import torch
+
+        from megarl.backends.megatron.worker import MegatronTrainWorker
+
+        os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(rank),
+                          WORLD_SIZE=str(world_size), LOCAL_RANK="0")
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(0)  # Ray gives each rank actor one GPU, visible as device 0
+        torch.distributed.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(minutes=30))
+        self.worker = MegatronTrainWorker(cfg, total_steps)
+        self.is_source = self.worker.is_export_source
+        return self.worker.has_reference
 
     def call(self, method: str, *args):
         return getattr(self.worker, method)(*args)
 
-    def has_reference(self) -> bool:
-        return self.worker.has_reference
-
     def push_weights(self, engine, bucket_bytes: int, version: int) -> int:
-        """Send every bucket to the engine actor; returns the number of buckets."""
+        """Send this rank's buckets to the engine actor (megatron: each pipeline stage's
+        source rank sends its stage; the other ranks only take part in the TP gathers);
+        returns the number of buckets sent."""
         count = 0
         for bucket in self.worker.export_hf_weights(bucket_bytes):
-            ray.get(engine.update_weights.remote([bucket], version))
-            count += 1
+            if self.is_source:
+                ray.get(engine.update_weights.remote([bucket], version))
+                count += 1
         return count
 
 
@@ -121,24 +151,43 @@ class RewardActor:
 
 
 class RemoteTrainWorker:
-    """The TrainWorker methods, each a blocking call into the worker actor."""
+    """The TrainWorker methods, each a blocking call into every rank actor of the group (they
+    run in lockstep); the answer is rank 0's. A rank that dies or fails stops the call with
+    ComponentDied naming it, instead of leaving the others waiting in a collective."""
 
-    def __init__(self, actor):
-        self.actor = actor
-        self.has_reference = ray.get(actor.has_reference.remote())
+    METHODS = ("compute_log_prob", "compute_ref_log_prob", "compute_values", "update_actor", "update_critic",
+               "save_checkpoint", "load_checkpoint", "save_hf")
+
+    def __init__(self, actors: list, has_reference: bool):
+        self.actors, self.has_reference = actors, has_reference
 
     def __getattr__(self, method: str):
-        if method not in ("compute_log_prob", "compute_ref_log_prob", "compute_values", "update_actor",
-                          "update_critic", "save_checkpoint", "load_checkpoint", "save_hf"):
+        if method not in self.METHODS:
             raise AttributeError(method)
 
         def call(*args):
-            try:
-                return ray.get(self.actor.call.remote(method, *args))
-            except ray.exceptions.RayActorError as e:
-                raise _died("train worker (Ray actor TrainWorkerActor)", e) from e
+            args = [ray.put(a) for a in args] if len(self.actors) > 1 else list(args)  # one copy for all ranks
+            return gather_ranks([a.call.remote(method, *args) for a in self.actors])[0]
 
         return call
+
+
+def gather_ranks(refs: list) -> list:
+    """Every rank's result, in rank order; the first failure raises ComponentDied naming its rank."""
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        rank = refs.index(ready[0])
+        try:
+            ray.get(ready[0])
+        except ray.exceptions.RayActorError as e:
+            raise _died(f"train worker rank {rank} (Ray actor TrainWorkerActor)", e) from e
+        except ray.exceptions.RayTaskError as e:
+            if len(refs) == 1:
+                raise  # the worker's own exception (Ray's error is also an instance of it)
+            raise ComponentDied(f"train worker rank {rank} of {len(refs)} failed (the other ranks are stopped):\n"
+                                f"{e}") from None
+    return ray.get(refs)
 
 
 class RemoteRewardPool:
@@ -204,25 +253,35 @@ class RemoteEngine:
 class RayCluster:
     """Starts (or joins) Ray, reserves a placement group, and creates the actors.
 
-    Bundles, packed onto as few nodes as possible: the train worker and the engine get one
-    each ({"CPU": 1}, plus {"GPU": 1} when cluster.gpus_per_node > 0); the retrieval server
-    and the reward actor share a {"CPU": 1} bundle. A local Ray is started with at least 3
-    logical CPUs (scheduling slots, not cores), so a 2-core machine runs it all.
+    Bundles, packed onto as few nodes as possible: each train worker rank (one with the torch
+    backend, TP x PP x CP x DP with megatron) and the engine get one each ({"CPU": 1}, plus
+    {"GPU": 1} when cluster.gpus_per_node > 0); the retrieval server and the reward actor
+    share a {"CPU": 1} bundle. A local Ray is started with at least as many logical CPUs
+    (scheduling slots, not cores) as bundles, so a 2-core machine runs it all.
     """
 
     def __init__(self, cfg: RunConfig, total_steps: int):
         self.cfg = cfg
         self._started_ray = False
+        world = cfg.train_world_size()
         if not ray.is_initialized():
             c = cfg.cluster
             if c.ray_address:
                 ray.init(address=c.ray_address, log_to_driver=True)
             else:
-                ray.init(num_cpus=c.cpus_per_node or max(3, _cpu_count()), num_gpus=c.gpus_per_node,
+                ray.init(num_cpus=c.cpus_per_node or max(world + 2, _cpu_count()), num_gpus=c.gpus_per_node,
                          include_dashboard=False, log_to_driver=True)
             self._started_ray = True
+        self.pg, self.worker_actors, self.engine_actor, self.reward_actor, self.retrieval_actor = None, [], None, None, None
+        try:
+            self._start(cfg, total_steps, world)
+        except BaseException:
+            self.shutdown()  # nothing left behind by a start that failed half-way
+            raise
+
+    def _start(self, cfg: RunConfig, total_steps: int, world: int) -> None:
         device = {"CPU": 1} | ({"GPU": 1} if cfg.cluster.gpus_per_node else {})
-        bundles = [device, device, {"CPU": 1}]
+        bundles = [device] * world + [device, {"CPU": 1}]  # train ranks, engine, retrieval + reward
         self.pg = placement_group(bundles, strategy="PACK", name="megarl")
         ready, _ = ray.wait([self.pg.ready()], timeout=120)
         if not ready:
@@ -231,17 +290,20 @@ class RayCluster:
         place = [PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=i)
                  for i in range(len(bundles))]
         gpus = 1 if cfg.cluster.gpus_per_node else 0
-        self.worker_actor = TrainWorkerActor.options(num_cpus=1, num_gpus=gpus, scheduling_strategy=place[0],
-                                                     name=None).remote(cfg, total_steps)
-        self.engine_actor = EngineActor.options(num_cpus=1, num_gpus=gpus, scheduling_strategy=place[1],
+        self.worker_actors = [TrainWorkerActor.options(num_cpus=1, num_gpus=gpus, scheduling_strategy=place[r]).remote()
+                              for r in range(world)]
+        self.engine_actor = EngineActor.options(num_cpus=1, num_gpus=gpus, scheduling_strategy=place[world],
                                                 max_concurrency=1000).remote(cfg)
-        self.reward_actor = RewardActor.options(num_cpus=0.5, scheduling_strategy=place[2]).remote(
+        self.reward_actor = RewardActor.options(num_cpus=0.5, scheduling_strategy=place[world + 1]).remote(
             reward_spec(cfg), cfg.reward.num_workers, cfg.reward.timeout_s)
         self.retrieval_actor = None
         if cfg.agent.max_turns > 0 and cfg.agent.retrieval.url is None:
-            self.retrieval_actor = RetrievalActor.options(num_cpus=0.5, scheduling_strategy=place[2]).remote(
+            self.retrieval_actor = RetrievalActor.options(num_cpus=0.5, scheduling_strategy=place[world + 1]).remote(
                 cfg.agent.retrieval)
-        self.worker = RemoteTrainWorker(self.worker_actor)
+        master = ray.get(self.worker_actors[0].address.remote())
+        has_reference = gather_ranks([a.setup.remote(cfg, total_steps, r, world, master)
+                                      for r, a in enumerate(self.worker_actors)])[0]
+        self.worker = RemoteTrainWorker(self.worker_actors, has_reference)
         self.engine = RemoteEngine(self.engine_actor)
         self.reward_pool = RemoteRewardPool(self.reward_actor)
         self.retrieval_url = None
@@ -262,13 +324,15 @@ class RayCluster:
             raise _died(f"retrieval server at {self.retrieval_url} (Ray actor RetrievalActor)", e) from e
 
     def sync_weights(self, version: int) -> None:
-        ray.get(self.worker_actor.push_weights.remote(self.engine_actor, self.cfg.sync.bucket_mb << 20, version))
+        gather_ranks([a.push_weights.remote(self.engine_actor, self.cfg.sync.bucket_mb << 20, version)
+                      for a in self.worker_actors])
 
     def shutdown(self) -> None:
-        for actor in (self.worker_actor, self.engine_actor, self.reward_actor, self.retrieval_actor):
+        for actor in (*self.worker_actors, self.engine_actor, self.reward_actor, self.retrieval_actor):
             if actor is not None:
                 ray.kill(actor)
-        remove_placement_group(self.pg)
+        if self.pg is not None:
+            remove_placement_group(self.pg)
         if self._started_ray:
             ray.shutdown()
 

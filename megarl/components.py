@@ -96,9 +96,9 @@ def reward_spec(cfg: RunConfig) -> RewardSpec:
 def build_components(cfg: RunConfig) -> Components:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if cfg.actor.backend != "torch" or cfg.rollout.engine != "local":
-        raise NotImplementedError("this release trains with actor.backend=torch and rollout.engine=local; "
-                                  "the megatron backend and the SGLang fleet come in later releases")
+    if cfg.rollout.engine != "local":
+        raise NotImplementedError("this release generates with rollout.engine=local; the SGLang fleet comes "
+                                  "in a later release")
     model_path = Path(cfg.model.path)
     if not (model_path / "config.json").is_file():
         raise FileNotFoundError(f"model.path={cfg.model.path} is not an HF model directory (no config.json)")

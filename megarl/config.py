@@ -12,7 +12,7 @@ schema and the value checks next to it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from megarl.config_loader import (
@@ -161,6 +161,13 @@ class ParallelConfig:
     context_parallel_size: int = param(1, "Context-parallel size (megatron).", gt=0)
     sequence_parallel: bool = param(True, "Sequence parallelism with TP > 1 (megatron).")
     use_distributed_optimizer: bool = param(True, "Shard optimizer state over data-parallel ranks (megatron).")
+    data_parallel_size: int | None = param(
+        None, "Data-parallel replicas (megatron); None = every GPU left by TP x PP x CP (cluster.nnodes x "
+        "cluster.gpus_per_node), 1 on a CPU run.", gt=0)
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
 
 
 @dataclass
@@ -187,6 +194,7 @@ class TrainWorkerConfig:
     transformer_impl: Literal["transformer_engine", "local"] = param("transformer_engine", "megatron layer implementation.")
     fp8: Literal["hybrid", "e4m3"] | None = param(None, "Transformer Engine FP8 format; None = off.")
     fp8_recipe: Literal["delayed", "tensorwise", "blockwise"] = param("delayed", "Transformer Engine FP8 scaling recipe.")
+    fp8_param_gather: bool = param(False, "Keep FP8 copies of the weights and all-gather them in FP8 (with fp8).")
     parallel: ParallelConfig = param(help="Model parallel layout (megatron backend).", factory=ParallelConfig)
     optim: OptimConfig = param(help="Optimizer and learning-rate schedule.", factory=OptimConfig)
 
@@ -280,6 +288,18 @@ class RunConfig:
     sync: SyncConfig = param(help="Weight sync from trainer to engines.", factory=SyncConfig)
     cluster: ClusterConfig = param(help="Ray cluster.", factory=ClusterConfig)
 
+    def train_world_size(self) -> int:
+        """Processes of the train worker group: 1 with the torch backend; TP x PP x CP x DP
+        megatron ranks otherwise (one per GPU, or CPU processes on a CPU run)."""
+        p = self.actor.parallel
+        if self.actor.backend == "torch":
+            return 1
+        if p.data_parallel_size is not None:
+            return p.model_parallel_size * p.data_parallel_size
+        if self.cluster.gpus_per_node:
+            return self.cluster.nnodes * self.cluster.gpus_per_node
+        return p.model_parallel_size
+
     def check_consistency(self, problems: Problems) -> None:
         """Rules that involve several fields; each names the keys and the fix."""
         d, r, a, actor = self.data, self.rollout, self.algorithm, self.actor
@@ -335,6 +355,11 @@ class RunConfig:
             if worker.fp8 is not None and worker.backend != "megatron":
                 problems.add(f"{name}.fp8", "needs the megatron backend with Transformer Engine",
                              f"set {name}.backend=megatron or {name}.fp8=null")
+        if self.critic.enable and self.critic.backend != actor.backend:
+            problems.add("critic.backend", f"{self.critic.backend} differs from actor.backend={actor.backend}",
+                         f"set critic.backend={actor.backend} (actor and critic share the worker processes)")
+        if actor.backend == "megatron":
+            self._check_megatron(problems)
         if len(actor.optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in actor.optim.betas):
             problems.add("actor.optim.betas", f"{actor.optim.betas} is not two numbers in [0, 1)", "give two numbers in [0, 1), e.g. [0.9, 0.999]")
         if self.trainer.resume not in ("auto", "disable") and not self.trainer.resume.strip():
@@ -346,6 +371,29 @@ class RunConfig:
         if self.cluster.gpus_per_node == 0 and r.engine == "sglang":
             problems.add("rollout.engine", "sglang needs GPUs (cluster.gpus_per_node=0)",
                          "use rollout.engine=local on CPU machines or set cluster.gpus_per_node")
+
+
+    def _check_megatron(self, problems: Problems) -> None:
+        p, world = self.actor.parallel, self.train_world_size()
+        if self.cluster.launcher != "ray":
+            problems.add("cluster.launcher", "inprocess cannot run the megatron backend (one process per rank)",
+                         "use cluster.launcher=ray")
+        if world % p.model_parallel_size:
+            problems.add("actor.parallel", f"TP x PP x CP = {p.model_parallel_size} does not divide the "
+                         f"{world} train ranks (cluster.nnodes x cluster.gpus_per_node)",
+                         "choose parallel sizes whose product divides the number of GPUs")
+        dp = max(world // p.model_parallel_size, 1)
+        for name, worker in (("actor", self.actor), ("critic", self.critic)):
+            if name == "critic" and not self.critic.enable:
+                continue
+            mini = worker.ppo_mini_batch_size * self.rollout.n
+            if mini % dp:
+                problems.add(f"{name}.ppo_mini_batch_size", f"a mini batch of {mini} samples does not split over "
+                             f"{dp} data-parallel ranks", "make ppo_mini_batch_size * rollout.n a multiple of DP")
+        if self.critic.enable and self.critic.backend == "megatron":
+            if asdict(self.critic.parallel) != asdict(p):
+                problems.add("critic.parallel", "differs from actor.parallel (actor and critic share one layout)",
+                             "give the critic the actor's parallel settings")
 
 
 def load_config(path: str | None, overrides: list[str] | None = None) -> RunConfig:

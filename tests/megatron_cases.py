@@ -11,7 +11,7 @@ def logprobs_and_export(hf_dir: str, layout_kw: dict, batch, micro_batch_size: i
     this stage when TP rank 0 else {})."""
     from megatron.core import parallel_state
 
-    from megarl.backends.megatron.forward import forward_log_probs
+    from megarl.backends.megatron.actor import forward_log_probs
     from megarl.backends.megatron.model import Layout, build_model, export_hf_tensors, initialize, load_hf_weights
     from megarl.models import ModelSpec
 
@@ -33,7 +33,8 @@ def actor_step(hf_dir: str, layout_kw: dict, batch, micro_batch_size: int, algo,
     rows); returns this stage's updated HF tensors (on TP rank 0 of DP rank 0) and the metrics."""
     from megatron.core import parallel_state
 
-    from megarl.backends.megatron.actor import optimizer_step, wrap_for_training
+    from megarl.backends.megatron.actor import actor_step
+    from megarl.backends.megatron.step import wrap_for_training
     from megarl.backends.megatron.model import Layout, build_model, export_hf_tensors, initialize, load_hf_weights
     from megarl.models import ModelSpec
 
@@ -46,7 +47,7 @@ def actor_step(hf_dir: str, layout_kw: dict, batch, micro_batch_size: int, algo,
     dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     rows = len(batch) // dp
     counts = {"num_tokens": int(batch.loss_mask.sum()), "num_seqs": len(batch), "norm_length": None}
-    metrics = optimizer_step(model, optimizer, spec.vocab_size, batch.select(slice(dp_rank * rows, (dp_rank + 1) * rows)),
+    metrics = actor_step(model, optimizer, spec.vocab_size, batch.select(slice(dp_rank * rows, (dp_rank + 1) * rows)),
                              micro_batch_size=micro_batch_size, algo=algo, counts=counts, lr=optim.lr,
                              weight_decay=optim.weight_decay)
     exported = dict(export_hf_tensors(chunks, spec))

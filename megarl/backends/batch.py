@@ -59,6 +59,12 @@ class TrainBatch:
         return replace(self, **{f.name: (getattr(self, f.name)[index] if getattr(self, f.name) is not None else None)
                                 for f in fields(self)})
 
+    def cut(self, width: int) -> TrainBatch:
+        """The first `width` columns of every per-token tensor (rows are right-padded, so
+        columns past the longest row hold padding only)."""
+        return replace(self, **{f.name: (getattr(self, f.name)[:, :width] if getattr(self, f.name) is not None else None)
+                                for f in fields(self)})
+
     def with_fields(self, **values: torch.Tensor) -> TrainBatch:
         unknown = set(values) - set(PER_TOKEN_FIELDS)
         if unknown:

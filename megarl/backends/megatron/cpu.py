@@ -24,6 +24,20 @@ def cuda_absent() -> bool:
     return not torch.cuda.is_available()
 
 
+# warnings that only say the CPU build lacks GPU libraries, or that megatron and torch
+# deprecated something megarl does not call itself; each rank would print them all
+_KNOWN_WARNINGS = ("Apex is not installed", "Transformer Engine and Apex are not installed",
+                   "full scope is deprecated", "CUDA_DEVICE_MAX_CONNECTIONS", "is deprecated. Please use",
+                   "The .grad attribute of a Tensor that is not a leaf")
+
+
+def silence_known_warnings() -> None:
+    import warnings
+
+    for text in _KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=f".*{text}")
+
+
 def enable_cpu_mode() -> bool:
     """Redirect megatron-core's CUDA-only calls to the CPU when CUDA is absent; True if it did.
     Idempotent and process-wide."""

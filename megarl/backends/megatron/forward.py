@@ -1,81 +1,147 @@
-"""Forward passes through megatron's pipeline schedules: per-token log-probs and entropy.
+"""Micro-batches and passes through megatron's pipeline schedules.
 
-Micro-batches are padded rows of a `TrainBatch` (right padding, causal attention, so real
-tokens never see padding); the sequence length is padded to a multiple of TP so sequence
-parallelism can split it. The results live on the last pipeline stage and are broadcast to
-every rank of the pipeline group, so any rank can answer for the worker.
+Rows of a `TrainBatch` are grouped into micro-batches either by a fixed number of rows or,
+with a token budget (`max_tokens`), dynamically: rows sorted by length, each micro-batch as
+many rows as fit in the budget (rows x padded length). Every micro-batch is cut to its own
+longest row, rounded up to a multiple of TP so sequence parallelism can split it, so short
+rows are not padded to the longest row of the whole batch (the padded fallback of packing:
+right padding and causal attention, so real tokens never see padding). With pipeline
+parallelism and micro-batches of different shapes, megatron exchanges each activation's
+shape before it (`variable_seq_lengths`).
+
+Per-token results (log-probs, entropy, values) live on the last pipeline stage and are
+broadcast to every rank of the pipeline group, so any rank can answer for the worker.
+Main entry points: `plan_micro_batches`, `make_micro_batches`, `run_schedule`, `forward_per_token`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
 from megarl.backends.batch import TrainBatch
-from megarl.backends.megatron.logprobs import vocab_parallel_log_probs
 
 
-def micro_batches(batch: TrainBatch, size: int, multiple: int) -> tuple[list[dict], int]:
-    """Dicts of input_ids / position_ids for micro-batches of `size` rows, every one padded
-    to the same length (a multiple of `multiple`), as the pipeline schedule needs."""
-    length = batch.input_ids.shape[1]
-    length = -(-length // multiple) * multiple
+def plan_micro_batches(lengths: list[int], *, micro_batch_size: int, max_tokens: int | None = None,
+                       multiple: int = 1) -> list[list[int]]:
+    """Row indices of each micro-batch. Without `max_tokens`: consecutive groups of
+    `micro_batch_size` rows. With it: rows sorted by length (longest first), each group grown
+    while rows x (its longest row rounded up to `multiple`) stays within `max_tokens`; a row
+    longer than the budget travels alone."""
+    if not max_tokens:
+        return [list(range(i, min(i + micro_batch_size, len(lengths)))) for i in range(0, len(lengths), micro_batch_size)]
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups:
+            group = groups[-1]
+            width = -(-max(lengths[group[0]], 1) // multiple) * multiple  # sorted: the first row is the longest
+            if (len(group) + 1) * width <= max_tokens:
+                group.append(i)
+                continue
+        groups.append([i])
+    return groups
+
+
+@dataclass
+class MicroBatch:
+    rows: list[int]  # rows of the source batch, in this micro-batch's order
+    data: TrainBatch  # those rows, columns cut to `width`
+    input_ids: torch.Tensor  # (rows, padded): width rounded up to the TP multiple
+    position_ids: torch.Tensor
+
+    @property
+    def width(self) -> int:
+        return self.data.input_ids.shape[1]
+
+
+def make_micro_batches(batch: TrainBatch, plan: list[list[int]], multiple: int) -> list[MicroBatch]:
+    lengths = batch.attention_mask.sum(1)
     out = []
-    for start in range(0, len(batch), size):
-        ids = batch.input_ids[start:start + size]
-        ids = torch.nn.functional.pad(ids, (0, length - ids.shape[1]))
-        out.append({"input_ids": ids, "position_ids": torch.arange(length).expand_as(ids)})
-    return out, length
+    for rows in plan:
+        index = torch.tensor(rows, dtype=torch.long)
+        width = max(int(lengths[index].max()), 1)
+        data = batch.select(index)
+        data = data.cut(width)
+        padded = -(-width // multiple) * multiple
+        ids = torch.nn.functional.pad(data.input_ids, (0, padded - width))
+        out.append(MicroBatch(rows, data, ids, torch.arange(padded).expand_as(ids)))
+    return out
 
 
-def forward_log_probs(chunks: list[torch.nn.Module], vocab_size: int, batch: TrainBatch, *, micro_batch_size: int,
-                      temperature: float = 1.0, with_entropy: bool = False):
-    """(log_probs, entropy or None), each (B, L) as the torch backend's `token_log_probs`:
-    entry t is for token t given tokens < t, entry 0 is 0."""
+# head(output of the last stage, micro-batch) -> (loss, dict of results); called on the last stage only
+Head = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict]]
+
+
+def run_schedule(chunks: list[torch.nn.Module], micros: list[MicroBatch], head: Head, *,
+                 forward_only: bool) -> list[dict]:
+    """One pass of megatron's forward-backward schedule (1F1B, interleaved with virtual
+    stages, or no pipelining) over `micros`; returns the heads' dicts (last stage only).
+    With forward_only=False the heads' losses are back-propagated (megatron divides each by
+    the number of micro-batches)."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    micros, length = micro_batches(batch, micro_batch_size, tp)
     device = next(chunks[0].parameters()).device
 
     def step(data_iterator, model):
         micro = next(data_iterator)
-        ids = micro["input_ids"].to(device)
-        output = model(ids, micro["position_ids"].to(device), attention_mask=None)
+        output = model(micro.input_ids.to(device), micro.position_ids.to(device), attention_mask=None)
+        return output, lambda output_tensor: head(output_tensor, micro)
 
-        def collect(output_tensor):
-            lp, ent = vocab_parallel_log_probs(output_tensor[:, :-1], ids[:, 1:], vocab_size,
-                                               temperature=temperature, with_entropy=with_entropy)
-            return output_tensor.new_zeros(()), {"log_probs": lp.detach(), "entropy": ent}
-
-        return output, collect
-
+    shapes = {tuple(m.input_ids.shape) for m in micros}
+    config = chunks[0].config
+    config.variable_seq_lengths = len(shapes) > 1 and parallel_state.get_pipeline_model_parallel_world_size() > 1
     iterators = [iter(micros) for _ in chunks] if len(chunks) > 1 else iter(micros)
+    return get_forward_backward_func()(
+        forward_step_func=step, data_iterator=iterators, model=chunks if len(chunks) > 1 else chunks[0],
+        num_microbatches=len(micros), seq_length=max(s[1] for s in shapes), micro_batch_size=max(s[0] for s in shapes),
+        forward_only=forward_only)
+
+
+def forward_per_token(chunks: list[torch.nn.Module], batch: TrainBatch, per_token: Callable, names: tuple[str, ...], *,
+                      micro_batch_size: int, max_tokens: int | None = None) -> dict[str, torch.Tensor]:
+    """{name: (B, L) tensor} on every rank of the pipeline group, without gradients.
+    per_token(output_tensor, micro) -> {name: (rows, width) tensor}, entry t for token t;
+    entries outside the real tokens and at t = 0 (no context) are zeroed."""
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    lengths = batch.attention_mask.sum(1).tolist()
+    micros = make_micro_batches(batch, plan_micro_batches(lengths, micro_batch_size=micro_batch_size,
+                                                          max_tokens=max_tokens, multiple=tp), tp)
+    device = next(chunks[0].parameters()).device
+
+    def collect(output_tensor, micro):
+        return output_tensor.new_zeros(()), {k: v.detach() for k, v in per_token(output_tensor, micro).items()}
+
     with torch.no_grad():
-        store = get_forward_backward_func()(
-            forward_step_func=step, data_iterator=iterators, model=chunks if len(chunks) > 1 else chunks[0],
-            num_microbatches=len(micros), seq_length=length, micro_batch_size=micro_batch_size, forward_only=True)
-    width = batch.input_ids.shape[1]
-    shape = (len(batch), width)
-    log_probs = torch.zeros(shape, device=device)
-    entropy = torch.zeros(shape, device=device) if with_entropy else None
+        store = run_schedule(chunks, micros, collect, forward_only=True)
+    out = {name: torch.zeros(batch.input_ids.shape, device=device) for name in names}
     if parallel_state.is_pipeline_last_stage():
-        rows = 0
-        for item in store:
-            n = item["log_probs"].shape[0]
-            log_probs[rows:rows + n, 1:] = item["log_probs"][:, : width - 1]
-            if with_entropy:
-                entropy[rows:rows + n, 1:] = item["entropy"].detach()[:, : width - 1]
-            rows += n
-    _from_last_stage(log_probs)
-    if with_entropy:
-        _from_last_stage(entropy)
+        for micro, item in zip(micros, store):
+            rows = torch.tensor(micro.rows, device=device)
+            for name in names:
+                out[name][rows, : micro.width] = item[name].float()
     real = batch.attention_mask.to(device).clone()
-    real[:, 0] = 0  # the first token has no context
-    return log_probs * real, (entropy * real if with_entropy else None)
+    real[:, 0] = 0
+    for name in names:
+        from_last_stage(out[name])
+        out[name] *= real
+    return out
 
 
-def _from_last_stage(tensor: torch.Tensor) -> None:
+def shift_right(per_position: torch.Tensor, width: int) -> torch.Tensor:
+    """(rows, S - 1) quantities of token t + 1 given tokens <= t → (rows, width) indexed by
+    token, entry 0 zero."""
+    zero = per_position.new_zeros((per_position.shape[0], 1))
+    return torch.cat([zero, per_position], 1)[:, :width]
+
+
+def from_last_stage(tensor: torch.Tensor) -> None:
+    """Broadcast `tensor` in place from the last pipeline stage to the whole pipeline group."""
     from megatron.core import parallel_state
 
     if parallel_state.get_pipeline_model_parallel_world_size() == 1:

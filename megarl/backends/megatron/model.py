@@ -15,6 +15,7 @@ layer); `layer_offset` turns them into global numbers.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,8 @@ import torch
 from megarl.models import ModelSpec, rope_inv_freq
 from megarl.models.mapping import TensorRule, embedding_rule, head_rules, hf_from_shards, layer_rules, \
     shard_from_hf, te_name
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -68,10 +71,11 @@ class Layout:
 
 def initialize(layout: Layout, seed: int = 0) -> None:
     """megatron's process groups (torch.distributed must be initialised) and its RNG tracker."""
+    from megarl.backends.megatron.cpu import enable_cpu_mode, silence_known_warnings
+
+    silence_known_warnings()
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    from megarl.backends.megatron.cpu import enable_cpu_mode
 
     enable_cpu_mode()
     if parallel_state.model_parallel_is_initialized():
@@ -80,7 +84,33 @@ def initialize(layout: Layout, seed: int = 0) -> None:
     model_parallel_cuda_manual_seed(seed)
 
 
-def transformer_config(spec: ModelSpec, layout: Layout, dtype: str = "float32", recompute: str | None = None):
+def transformer_engine_available() -> bool:
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except (ImportError, OSError):
+        return False
+    return True
+
+
+def resolve_impl(requested: str, fp8: str | None = None) -> str:
+    """The layer implementation to build: Transformer Engine where it is installed (and CUDA
+    is there), megatron's local layers otherwise. FP8 needs Transformer Engine."""
+    if requested not in ("transformer_engine", "local"):
+        raise ValueError(f"transformer_impl {requested!r}: use transformer_engine or local")
+    te = torch.cuda.is_available() and transformer_engine_available()
+    if fp8 and not te:
+        raise RuntimeError(f"fp8={fp8!r} needs Transformer Engine on a GPU (pip install -e '.[gpu]'); "
+                           "set fp8=null to train without it")
+    if requested == "transformer_engine" and not te:
+        log.info("Transformer Engine is not available here: using megatron's local layer spec")
+        return "local"
+    return requested
+
+
+def transformer_config(spec: ModelSpec, layout: Layout, dtype: str = "float32", recompute: str | None = None,
+                       fp8: dict | None = None):
+    """megatron's TransformerConfig for `spec`; `fp8` holds TransformerConfig's FP8 fields
+    (fp8, fp8_recipe, fp8_param), passed through to Transformer Engine."""
     from megatron.core.transformer import TransformerConfig
 
     torch_dtype = DTYPES[dtype]
@@ -102,7 +132,7 @@ def transformer_config(spec: ModelSpec, layout: Layout, dtype: str = "float32", 
         bias_activation_fusion=not cpu, bias_dropout_fusion=not cpu, apply_rope_fusion=False,
         masked_softmax_fusion=not cpu, persist_layer_norm=not cpu, gradient_accumulation_fusion=False,
         recompute_granularity=recompute, recompute_method="uniform" if recompute == "full" else None,
-        recompute_num_layers=1 if recompute == "full" else None,
+        recompute_num_layers=1 if recompute == "full" else None, **(fp8 or {}),
     )
 
 
@@ -117,12 +147,12 @@ def layer_spec(spec: ModelSpec, impl: str = "local"):
 
 
 def build_model(spec: ModelSpec, layout: Layout, dtype: str = "float32", impl: str = "local",
-                recompute: str | None = None) -> list[torch.nn.Module]:
+                recompute: str | None = None, fp8: dict | None = None) -> list[torch.nn.Module]:
     """This rank's GPTModel chunks (one per virtual stage; one without vpp), weights uninitialised."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    config = transformer_config(spec, layout, dtype, recompute)
+    config = transformer_config(spec, layout, dtype, recompute, fp8)
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     chunks = []
     for vp in range(layout.vpp or 1):
@@ -166,9 +196,11 @@ def chunk_rules(model: torch.nn.Module, spec: ModelSpec) -> list[tuple[str, Tens
     return out
 
 
-def load_hf_weights(chunks: list[torch.nn.Module], spec: ModelSpec, hf_dir: str | Path) -> None:
+def load_hf_weights(chunks: list[torch.nn.Module], spec: ModelSpec, hf_dir: str | Path,
+                    skip: tuple[str, ...] = ()) -> None:
     """Copy an HF safetensors checkpoint into this rank's shards, reading one tensor at a
-    time (no process holds the whole model); raises KeyError naming missing tensors."""
+    time (no process holds the whole model); raises KeyError naming missing tensors.
+    Parameters named in `skip` (e.g. the critic's value head) keep their values."""
     from megatron.core import parallel_state
     from safetensors import safe_open
 
@@ -178,6 +210,8 @@ def load_hf_weights(chunks: list[torch.nn.Module], spec: ModelSpec, hf_dir: str 
         for model in chunks:
             params = dict(model.named_parameters())
             for name, rule in chunk_rules(model, spec):
+                if name in skip:
+                    continue
                 missing = [n for n in rule.hf if n not in where]
                 if missing:
                     raise KeyError(f"{hf_dir}: the checkpoint has no {missing} (needed for megatron {rule.megatron})")

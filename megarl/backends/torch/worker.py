@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import random
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -22,17 +22,14 @@ from megarl.backends.torch.critic import TorchCritic
 from megarl.config import RunConfig
 
 
-def hf_state_buckets(model: torch.nn.Module, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
-    """The model's HF-named tensors in buckets of about `bucket_bytes` (a tensor larger than
-    a bucket travels alone). A tied LM head is left out, as HF checkpoints leave it out."""
+def bucketed(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+    """(name, tensor) pairs grouped into dicts of about `bucket_bytes` (a tensor larger than
+    a bucket travels alone)."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0")
-    tied = getattr(model.config, "tie_word_embeddings", False)
     bucket: dict[str, torch.Tensor] = {}
     size = 0
-    for name, tensor in model.state_dict().items():
-        if tied and name == "lm_head.weight":
-            continue
+    for name, tensor in named_tensors:
         nbytes = tensor.numel() * tensor.element_size()
         if bucket and size + nbytes > bucket_bytes:
             yield bucket
@@ -41,6 +38,14 @@ def hf_state_buckets(model: torch.nn.Module, bucket_bytes: int) -> Iterator[dict
         size += nbytes
     if bucket:
         yield bucket
+
+
+def hf_state_buckets(model: torch.nn.Module, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+    """The model's HF-named tensors in buckets of about `bucket_bytes`. A tied LM head is
+    left out, as HF checkpoints leave it out."""
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    return bucketed(((n, t) for n, t in model.state_dict().items() if not (tied and n == "lm_head.weight")),
+                    bucket_bytes)
 
 
 class TorchTrainWorker:

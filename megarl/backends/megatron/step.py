@@ -1,0 +1,103 @@
+"""One optimizer step of a megatron model (actor or critic) over a mini-batch: DDP with the
+distributed optimizer, megatron's forward-backward schedules, global-norm clipping.
+
+Every micro-batch's loss is already normalised by the counts of the whole mini-batch across
+all data-parallel ranks (megarl.algo.aggregation). megatron divides each micro-batch's loss
+by the number of micro-batches and DDP averages gradients over DP, so the head's loss is
+scaled by (micro-batches x DP) to leave the plain sum: the gradient is the torch backend's,
+however the mini-batch is split. Main entry points: `wrap_for_training`, `optimizer_step`.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from megarl.backends.megatron.forward import Head, MicroBatch, run_schedule
+from megarl.config import OptimConfig
+
+
+def wrap_for_training(chunks: list[torch.nn.Module], optim: OptimConfig, *, distributed_optimizer: bool = True,
+                      fp8_param_gather: bool = False):
+    """(DDP-wrapped chunks, megatron Adam optimizer): fp32 gradient reduction, global-norm
+    clipping at optim.grad_clip (0 = off), optimizer state sharded over DP when
+    `distributed_optimizer`, and on the CPU when optim.offload."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, \
+        finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=distributed_optimizer,
+                                               grad_reduce_in_fp32=True, fp8_param_gather=fp8_param_gather)
+    wrapped = [DistributedDataParallel(c.config, ddp_config, c) for c in chunks]
+    config = chunks[0].config
+    config.finalize_model_grads_func = finalize_model_grads  # DP reduction, tied-embedding sync
+    offload = dict(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0) if optim.offload else {}
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=optim.lr, weight_decay=optim.weight_decay, adam_beta1=optim.betas[0],
+        adam_beta2=optim.betas[1], adam_eps=optim.eps, clip_grad=optim.grad_clip,
+        use_distributed_optimizer=distributed_optimizer, params_dtype=config.params_dtype, bf16=config.bf16,
+        fp16=config.fp16, **offload), wrapped)
+    return wrapped, optimizer
+
+
+def loss_scale(num_micro_batches: int) -> int:
+    """What a micro-batch's loss is multiplied by so megatron's averaging leaves the sum."""
+    from megatron.core import parallel_state
+
+    return num_micro_batches * parallel_state.get_data_parallel_world_size()
+
+
+def optimizer_step(model: list[torch.nn.Module], optimizer, micros: list[MicroBatch], head: Head, *, lr: float,
+                   weight_decay: float, num_tokens: int) -> dict[str, float]:
+    """Forward/backward over `micros` (this DP rank's rows) and one step at `lr` and
+    `weight_decay`. `head` returns (scaled loss, metrics); metrics are averaged by each
+    micro-batch's share of the mini-batch's `num_tokens` loss tokens over all DP ranks, and
+    every rank returns the same dict (lr, grad_norm, and skipped_steps = 1 when the
+    gradient norm was NaN/inf and the weights stayed as they were)."""
+    from megatron.core import parallel_state
+
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    for group in optimizer.param_groups:  # what megatron's OptimizerParamScheduler would set
+        group["lr"] = lr * group.get("lr_mult", 1.0)
+        group["weight_decay"] = weight_decay * group.get("wd_mult", 1.0)  # 0 on biases and norms
+    store = run_schedule(model, micros, head, forward_only=False)
+    ok, grad_norm, _ = optimizer.step()
+    metrics: dict[str, float] = defaultdict(float)
+    for micro, item in zip(micros, store):
+        share = float(micro.data.loss_mask.sum()) / max(num_tokens, 1)
+        for key, value in item.items():
+            metrics[key] += share * value
+    metrics = _sum_over_data_parallel(dict(metrics))
+    metrics = _from_last_stage(metrics)
+    metrics["lr"] = lr
+    metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+    if not ok:
+        metrics["skipped_steps"] = 1.0
+    return metrics
+
+
+def _sum_over_data_parallel(metrics: dict[str, float]) -> dict[str, float]:
+    """Each DP rank weighted its rows by their share of the global tokens: the sum is the mean."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_data_parallel_world_size() == 1 or not metrics:
+        return metrics
+    keys = sorted(metrics)
+    summed = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)
+    torch.distributed.all_reduce(summed, group=parallel_state.get_data_parallel_group())
+    return dict(zip(keys, summed.tolist()))
+
+
+def _from_last_stage(metrics: dict[str, float]) -> dict[str, float]:
+    """The last pipeline stage computed the losses: every stage returns its metrics."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return metrics
+    box = [metrics]
+    torch.distributed.broadcast_object_list(box, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                                            group=parallel_state.get_pipeline_model_parallel_group())
+    return box[0]

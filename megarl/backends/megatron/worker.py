@@ -1,0 +1,365 @@
+"""The megatron backend's TrainWorker: one rank of an SPMD group.
+
+Every rank of the group (tensor x pipeline x context x data parallel) runs the same method
+with the same arguments at the same time (`megarl.cluster` calls them all and answers with
+rank 0's result); results are equal on every rank. Each data-parallel rank computes its
+share of the rows and the shares are gathered, so the caller hands every rank the whole batch.
+
+Parts: the actor (GPTModel + distributed optimizer), an optional frozen reference (a second
+copy of the initial weights, no optimizer) and an optional critic (`megatron.critic`), all
+in the same layout. Checkpoints are megatron distributed checkpoints (dist_checkpointing:
+weights and optimizer state, reshardable onto another TP/PP/DP layout) plus each rank's RNG
+state. Main entry point: `MegatronTrainWorker`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from megarl.backends.batch import TrainBatch
+from megarl.backends.schedule import lr_factor
+from megarl.backends.torch.step import run_epochs
+from megarl.config import RunConfig, TrainWorkerConfig
+from megarl.models import ModelSpec
+
+log = logging.getLogger(__name__)
+
+
+def layout_of(worker: TrainWorkerConfig, impl: str):
+    """The Layout of a worker config. Sequence parallelism is on with TP > 1 where asked, and
+    needs Transformer Engine's layers (megatron's local spec has no sequence-parallel norms);
+    it saves activation memory and changes no result."""
+    from megarl.backends.megatron.model import Layout
+
+    p = worker.parallel
+    sequence_parallel = p.sequence_parallel and p.tensor_model_parallel_size > 1
+    if sequence_parallel and impl == "local":
+        log.info("sequence parallelism is off: megatron's local layer spec does not support it")
+        sequence_parallel = False
+    return Layout(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size, cp=p.context_parallel_size,
+                  vpp=p.virtual_pipeline_model_parallel_size, sequence_parallel=sequence_parallel)
+
+
+def build_options(worker: TrainWorkerConfig, dtype: str) -> dict:
+    """build_model's keyword arguments for a worker config: dtype, layer implementation,
+    recomputation, FP8 fields passed through to Transformer Engine."""
+    from megarl.backends.megatron.model import resolve_impl
+
+    fp8 = None
+    if worker.fp8:
+        fp8 = {"fp8": worker.fp8, "fp8_recipe": worker.fp8_recipe, "fp8_param": worker.fp8_param_gather}
+    return {"dtype": dtype, "impl": resolve_impl(worker.transformer_impl, worker.fp8),
+            "recompute": "full" if worker.gradient_checkpointing else None, "fp8": fp8}
+
+
+@dataclass
+class _Part:
+    """A trained model (actor or critic) on this rank."""
+    chunks: list[torch.nn.Module]  # the GPTModel chunks
+    model: list[torch.nn.Module]  # the same, DDP-wrapped
+    optimizer: object
+    cfg: TrainWorkerConfig
+    steps: int = 0  # optimizer steps taken (the LR schedule's position)
+
+    def lr(self, total_steps: int) -> float:
+        return self.cfg.optim.lr * lr_factor(self.cfg.optim, total_steps, self.steps)
+
+
+class MegatronTrainWorker:
+    """torch.distributed must be initialised (gloo on CPU, NCCL on GPUs) before this is built."""
+
+    def __init__(self, cfg: RunConfig, total_steps: int):
+        from megarl.backends.megatron.critic import VALUE_HEAD, build_critic
+        from megarl.backends.megatron.model import build_model, initialize, load_hf_weights
+        from megarl.backends.megatron.step import wrap_for_training
+
+        self.cfg, self.total_steps = cfg, total_steps
+        self.spec = ModelSpec.from_hf(cfg.model.path)
+        options = build_options(cfg.actor, cfg.model.dtype)
+        self.layout = layout_of(cfg.actor, options["impl"])
+        self.layout.check(self.spec, torch.distributed.get_world_size())
+        initialize(self.layout, seed=cfg.trainer.seed)
+        a, samples = cfg.algorithm, cfg.rollout.n
+        self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
+
+        def trained(chunks, worker_cfg):
+            distributed = worker_cfg.parallel.use_distributed_optimizer
+            model, optimizer = wrap_for_training(chunks, worker_cfg.optim, distributed_optimizer=distributed,
+                                                 fp8_param_gather=bool(worker_cfg.fp8 and worker_cfg.fp8_param_gather))
+            return _Part(chunks, model, optimizer, worker_cfg)
+
+        chunks = build_model(self.spec, self.layout, **options)
+        load_hf_weights(chunks, self.spec, cfg.model.path)
+        self.actor = trained(chunks, cfg.actor)
+        self.reference = None
+        if a.use_kl_loss or a.use_kl_in_reward:
+            self.reference = build_model(self.spec, self.layout, **options)
+            load_hf_weights(self.reference, self.spec, cfg.model.path)
+            for chunk in self.reference:
+                chunk.eval().requires_grad_(False)
+        self.critic = None
+        if cfg.critic.enable:
+            critic_path = cfg.critic.model_path or cfg.model.path
+            critic_chunks = build_critic(self.spec, self.layout, **build_options(cfg.critic, cfg.model.dtype))
+            load_hf_weights(critic_chunks, ModelSpec.from_hf(critic_path), critic_path, skip=VALUE_HEAD)
+            self.critic = trained(critic_chunks, cfg.critic)
+        self.mini = {"actor": cfg.actor.ppo_mini_batch_size * samples, "critic": cfg.critic.ppo_mini_batch_size * samples}
+
+    # -- where this rank stands ------------------------------------------------------------
+    @property
+    def has_reference(self) -> bool:
+        return self.reference is not None
+
+    @staticmethod
+    def _dp() -> tuple[int, int]:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+
+    @property
+    def is_export_source(self) -> bool:
+        """TP rank 0 of DP rank 0 in each pipeline stage: the ranks that send exported weights."""
+        from megatron.core import parallel_state
+
+        return parallel_state.get_tensor_model_parallel_rank() == 0 and self._dp()[0] == 0
+
+    # -- forward passes ----------------------------------------------------------------------
+    def _over_data_parallel(self, batch: TrainBatch, fn) -> list[torch.Tensor]:
+        """fn(this DP rank's rows) -> tensors (rows, L); the rows of every DP rank gathered."""
+        from megatron.core import parallel_state
+
+        rank, size = self._dp()
+        if size == 1:
+            return [t.cpu() for t in fn(batch)]
+        bounds = [len(batch) * r // size for r in range(size + 1)]
+        mine = fn(batch.select(slice(bounds[rank], bounds[rank + 1])))
+        most = max(bounds[r + 1] - bounds[r] for r in range(size))
+        out = []
+        for tensor in mine:
+            padded = torch.nn.functional.pad(tensor, (0, 0, 0, most - tensor.shape[0]))
+            parts = [torch.empty_like(padded) for _ in range(size)]
+            torch.distributed.all_gather(parts, padded.contiguous(), group=parallel_state.get_data_parallel_group())
+            out.append(torch.cat([p[: bounds[r + 1] - bounds[r]] for r, p in enumerate(parts)]).cpu())
+        return out
+
+    def _log_probs(self, chunks, batch: TrainBatch, with_entropy: bool):
+        from megarl.backends.megatron.actor import forward_log_probs
+
+        def fn(rows):
+            lp, ent = forward_log_probs(chunks, self.spec.vocab_size, rows, micro_batch_size=self.cfg.actor.ppo_micro_batch_size,
+                                        max_tokens=self.cfg.actor.max_tokens_per_gpu, temperature=self.temperature,
+                                        with_entropy=with_entropy)
+            return [lp, ent] if with_entropy else [lp]
+
+        with torch.no_grad():
+            for chunk in chunks:
+                chunk.eval()
+            out = self._over_data_parallel(batch, fn)
+        return out[0], (out[1] if with_entropy else None)
+
+    def compute_log_prob(self, batch: TrainBatch, with_entropy: bool = False):
+        return self._log_probs(self.actor.chunks, batch, with_entropy)
+
+    def compute_ref_log_prob(self, batch: TrainBatch) -> torch.Tensor:
+        if self.reference is None:
+            raise RuntimeError("no reference model: turn on algorithm.use_kl_loss or use_kl_in_reward")
+        return self._log_probs(self.reference, batch, False)[0]
+
+    def compute_values(self, batch: TrainBatch) -> torch.Tensor:
+        from megarl.backends.megatron.critic import forward_values
+
+        if self.critic is None:
+            raise RuntimeError("no critic: set critic.enable=true")
+        c = self.cfg.critic
+        with torch.no_grad():
+            for chunk in self.critic.chunks:
+                chunk.eval()
+            return self._over_data_parallel(batch, lambda rows: [forward_values(
+                self.critic.chunks, rows, micro_batch_size=c.ppo_micro_batch_size, max_tokens=c.max_tokens_per_gpu)])[0]
+
+    # -- updates --------------------------------------------------------------------------------
+    def _update(self, part: _Part, name: str, batch: TrainBatch, step_fn) -> dict[str, float]:
+        """PPO epochs of mini-batches; each DP rank steps on its contiguous share of every mini-batch."""
+        rank, size = self._dp()
+        if self.mini[name] % size:
+            raise ValueError(f"{name}: a mini-batch of {self.mini[name]} samples does not split over "
+                             f"{size} data-parallel ranks")
+        for chunk in part.model:
+            chunk.train()
+
+        def one_step(mini: TrainBatch) -> dict[str, float]:
+            counts = {"num_tokens": int(mini.loss_mask.sum()), "num_seqs": len(mini),
+                      "norm_length": self.cfg.rollout.max_response_length}
+            share = len(mini) // size
+            metrics = step_fn(mini.select(slice(rank * share, (rank + 1) * share)), counts, part.lr(self.total_steps))
+            if not metrics.get("skipped_steps"):
+                part.steps += 1  # a skipped step leaves the schedule where it was (as the torch backend)
+            return metrics
+
+        return run_epochs(batch, self.mini[name], part.cfg.ppo_epochs, one_step)
+
+    def update_actor(self, batch: TrainBatch) -> dict[str, float]:
+        from megarl.backends.megatron.actor import actor_step
+
+        if batch.old_log_probs is None or batch.advantages is None:
+            raise ValueError("update_actor needs batch.old_log_probs and batch.advantages")
+        if self.cfg.algorithm.use_kl_loss and batch.ref_log_probs is None:
+            raise ValueError("algorithm.use_kl_loss needs batch.ref_log_probs")
+        a = self.cfg.actor
+        return self._update(self.actor, "actor", batch, lambda rows, counts, lr: actor_step(
+            self.actor.model, self.actor.optimizer, self.spec.vocab_size, rows, micro_batch_size=a.ppo_micro_batch_size,
+            max_tokens=a.max_tokens_per_gpu, algo=self.cfg.algorithm, counts=counts, lr=lr,
+            weight_decay=a.optim.weight_decay, temperature=self.temperature))
+
+    def update_critic(self, batch: TrainBatch) -> dict[str, float]:
+        from megarl.backends.megatron.critic import critic_step
+
+        if self.critic is None:
+            raise RuntimeError("no critic: set critic.enable=true")
+        if batch.values is None or batch.returns is None:
+            raise ValueError("update_critic needs batch.values and batch.returns")
+        c = self.cfg.critic
+        return self._update(self.critic, "critic", batch, lambda rows, counts, lr: critic_step(
+            self.critic.model, self.critic.optimizer, rows, micro_batch_size=c.ppo_micro_batch_size,
+            max_tokens=c.max_tokens_per_gpu, cliprange_value=c.cliprange_value,
+            loss_agg_mode=self.cfg.algorithm.loss_agg_mode, counts=counts, lr=lr, weight_decay=c.optim.weight_decay))
+
+    # -- weights out ------------------------------------------------------------------------------
+    def export_hf_weights(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+        """This pipeline stage's HF-named actor tensors, TP-gathered, in buckets of about
+        `bucket_bytes`. A collective over the TP group: every TP rank of DP rank 0 must
+        iterate; other DP ranks (replicas) yield nothing."""
+        from megarl.backends.megatron.model import export_hf_tensors
+        from megarl.backends.torch.worker import bucketed
+
+        if self._dp()[0] != 0:
+            return iter(())
+        return bucketed(export_hf_tensors(self.actor.chunks, self.spec), bucket_bytes)
+
+    def save_hf(self, directory: str | Path) -> str:
+        """The actor as an HF model directory (safetensors + config; the tokenizer is the
+        caller's). A collective: every rank must call it; each stage's source rank writes its
+        own file, rank 0 the index and config."""
+        from megatron.core import parallel_state
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        stage = parallel_state.get_pipeline_model_parallel_rank()
+        stages = parallel_state.get_pipeline_model_parallel_world_size()
+        file = f"model-{stage + 1:05d}-of-{stages:05d}.safetensors"
+        tensors = {}
+        for bucket in self.export_hf_weights(1 << 62):
+            tensors.update({n: t.contiguous().cpu() for n, t in bucket.items()})
+        names = [[] for _ in range(stages)]
+        if self.is_export_source:
+            save_file(tensors, str(directory / file), metadata={"format": "pt"})
+        gathered = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(gathered, (stage, sorted(tensors) if self.is_export_source else []))
+        for s, keys in gathered:
+            names[s] += keys
+        if torch.distributed.get_rank() == 0:
+            weight_map = {n: f"model-{s + 1:05d}-of-{stages:05d}.safetensors" for s in range(stages) for n in names[s]}
+            (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+            config = json.loads((Path(self.cfg.model.path) / "config.json").read_text())
+            config["dtype"] = self.cfg.model.dtype  # the trained weights' dtype, as save_pretrained writes it
+            config.pop("torch_dtype", None)
+            (directory / "config.json").write_text(json.dumps(config, indent=2))
+            for extra in ("generation_config.json",):
+                if (Path(self.cfg.model.path) / extra).exists():
+                    (directory / extra).write_text((Path(self.cfg.model.path) / extra).read_text())
+        torch.distributed.barrier()
+        return str(directory)
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def _parts(self) -> dict[str, _Part]:
+        return {"actor": self.actor} | ({"critic": self.critic} if self.critic is not None else {})
+
+    def save_checkpoint(self, directory: str | Path) -> None:
+        """Each part as a megatron distributed checkpoint (weights + optimizer state) in
+        `directory/<part>/`, its step count, and every rank's RNG state. A collective."""
+        from megatron.core import dist_checkpointing
+
+        directory = Path(directory)
+        rank = torch.distributed.get_rank()
+        for name, part in self._parts().items():
+            path = directory / name
+            if rank == 0:
+                path.mkdir(parents=True, exist_ok=True)
+            torch.distributed.barrier()
+            dist_checkpointing.save(_sharded_state(part, loading=False), str(path))
+        if rank == 0:
+            (directory / "megatron_trainer.json").write_text(json.dumps(
+                {name: {"steps": part.steps} for name, part in self._parts().items()} | {"layout": repr(self.layout)}))
+        (directory / "rng").mkdir(exist_ok=True)
+        torch.save(_rng_state(), directory / "rng" / f"rank_{rank:05d}.pt")
+        torch.distributed.barrier()
+
+    def load_checkpoint(self, directory: str | Path) -> None:
+        """Load what `save_checkpoint` wrote, also when it was written in another layout
+        (RNG states are restored only where the world size is the same)."""
+        from megatron.core import dist_checkpointing
+
+        directory = Path(directory)
+        state = directory / "megatron_trainer.json"
+        if not state.exists():
+            raise FileNotFoundError(f"{directory} is not a megatron-backend checkpoint (no {state.name}); "
+                                    "was it written with actor.backend=torch?")
+        trainer = json.loads(state.read_text())
+        for name, part in self._parts().items():
+            if name not in trainer:
+                raise ValueError(f"checkpoint {directory} has no {name}; was it written by another config?")
+            loaded = dist_checkpointing.load(_sharded_state(part, loading=True), str(directory / name))
+            for i, chunk in enumerate(part.chunks):
+                chunk.load_state_dict(loaded[_model_key(part, i)], strict=False)
+            part.optimizer.load_state_dict(loaded["optimizer"])
+            part.steps = trainer[name]["steps"]
+        rng = directory / "rng" / f"rank_{torch.distributed.get_rank():05d}.pt"
+        if rng.exists() and len(list((directory / "rng").glob("rank_*.pt"))) == torch.distributed.get_world_size():
+            _set_rng_state(torch.load(rng, weights_only=True))
+
+
+def _model_key(part: _Part, i: int) -> str:
+    return "model" if len(part.chunks) == 1 else f"model{i}"
+
+
+# the optimizer's state laid out per parameter in its full shape (gathered on DP rank 0 while
+# saving), so a checkpoint reshards onto any TP/PP/DP layout
+OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def _sharded_state(part: _Part, loading: bool) -> dict:
+    """megatron's sharded state dict of the part: its chunks and the optimizer."""
+    state = {_model_key(part, i): chunk.sharded_state_dict() for i, chunk in enumerate(part.chunks)}
+    model_state = state["model"] if len(part.chunks) == 1 else state
+    state["optimizer"] = part.optimizer.sharded_state_dict(model_state, is_loading=loading,
+                                                           metadata=OPTIMIZER_SHARDING)
+    return state
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    _, keys, pos, _, _ = np.random.get_state()
+    tracker = {f"tracker/{k}": v for k, v in get_cuda_rng_tracker().get_states().items()}
+    return {"torch": torch.get_rng_state(), "numpy_keys": torch.from_numpy(keys.astype(np.int64)),
+            "numpy_pos": torch.tensor(pos), "python": torch.tensor(random.getstate()[1], dtype=torch.int64)} | tracker
+
+
+def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(("MT19937", state["numpy_keys"].numpy().astype(np.uint32), int(state["numpy_pos"]), 0, 0.0))
+    random.setstate((3, tuple(int(x) for x in state["python"]), None))
+    tracker = {k.removeprefix("tracker/"): v for k, v in state.items() if k.startswith("tracker/")}
+    if tracker:
+        get_cuda_rng_tracker().set_states(tracker)
