@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 
-def logprobs_and_export(hf_dir: str, layout_kw: dict, batch, micro_batch_size: int, dtype: str = "float32"):
+def logprobs_and_export(hf_dir: str, layout_kw: dict, batch, micro_batch_size: int, dtype: str = "float32",
+                        max_tokens: int | None = None):
     """On this rank: build the layout, load the HF checkpoint, compute log-probs and entropy
     of `batch`, and export the HF tensors. Returns (log_probs, entropy, {name: tensor} of
     this stage when TP rank 0 else {})."""
@@ -22,13 +23,13 @@ def logprobs_and_export(hf_dir: str, layout_kw: dict, batch, micro_batch_size: i
     chunks = build_model(spec, layout, dtype=dtype)
     load_hf_weights(chunks, spec, hf_dir)
     log_probs, entropy = forward_log_probs(chunks, spec.vocab_size, batch, micro_batch_size=micro_batch_size,
-                                           with_entropy=True)
+                                           max_tokens=max_tokens, with_entropy=True)
     exported = dict(export_hf_tensors(chunks, spec))
     keep = parallel_state.get_tensor_model_parallel_rank() == 0
     return log_probs, entropy, (exported if keep else {})
 
 
-def actor_step(hf_dir: str, layout_kw: dict, batch, micro_batch_size: int, algo, optim):
+def actor_step(hf_dir: str, layout_kw: dict, batch, micro_batch_size: int, algo, optim, max_tokens=None):
     """One megatron optimizer step on `batch` (each DP rank takes its contiguous share of the
     rows); returns this stage's updated HF tensors (on TP rank 0 of DP rank 0) and the metrics."""
     from megatron.core import parallel_state
@@ -48,8 +49,43 @@ def actor_step(hf_dir: str, layout_kw: dict, batch, micro_batch_size: int, algo,
     rows = len(batch) // dp
     counts = {"num_tokens": int(batch.loss_mask.sum()), "num_seqs": len(batch), "norm_length": None}
     metrics = actor_step(model, optimizer, spec.vocab_size, batch.select(slice(dp_rank * rows, (dp_rank + 1) * rows)),
-                             micro_batch_size=micro_batch_size, algo=algo, counts=counts, lr=optim.lr,
+                             micro_batch_size=micro_batch_size, max_tokens=max_tokens, algo=algo, counts=counts, lr=optim.lr,
                              weight_decay=optim.weight_decay)
     exported = dict(export_hf_tensors(chunks, spec))
     keep = parallel_state.get_tensor_model_parallel_rank() == 0 and dp_rank == 0
     return (exported if keep else {}), metrics
+
+
+def worker(hf_dir: str, overrides: list[str]):
+    """A MegatronTrainWorker on this rank for a run config of the tiny model."""
+    from megarl.backends.megatron.worker import MegatronTrainWorker
+    from megarl.config import load_config
+
+    cfg = load_config(None, [f"model.path={hf_dir}", "model.dtype=float32", "actor.backend=megatron",
+                             "rollout.n=2", "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size=2",
+                             "actor.optim.lr=1e-3", "actor.optim.eps=1e-3", "actor.optim.lr_warmup_steps=0",
+                             *overrides])
+    return MegatronTrainWorker(cfg, total_steps=10)
+
+
+def critic_update(hf_dir: str, overrides: list[str], batch):
+    """Values before and after one critic update towards batch.returns, and its metrics."""
+    w = worker(hf_dir, overrides)
+    before = w.compute_values(batch)
+    metrics = w.update_critic(batch.with_fields(values=before))
+    return before, w.compute_values(batch), metrics
+
+
+def checkpoint_phase(hf_dir: str, overrides: list[str], ckpt_dir: str, save: bool, first, second):
+    """save=True: update on `first`, save, update on `second`; save=False: load instead of the
+    first update and save. Returns the log-probs of `second` after the checkpoint and after
+    the update on `second` (equal in both phases when weights and optimizer state round-trip)."""
+    w = worker(hf_dir, overrides)
+    if save:
+        w.update_actor(first)
+        w.save_checkpoint(ckpt_dir)
+    else:
+        w.load_checkpoint(ckpt_dir)
+    at_checkpoint = w.compute_log_prob(second)[0]
+    w.update_actor(second)
+    return at_checkpoint, w.compute_log_prob(second)[0], w.actor.steps

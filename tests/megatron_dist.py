@@ -45,8 +45,8 @@ def run_distributed(world_size: int, fn, *args, timeout: float = 300.0) -> list:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, results, fn, args), daemon=True)
-             for r in range(world_size)]
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, results, fn, args), daemon=False)
+             for r in range(world_size)]  # not daemonic: ranks may start helpers (checkpoint writers)
     for p in procs:
         p.start()
     out: dict[int, object] = {}

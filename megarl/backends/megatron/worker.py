@@ -320,7 +320,7 @@ class MegatronTrainWorker:
             loaded = dist_checkpointing.load(_sharded_state(part, loading=True), str(directory / name))
             for i, chunk in enumerate(part.chunks):
                 chunk.load_state_dict(loaded[_model_key(part, i)], strict=False)
-            part.optimizer.load_state_dict(loaded["optimizer"])
+            _load_optimizer_state(part.optimizer, loaded["optimizer"])
             part.steps = trainer[name]["steps"]
         rng = directory / "rng" / f"rank_{torch.distributed.get_rank():05d}.pt"
         if rng.exists() and len(list((directory / "rng").glob("rank_*.pt"))) == torch.distributed.get_world_size():
@@ -338,11 +338,56 @@ OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 def _sharded_state(part: _Part, loading: bool) -> dict:
     """megatron's sharded state dict of the part: its chunks and the optimizer."""
+    if loading:
+        _materialise_optimizer_state(part.optimizer)
     state = {_model_key(part, i): chunk.sharded_state_dict() for i, chunk in enumerate(part.chunks)}
     model_state = state["model"] if len(part.chunks) == 1 else state
     state["optimizer"] = part.optimizer.sharded_state_dict(model_state, is_loading=loading,
                                                            metadata=OPTIMIZER_SHARDING)
     return state
+
+
+def _materialise_optimizer_state(optimizer) -> None:
+    """Give a fresh torch Adam (megatron without Apex or Transformer Engine, as on CPU) its
+    state tensors and step counts: megatron reads the step from the state before loading
+    into it, which fails on an optimizer that never stepped."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        return
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = opt.optimizer
+        if inner.state and all("step" in s for s in inner.state.values()):
+            continue
+        opt.init_state_fn(inner, opt.config)
+        for state in inner.state.values():
+            state.setdefault("step", torch.tensor(0.0))
+
+
+def _load_optimizer_state(optimizer, state: dict) -> None:
+    """optimizer.load_state_dict(state), also for torch Adam (no Apex or Transformer Engine,
+    as on CPU), where megatron (0.16) loads one step tensor into every parameter's state
+    (torch Adam increments each in place, so a shared one would count every parameter: each
+    gets its own copy) and then copies the checkpoint's tensors over every state entry,
+    although the checkpoint has no per-parameter step (the step is kept as loaded)."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    chain = [o for o in getattr(optimizer, "chained_optimizers", [optimizer])
+             if isinstance(o, distrib_optimizer.DistributedOptimizer)]
+    torch_adam = not distrib_optimizer.HAVE_APEX_OR_TE
+    for opt in chain if torch_adam else []:
+        def keep_step(model_param, tensors, opt=opt, original=opt._set_main_param_and_optimizer_states):
+            group, order = opt.model_param_group_index_map[model_param]
+            own = opt.optimizer.state[opt.optimizer.param_groups[group]["params"][order]]
+            original(model_param, {**tensors, "step": own["step"]} if "step" in own else tensors)
+
+        opt._set_main_param_and_optimizer_states = keep_step
+    optimizer.load_state_dict(state)
+    for opt in chain if torch_adam else []:
+        del opt._set_main_param_and_optimizer_states  # back to the class's method
+        for param_state in opt.optimizer.state.values():
+            if "step" in param_state:
+                param_state["step"] = param_state["step"].clone()
 
 
 def _rng_state() -> dict[str, torch.Tensor]:

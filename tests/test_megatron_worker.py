@@ -1,0 +1,95 @@
+"""The megatron TrainWorker on CPU ranks (gloo): micro-batch planning, the critic against the
+torch backend's, and distributed checkpoints that resume on another layout."""
+
+import copy
+
+import pytest
+import torch
+
+from megarl.backends.megatron.forward import plan_micro_batches
+from megarl.backends.torch.logprobs import token_log_probs
+from megatron_cases import checkpoint_phase, critic_update
+from megatron_dist import run_distributed
+from test_megatron_numerics import a_batch
+from tiny_models import tiny_hf_model
+
+pytest.importorskip("megatron.core")
+
+
+@pytest.mark.parametrize("lengths, size, budget, multiple, want", [
+    ([5, 3, 8, 2], 2, None, 1, [[0, 1], [2, 3]]),  # fixed: consecutive rows
+    ([5, 3, 8], 2, None, 1, [[0, 1], [2]]),  # the last micro-batch is short
+    ([14, 7, 19, 5], 1, 24, 1, [[2], [0], [1, 3]]),  # longest first; 2 x 14 > 24; 2 x 7 <= 24
+    ([4, 4, 4, 4, 4], 1, 12, 1, [[0, 1, 2], [3, 4]]),  # 3 x 4 fits 12
+    ([5, 5, 5], 1, 12, 4, [[0], [1], [2]]),  # rounded up to 8: 2 x 8 > 12
+    ([30, 2], 1, 10, 1, [[0], [1]]),  # a row over the budget travels alone
+])
+def test_plan_micro_batches(lengths, size, budget, multiple, want):
+    assert plan_micro_batches(lengths, micro_batch_size=size, max_tokens=budget, multiple=multiple) == want
+
+
+def returns_batch(vocab: int):
+    batch = a_batch(vocab)
+    g = torch.Generator().manual_seed(3)
+    returns = torch.randn(len(batch), 1, generator=g).expand_as(batch.input_ids).clone() * batch.loss_mask
+    return batch.with_fields(returns=returns)
+
+
+@pytest.mark.parametrize("family, tied, parallel", [
+    ("qwen2", False, ["actor.parallel.tensor_model_parallel_size=2"]),
+    ("llama", True, ["actor.parallel.pipeline_model_parallel_size=2"]),
+])
+def test_critic_update_equals_the_torch_backend(tmp_path, family, tied, parallel):
+    from megarl.backends.torch.critic import TorchCritic
+    from megarl.config import OptimConfig
+
+    model = tiny_hf_model(family, tie_word_embeddings=tied)
+    model.save_pretrained(tmp_path)
+    batch = returns_batch(model.config.vocab_size)
+    critic_parallel = [p.replace("actor.", "critic.") for p in parallel]
+    overrides = parallel + critic_parallel + [
+        "critic.enable=true", "critic.backend=megatron", "critic.ppo_mini_batch_size=2", "critic.ppo_micro_batch_size=1",
+        "critic.optim.lr=1e-3", "critic.optim.eps=1e-3", "critic.optim.lr_warmup_steps=0", "critic.cliprange_value=0.5"]
+    before, after, metrics = run_distributed(2, critic_update, str(tmp_path), overrides, batch)[0]
+
+    optim = OptimConfig(lr=1e-3, eps=1e-3, lr_warmup_steps=0, weight_decay=0.01)
+    critic = TorchCritic(copy.deepcopy(model), optim, cliprange_value=0.5, mini_batch_samples=4, micro_batch_samples=1)
+    want_before = critic.compute_values(batch)
+    want_metrics = critic.update_critic(batch.with_fields(values=want_before))
+    want_after = critic.compute_values(batch)
+    real = batch.attention_mask.bool().clone()  # megatron zeroes padding and position 0
+    real[:, 0] = False
+    assert torch.count_nonzero(want_before) == 0 and torch.count_nonzero(before) == 0  # both heads start at V = 0
+    assert (want_after - want_before)[real].abs().max() > 1e-3  # the step moved the values
+    torch.testing.assert_close(after[real], want_after[real], rtol=0, atol=2e-5)
+    assert torch.count_nonzero(after[~real]) == 0
+    assert metrics["vf_loss"] == pytest.approx(want_metrics["vf_loss"], rel=1e-5)
+    assert metrics["grad_norm"] == pytest.approx(want_metrics["grad_norm"], rel=1e-4)
+
+
+def test_checkpoint_resumes_on_another_layout(tmp_path):
+    """Saved at TP=2 after one update, loaded at PP=2: the same log-probs, and the next update
+    (which needs Adam's moments and the step count back) lands on the same weights."""
+    model = tiny_hf_model("qwen2")
+    model.save_pretrained(tmp_path / "hf")
+    g = torch.Generator().manual_seed(5)
+
+    def update_batch(seed):
+        batch = a_batch(model.config.vocab_size, seed=seed)
+        with torch.no_grad():
+            now, _ = token_log_probs(model, batch.input_ids, batch.attention_mask)
+        return batch.with_fields(old_log_probs=now + 0.1 * torch.randn(now.shape, generator=g),
+                                 advantages=torch.randn(len(batch), 1, generator=g).expand_as(now).clone())
+
+    first, second = update_batch(1), update_batch(2)
+    hf, ckpt = str(tmp_path / "hf"), str(tmp_path / "ckpt")
+    saved = run_distributed(2, checkpoint_phase, hf, ["actor.parallel.tensor_model_parallel_size=2"], ckpt, True,
+                            first, second)[0]
+    loaded = run_distributed(2, checkpoint_phase, hf, ["actor.parallel.pipeline_model_parallel_size=2"], ckpt, False,
+                             first, second)[0]
+    real = second.attention_mask.bool().clone()
+    real[:, 0] = False
+    torch.testing.assert_close(loaded[0][real], saved[0][real], rtol=0, atol=1e-5)
+    assert (saved[1] - saved[0])[real].abs().max() > 1e-3  # the second update moved the log-probs
+    torch.testing.assert_close(loaded[1][real], saved[1][real], rtol=0, atol=1e-5)
+    assert loaded[2] == saved[2] == 2  # optimizer steps, the LR schedule's position
