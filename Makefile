@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.megarl-installed
 
-.PHONY: setup test quickstart quickstart-math bench clean
+.PHONY: setup test quickstart quickstart-math quickstart-megatron bench clean
 
 setup: $(STAMP)
 
@@ -38,6 +38,12 @@ quickstart: $(STAMP)
 quickstart-math: $(STAMP)
 	$(BIN)/python -m megarl.quickstart prepare-math outputs/quickstart_math
 	$(BIN)/megarl train examples/quickstart/dapo_math_tiny.yaml
+
+# The Search-R1 quickstart on the Megatron backend: two CPU ranks at tensor parallel 2.
+quickstart-megatron: $(STAMP)
+	$(BIN)/python -m megarl.quickstart prepare outputs/quickstart
+	$(BIN)/megarl train examples/quickstart/search_r1_tiny.yaml actor.backend=megatron \
+		actor.parallel.tensor_model_parallel_size=2 trainer.output_dir=outputs/quickstart/run_megatron
 
 bench: $(STAMP)
 	$(BIN)/python tools/bench/rewards.py

@@ -270,7 +270,9 @@ class ClusterConfig:
     ray_address: str | None = param(None, "Ray cluster to join ('auto' on slurm); None = start a local Ray.")
     nnodes: int = param(1, "Nodes of the run.", gt=0)
     gpus_per_node: int = param(0, "GPUs per node; 0 = CPU run.", ge=0)
-    cpus_per_node: int | None = param(None, "CPUs Ray may use per node (logical; the run needs 3); None = all, at least 3.", gt=0)
+    cpus_per_node: int | None = param(
+        None, "CPUs Ray may use per node (logical slots; the run needs one per train rank + 2); None = all, at "
+        "least that many.", gt=0)
 
 
 @dataclass

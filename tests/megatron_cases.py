@@ -6,7 +6,7 @@ import torch
 
 
 def logprobs_and_export(hf_dir: str, layout_kw: dict, batch, micro_batch_size: int, dtype: str = "float32",
-                        max_tokens: int | None = None):
+                        max_tokens: int | None = None, impl: str = "local", fp8: dict | None = None):
     """On this rank: build the layout, load the HF checkpoint, compute log-probs and entropy
     of `batch`, and export the HF tensors. Returns (log_probs, entropy, {name: tensor} of
     this stage when TP rank 0 else {})."""
@@ -20,7 +20,7 @@ def logprobs_and_export(hf_dir: str, layout_kw: dict, batch, micro_batch_size: i
     layout = Layout(**layout_kw)
     layout.check(spec, torch.distributed.get_world_size())
     initialize(layout, seed=0)
-    chunks = build_model(spec, layout, dtype=dtype)
+    chunks = build_model(spec, layout, dtype=dtype, impl=impl, fp8=fp8)
     load_hf_weights(chunks, spec, hf_dir)
     log_probs, entropy = forward_log_probs(chunks, spec.vocab_size, batch, micro_batch_size=micro_batch_size,
                                            max_tokens=max_tokens, with_entropy=True)

@@ -1,4 +1,4 @@
-"""Run a function on N local processes joined by gloo, as megatron ranks on CPU.
+"""Run a function on N local processes joined by gloo (NCCL where CUDA is), as megatron ranks.
 
 `run_distributed(world_size, fn, *args)` returns every rank's return value (rank order; tensors, lists, dicts, numbers) or
 raises with the failing rank's traceback; a hang is a failure after `timeout` seconds.
@@ -30,15 +30,28 @@ def _entry(rank: int, world_size: int, port: int, results, fn, args) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     try:
-        torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+        if torch.cuda.is_available():  # tests/gpu: one GPU per rank
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=rank,
+                                             world_size=world_size)
         buf = io.BytesIO()  # as bytes: shared-memory tensors die with the process
-        torch.save(fn(*args), buf)
+        torch.save(_to_cpu(fn(*args)), buf)
         results.put((rank, True, buf.getvalue()))
     except BaseException:  # noqa: BLE001 (reported to the parent)
         results.put((rank, False, traceback.format_exc()))
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def _to_cpu(value):
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
 
 
 def run_distributed(world_size: int, fn, *args, timeout: float = 300.0) -> list:

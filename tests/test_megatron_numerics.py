@@ -13,7 +13,8 @@ from tiny_models import tiny_hf_model
 
 pytest.importorskip("megatron.core")
 
-LAYOUTS = {"tp1": dict(tp=1), "tp2": dict(tp=2), "pp2": dict(pp=2), "tp2pp2": dict(tp=2, pp=2)}
+LAYOUTS = {"tp1": dict(tp=1), "tp2": dict(tp=2), "pp2": dict(pp=2), "tp2pp2": dict(tp=2, pp=2),
+           "pp2vpp2": dict(pp=2, vpp=2)}
 
 
 def a_batch(vocab: int, seed: int = 0) -> TrainBatch:
@@ -30,6 +31,7 @@ def a_batch(vocab: int, seed: int = 0) -> TrainBatch:
 @pytest.mark.parametrize("family, tied, layout, max_tokens", [
     ("qwen2", True, "tp1", None), ("qwen2", False, "tp2", None), ("llama", False, "pp2", 24),
     ("qwen3", True, "tp2pp2", 32), ("qwen3", False, "tp2", None), ("llama", True, "tp2pp2", None),
+    ("qwen2", True, "pp2vpp2", None),
 ])
 def test_log_probs_match_hf_and_export_is_exact(tmp_path, family, tied, layout, max_tokens):
     model = tiny_hf_model(family, tie_word_embeddings=tied)

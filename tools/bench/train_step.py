@@ -1,0 +1,163 @@
+"""Benchmark: forward + backward of the policy loss, megatron backend vs torch backend, on
+one device, same model shape, same weights, same batch.
+
+Tokens/s and MFU (model FLOPs utilisation) of each, one run, and their ratio printed. The
+torch backend is the HF model (SDPA attention) with log-softmax over the full vocabulary;
+the megatron backend is megatron-core's GPTModel (Transformer Engine layers where
+installed, otherwise the local spec) through its forward-backward schedule with the
+vocabulary-parallel log-probs. Both compute the same token-mean policy-gradient surrogate.
+
+    python tools/bench/train_step.py --model qwen2.5-0.5b --batch 4 --seq 4096   # one GPU, bf16
+    python tools/bench/train_step.py --model tiny --batch 2 --seq 128            # CPU smoke run
+
+MFU = achieved FLOP/s / peak, with model FLOPs per token = 6 N + 12 L H S (N the matmul
+parameters incl. the LM head, L layers, H hidden size, S sequence length; the usual
+convention, no recomputation counted). Peak: --peak-tflops, default 989 (H100 SXM dense
+bf16) on CUDA; on CPU no MFU is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import tempfile
+import time
+
+import torch
+
+SHAPES = {  # Qwen2.5 shapes (vocabulary, hidden, ffn, layers, heads, kv heads)
+    "qwen2.5-0.5b": (151936, 896, 4864, 24, 14, 2),
+    "qwen2.5-1.5b": (151936, 1536, 8960, 28, 12, 2),
+    "tiny": (1000, 128, 384, 4, 4, 2),
+}
+
+
+def hf_config(name: str) -> dict:
+    vocab, hidden, ffn, layers, heads, kv = SHAPES[name]
+    return dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=vocab, hidden_size=hidden,
+                intermediate_size=ffn, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
+                hidden_act="silu")
+
+
+def flops_per_token(cfg: dict, seq: int) -> float:
+    h, f, layers, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    kv_dim = h // cfg["num_attention_heads"] * cfg["num_key_value_heads"]
+    per_layer = h * h * 2 + 2 * h * kv_dim + 3 * h * f  # q, o, k, v, gate, up, down
+    return 6 * (layers * per_layer + v * h) + 12 * layers * h * seq
+
+
+def time_steps(step, iters: int, device) -> float:
+    step()  # warm-up (kernels, allocator)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / iters
+
+
+def bench_torch(model_dir: str, ids: torch.Tensor, dtype, device, iters: int) -> float:
+    from transformers import AutoModelForCausalLM
+
+    from megarl.backends.torch.logprobs import token_log_probs
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).train()
+    mask = torch.ones_like(ids)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        lp, _ = token_log_probs(model, ids, mask)
+        (-lp.sum() / lp.numel()).backward()
+
+    seconds = time_steps(step, iters, device)
+    del model
+    return seconds
+
+
+def bench_megatron(model_dir: str, ids: torch.Tensor, dtype_name: str, device, iters: int) -> tuple[float, str]:
+    from megarl.backends.batch import TrainBatch
+    from megarl.backends.megatron.forward import make_micro_batches, run_schedule, shift_right
+    from megarl.backends.megatron.logprobs import vocab_parallel_log_probs
+    from megarl.backends.megatron.model import Layout, build_model, initialize, load_hf_weights, resolve_impl
+    from megarl.models import ModelSpec
+
+    spec = ModelSpec.from_hf(model_dir)
+    layout = Layout()
+    initialize(layout, seed=0)
+    impl = resolve_impl("transformer_engine")
+    chunks = build_model(spec, layout, dtype=dtype_name, impl=impl)
+    load_hf_weights(chunks, spec, model_dir)
+    for chunk in chunks:
+        chunk.train()
+    rows = ids.cpu()
+    batch = TrainBatch(rows, torch.ones_like(rows), torch.ones_like(rows))
+    micros = make_micro_batches(batch, [list(range(len(rows)))], 1)
+
+    def head(output, micro):
+        lp, _ = vocab_parallel_log_probs(output[:, :-1], micro.input_ids.to(output.device)[:, 1:], spec.vocab_size)
+        lp = shift_right(lp, micro.width)
+        return -lp.sum() / lp.numel(), {}
+
+    def step():
+        for chunk in chunks:
+            chunk.zero_grad(set_to_none=True)
+        run_schedule(chunks, micros, head, forward_only=False)
+
+    return time_steps(step, iters, device), impl
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(SHAPES), default="qwen2.5-0.5b")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--peak-tflops", type=float, default=989.0)
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    dtype_name = "bfloat16" if cuda else "float32"
+    dtype = getattr(torch, dtype_name)
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+    if cuda:
+        torch.cuda.set_device(device)
+
+    cfg = hf_config(args.model)
+    with tempfile.TemporaryDirectory() as model_dir:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg), dtype=dtype)
+        model.save_pretrained(model_dir)
+        del model
+        ids = torch.randint(0, cfg["vocab_size"], (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+        ids = ids.to(device)
+        torch_s = bench_torch(model_dir, ids, dtype, device, args.iters)
+        if cuda:
+            torch.cuda.empty_cache()
+        megatron_s, impl = bench_megatron(model_dir, ids, dtype_name, device, args.iters)
+    tokens = args.batch * args.seq
+    flops = flops_per_token(cfg, args.seq) * tokens
+    result = {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "model": args.model, "dtype": dtype_name,
+              "tokens_per_step": tokens, "megatron_impl": impl,
+              "torch_tokens_per_s": round(tokens / torch_s, 1), "megatron_tokens_per_s": round(tokens / megatron_s, 1)}
+    if cuda:
+        peak = args.peak_tflops * 1e12
+        result |= {"torch_mfu": round(flops / torch_s / peak, 4), "megatron_mfu": round(flops / megatron_s / peak, 4)}
+    print(json.dumps(result, indent=1))
+    print(f"megatron / torch tokens/s: {torch_s / megatron_s:.2f}x")
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
