@@ -384,6 +384,10 @@ class RunConfig:
             problems.add("actor.parallel", f"TP x PP x CP = {p.model_parallel_size} does not divide the "
                          f"{world} train ranks (cluster.nnodes x cluster.gpus_per_node)",
                          "choose parallel sizes whose product divides the number of GPUs")
+        if p.context_parallel_size > 1:
+            problems.add("actor.parallel.context_parallel_size", "context parallelism is not wired into megarl's "
+                         "micro-batches yet (each CP rank must get its share of every sequence)",
+                         "set it to 1; for long responses use tensor parallelism with recomputation")
         dp = max(world // p.model_parallel_size, 1)
         for name, worker in (("actor", self.actor), ("critic", self.critic)):
             if name == "critic" and not self.critic.enable:

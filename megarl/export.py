@@ -1,7 +1,8 @@
 """`megarl export`: a trainer checkpoint -> an HF model directory (safetensors, config, tokenizer).
 
 Reads the run's resolved config (for the base model's architecture and tokenizer) and the
-checkpoint's actor weights. Main entry point: `export_checkpoint`.
+checkpoint's actor weights (the torch backend's safetensors, or the megatron backend's
+distributed checkpoint in any layout). Main entry point: `export_checkpoint`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,13 @@ def export_checkpoint(run_dir: str | Path, out_dir: str | Path, step_dir: str | 
         raise FileNotFoundError(f"no complete checkpoint under {run_dir / 'checkpoints'}")
     checkpoint.read_meta(source)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model.path))
-    missing, unexpected = model.load_state_dict(load_file(str(source / "actor.safetensors")), strict=False)
+    if (source / "megatron_trainer.json").exists():  # written by actor.backend=megatron
+        from megarl.backends.megatron.worker import read_distributed_actor
+
+        state = read_distributed_actor(source, cfg.model.path, cfg.model.dtype)
+    else:
+        state = load_file(str(source / "actor.safetensors"))
+    missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if not (m == "lm_head.weight" and model.config.tie_word_embeddings)]
     if missing or unexpected:
         raise ValueError(f"{source} does not fit {cfg.model.path}: missing {missing[:5]}, unexpected {unexpected[:5]}")

@@ -29,7 +29,8 @@ def logprobs_and_export(hf_dir: str, layout_kw: dict, batch, micro_batch_size: i
     return log_probs, entropy, (exported if keep else {})
 
 
-def actor_step(hf_dir: str, layout_kw: dict, batch, micro_batch_size: int, algo, optim, max_tokens=None):
+def actor_step(hf_dir: str, layout_kw: dict, batch, micro_batch_size: int, algo, optim, max_tokens=None,
+               recompute=None):
     """One megatron optimizer step on `batch` (each DP rank takes its contiguous share of the
     rows); returns this stage's updated HF tensors (on TP rank 0 of DP rank 0) and the metrics."""
     from megatron.core import parallel_state
@@ -42,7 +43,7 @@ def actor_step(hf_dir: str, layout_kw: dict, batch, micro_batch_size: int, algo,
     spec = ModelSpec.from_hf(hf_dir)
     layout = Layout(**layout_kw)
     initialize(layout, seed=0)
-    chunks = build_model(spec, layout)
+    chunks = build_model(spec, layout, recompute=recompute)
     load_hf_weights(chunks, spec, hf_dir)
     model, optimizer = wrap_for_training(chunks, optim)
     dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()

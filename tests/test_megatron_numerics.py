@@ -55,9 +55,10 @@ def test_log_probs_match_hf_and_export_is_exact(tmp_path, family, tied, layout, 
         assert torch.equal(exported[name], tensor), name
 
 
-@pytest.mark.parametrize("family, tied, layout, max_tokens", [
-    ("qwen2", False, dict(tp=2), None), ("llama", True, dict(pp=2), 24), ("qwen3", False, dict(tp=1, world=2), None)])
-def test_one_optimizer_step_equals_the_torch_backend(tmp_path, family, tied, layout, max_tokens):
+@pytest.mark.parametrize("family, tied, layout, max_tokens, recompute", [
+    ("qwen2", False, dict(tp=2), None, None), ("llama", True, dict(pp=2), 24, None),
+    ("qwen3", False, dict(tp=1, world=2), None, "full")])  # DP=2 with full activation recomputation
+def test_one_optimizer_step_equals_the_torch_backend(tmp_path, family, tied, layout, max_tokens, recompute):
     from megarl.backends.torch.actor import TorchActor
     from megarl.config import AlgorithmConfig, OptimConfig
     from megatron_cases import actor_step
@@ -77,7 +78,7 @@ def test_one_optimizer_step_equals_the_torch_backend(tmp_path, family, tied, lay
     # the gradient error)
     optim = OptimConfig(lr=1e-3, eps=1e-3, lr_warmup_steps=0, weight_decay=0.1, grad_clip=1.0)
     world = layout.pop("world", layout.get("tp", 1) * layout.get("pp", 1))
-    results = run_distributed(world, actor_step, str(tmp_path), layout, batch, 1, algo, optim, max_tokens)
+    results = run_distributed(world, actor_step, str(tmp_path), layout, batch, 1, algo, optim, max_tokens, recompute)
 
     actor = TorchActor(model, algo, optim, mini_batch_samples=len(batch), micro_batch_samples=2)
     want = actor.update_actor(batch)

@@ -13,6 +13,7 @@ from mlflow.tracking import MlflowClient
 from transformers import AutoModelForCausalLM
 
 from megarl.config import load_config
+from megarl.export import export_checkpoint
 from megarl.tracking import local_store_uri
 from megarl.train import train
 from train_fixtures import tiny_overrides, write_tiny_run_inputs
@@ -64,6 +65,10 @@ def test_megatron_tp2_trains_like_the_torch_backend_and_resumes(inputs, tmp_path
     assert metric(mg_out, "train/reward_mean") == metric(torch_out, "train/reward_mean")
     assert metric(mg_out, "actor/pg_loss") == pytest.approx(metric(torch_out, "actor/pg_loss"), abs=1e-5)
     assert (mg_out / "checkpoints" / "step_000002" / "megatron_trainer.json").exists()
+    export_checkpoint(mg_out, tmp_path / "exported")  # megarl export reads the TP=2 distributed checkpoint
+    exported = weights(tmp_path / "exported")
+    for name in got:
+        assert torch.equal(exported[name], got[name]), name
 
     run(inputs, resumed, 1, MEGATRON)
     run(inputs, resumed, 2, MEGATRON)  # trainer.resume=auto: step 1's distributed checkpoint

@@ -11,7 +11,7 @@ import torch
 
 from megarl.backends.batch import TrainBatch
 from megarl.backends.loss import actor_loss
-from megarl.backends.megatron.forward import forward_per_token, make_micro_batches, plan_micro_batches, shift_right
+from megarl.backends.megatron.forward import forward_per_token, shift_right, split_batch
 from megarl.backends.megatron.logprobs import vocab_parallel_log_probs
 from megarl.backends.megatron.step import loss_scale, optimizer_step
 from megarl.config import AlgorithmConfig
@@ -44,12 +44,7 @@ def actor_step(model: list[torch.nn.Module], optimizer, vocab_size: int, mini: T
                temperature: float = 1.0) -> dict[str, float]:
     """One optimizer step on `mini` (this DP rank's rows); `counts` (num_tokens, num_seqs,
     norm_length) are those of the whole mini-batch over all DP ranks."""
-    from megatron.core import parallel_state
-
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    plan = plan_micro_batches(mini.attention_mask.sum(1).tolist(), micro_batch_size=micro_batch_size,
-                              max_tokens=max_tokens, multiple=tp)
-    micros = make_micro_batches(mini, plan, tp)
+    micros = split_batch(mini, micro_batch_size=micro_batch_size, max_tokens=max_tokens)
     scale = loss_scale(len(micros))
 
     def head(output, micro):

@@ -59,6 +59,17 @@ def enable_cpu_mode() -> bool:
 
         mp_random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
         mp_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+        # the causal mask is also built inside recomputation's backward pass, where the
+        # function mode below is not active: redirect the function itself
+        from megatron.core.fusions import fused_softmax
+        from megatron.core.transformer import utils as transformer_utils
+
+        def causal_mask(sq: int) -> torch.Tensor:
+            return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
+
+        transformer_utils.get_default_causal_mask = causal_mask
+        if hasattr(fused_softmax, "get_default_causal_mask"):
+            fused_softmax.get_default_causal_mask = causal_mask
         _CudaToCpu().__enter__()  # for the life of the process
         _enabled = True
     return True

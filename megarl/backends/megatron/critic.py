@@ -14,7 +14,7 @@ import torch
 
 from megarl.algo import value_loss
 from megarl.backends.batch import TrainBatch
-from megarl.backends.megatron.forward import forward_per_token, make_micro_batches, plan_micro_batches, shift_right
+from megarl.backends.megatron.forward import forward_per_token, shift_right, split_batch
 from megarl.backends.megatron.step import loss_scale, optimizer_step
 
 VALUE_HEAD = ("output_layer.weight", "output_layer.bias")
@@ -69,12 +69,7 @@ def critic_step(model: list[torch.nn.Module], optimizer, mini: TrainBatch, *, mi
                 max_tokens: int | None = None, cliprange_value: float, loss_agg_mode: str, counts: dict, lr: float,
                 weight_decay: float) -> dict[str, float]:
     """One optimizer step of the clipped value loss towards mini.returns around mini.values."""
-    from megatron.core import parallel_state
-
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    plan = plan_micro_batches(mini.attention_mask.sum(1).tolist(), micro_batch_size=micro_batch_size,
-                              max_tokens=max_tokens, multiple=tp)
-    micros = make_micro_batches(mini, plan, tp)
+    micros = split_batch(mini, micro_batch_size=micro_batch_size, max_tokens=max_tokens)
     scale = loss_scale(len(micros))
 
     def head(output, micro):

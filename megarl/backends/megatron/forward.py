@@ -11,7 +11,7 @@ shape before it (`variable_seq_lengths`).
 
 Per-token results (log-probs, entropy, values) live on the last pipeline stage and are
 broadcast to every rank of the pipeline group, so any rank can answer for the worker.
-Main entry points: `plan_micro_batches`, `make_micro_batches`, `run_schedule`, `forward_per_token`.
+Main entry points: `plan_micro_batches`, `split_batch`, `run_schedule`, `forward_per_token`.
 """
 
 from __future__ import annotations
@@ -71,6 +71,16 @@ def make_micro_batches(batch: TrainBatch, plan: list[list[int]], multiple: int) 
     return out
 
 
+def split_batch(batch: TrainBatch, *, micro_batch_size: int, max_tokens: int | None = None) -> list[MicroBatch]:
+    """`batch` as micro-batches for this rank's layout (widths a multiple of TP)."""
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    plan = plan_micro_batches(batch.attention_mask.sum(1).tolist(), micro_batch_size=micro_batch_size,
+                              max_tokens=max_tokens, multiple=tp)
+    return make_micro_batches(batch, plan, tp)
+
+
 # head(output of the last stage, micro-batch) -> (loss, dict of results); called on the last stage only
 Head = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict]]
 
@@ -108,10 +118,7 @@ def forward_per_token(chunks: list[torch.nn.Module], batch: TrainBatch, per_toke
     entries outside the real tokens and at t = 0 (no context) are zeroed."""
     from megatron.core import parallel_state
 
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    lengths = batch.attention_mask.sum(1).tolist()
-    micros = make_micro_batches(batch, plan_micro_batches(lengths, micro_batch_size=micro_batch_size,
-                                                          max_tokens=max_tokens, multiple=tp), tp)
+    micros = split_batch(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens)
     device = next(chunks[0].parameters()).device
 
     def collect(output_tensor, micro):
