@@ -62,7 +62,11 @@ def test_update_does_not_depend_on_the_micro_batch_split(mode):
     batch, g = random_batch()
     base = tiny_model("qwen2")
     algo = AlgorithmConfig(loss_agg_mode=mode, entropy_coeff=0.01)
-    optim = OptimConfig(lr=1e-3, lr_warmup_steps=0, weight_decay=0.0)
+    # Adam's first step moves a weight by lr * g / (|g| + eps): with the default eps (1e-8) a
+    # weight whose gradient is near zero turns the summation-order rounding of g (~1e-9) into
+    # an update difference of up to lr; eps = 1e-3 bounds that by (lr / eps) x the rounding,
+    # while a wrong normalisation (a factor on g) still moves every weight visibly
+    optim = OptimConfig(lr=1e-3, eps=1e-3, lr_warmup_steps=0, weight_decay=0.0)
     old, _ = TorchActor(base, algo, optim, mini_batch_samples=8, micro_batch_samples=8).compute_log_prob(batch)
     batch = batch.with_fields(old_log_probs=old + 0.05 * torch.randn(old.shape, generator=g),
                               advantages=torch.randn(old.shape, generator=g))

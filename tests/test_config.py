@@ -130,6 +130,19 @@ def test_out_of_range(override, bound):
       "algorithm.overlong.buffer_len=256", "agent.retrieval.index_dir=idx"],
      "agent.max_turn_length", "exceeds rollout.max_response_length"),
     (["agent.max_turns=2"], "agent.retrieval", "nothing serves the searches"),
+    (["actor.backend=megatron", "cluster.launcher=inprocess"], "cluster.launcher", "one process per rank"),
+    (["actor.backend=megatron", "actor.parallel.context_parallel_size=2"], "actor.parallel.context_parallel_size",
+     "not wired"),
+    # 8 GPUs at TP=2: DP=4 does not split a mini batch of 1 prompt x rollout.n=2 samples
+    (["actor.backend=megatron", "cluster.gpus_per_node=8", "actor.parallel.tensor_model_parallel_size=2",
+      "rollout.n=2", "actor.ppo_mini_batch_size=1", "actor.ppo_micro_batch_size=1"], "actor.ppo_mini_batch_size",
+     "2 samples does not split over 4 data-parallel ranks"),
+    (["actor.backend=megatron", "cluster.gpus_per_node=6", "actor.parallel.tensor_model_parallel_size=4"],
+     "actor.parallel", "TP x PP x CP = 4 does not divide the 6 train ranks"),
+    (["actor.backend=megatron", "critic.enable=true", "algorithm.adv_estimator=gae"], "critic.backend",
+     "torch differs from actor.backend=megatron"),
+    (["actor.backend=megatron", "critic.enable=true", "critic.backend=megatron", "algorithm.adv_estimator=gae",
+      "actor.parallel.tensor_model_parallel_size=2"], "critic.parallel", "differs from actor.parallel"),
 ])
 def test_inconsistent_values(overrides, key, words):
     found = problems_of(overrides)
@@ -205,3 +218,15 @@ def test_flatten_for_tracking():
 @pytest.mark.parametrize("path", sorted(EXAMPLES.rglob("*.yaml")), ids=lambda p: str(p.relative_to(EXAMPLES)))
 def test_example_configs_are_valid(path):
     load_config(path, [])
+
+
+@pytest.mark.parametrize("overrides, world", [
+    ([], 1),  # torch backend: one worker
+    (["actor.backend=megatron", "actor.parallel.tensor_model_parallel_size=2"], 2),  # CPU run: DP = 1
+    (["actor.backend=megatron", "actor.parallel.tensor_model_parallel_size=2", "actor.parallel.data_parallel_size=4"],
+     8),
+    (["actor.backend=megatron", "actor.parallel.tensor_model_parallel_size=2", "cluster.gpus_per_node=8",
+      "cluster.nnodes=2"], 16),  # every GPU of the cluster
+])
+def test_train_world_size(overrides, world):
+    assert load_config(None, overrides).train_world_size() == world
