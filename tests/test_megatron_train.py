@@ -94,3 +94,19 @@ def test_a_dead_rank_is_named_and_the_others_are_stopped(inputs, tmp_path):
     finally:
         c.close()
     assert not ray.is_initialized()
+
+
+def test_ppo_with_critic_and_kl_reference_trains_like_the_torch_backend(inputs, tmp_path):
+    ppo = ["algorithm.adv_estimator=gae", "critic.enable=true", "critic.ppo_mini_batch_size=1",
+           "critic.ppo_micro_batch_size=2", "critic.optim.lr=1e-3", "critic.optim.lr_warmup_steps=0",
+           "algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=0.1"]
+    megatron_critic = ["critic.backend=megatron", "critic.parallel.tensor_model_parallel_size=2"]
+    run(inputs, tmp_path / "torch", 2, ppo)
+    run(inputs, tmp_path / "megatron", 2, ppo + MEGATRON + megatron_critic)
+    want, got = weights(tmp_path / "torch" / "hf"), weights(tmp_path / "megatron" / "hf")
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-4, msg=name)
+    for key, tolerance in (("critic/vf_loss", 1e-5), ("actor/kl_loss", 1e-6), ("critic/vpred_mean", 1e-5)):
+        expected = metric(tmp_path / "torch", key)
+        assert len(expected) == 2 and metric(tmp_path / "megatron", key) == pytest.approx(expected, abs=tolerance), key
+    assert metric(tmp_path / "megatron", "actor/kl_loss")[-1] > 0  # the second step is away from the reference

@@ -67,9 +67,16 @@ def test_critic_update_equals_the_torch_backend(tmp_path, family, tied, parallel
     assert metrics["grad_norm"] == pytest.approx(want_metrics["grad_norm"], rel=1e-4)
 
 
-def test_checkpoint_resumes_on_another_layout(tmp_path):
-    """Saved at TP=2 after one update, loaded at PP=2: the same log-probs, and the next update
-    (which needs Adam's moments and the step count back) lands on the same weights."""
+TP2, PP2, DP2 = (["actor.parallel.tensor_model_parallel_size=2"], ["actor.parallel.pipeline_model_parallel_size=2"],
+                 ["actor.parallel.data_parallel_size=2"])
+PLAIN_ADAM = ["actor.parallel.use_distributed_optimizer=false"]
+
+
+@pytest.mark.parametrize("saved_as, loaded_as", [(TP2, PP2), (DP2, TP2), (TP2 + PLAIN_ADAM, PP2 + PLAIN_ADAM)])
+def test_checkpoint_resumes_on_another_layout(tmp_path, saved_as, loaded_as):
+    """Saved after one update, loaded in another layout: the same log-probs, and the next
+    update (which needs Adam's moments and the step count back) lands on the same weights.
+    DP=2 shards Adam's state over the two ranks; PLAIN_ADAM keeps it whole on every rank."""
     model = tiny_hf_model("qwen2")
     model.save_pretrained(tmp_path / "hf")
     g = torch.Generator().manual_seed(5)
@@ -83,10 +90,8 @@ def test_checkpoint_resumes_on_another_layout(tmp_path):
 
     first, second = update_batch(1), update_batch(2)
     hf, ckpt = str(tmp_path / "hf"), str(tmp_path / "ckpt")
-    saved = run_distributed(2, checkpoint_phase, hf, ["actor.parallel.tensor_model_parallel_size=2"], ckpt, True,
-                            first, second)[0]
-    loaded = run_distributed(2, checkpoint_phase, hf, ["actor.parallel.pipeline_model_parallel_size=2"], ckpt, False,
-                             first, second)[0]
+    saved = run_distributed(2, checkpoint_phase, hf, saved_as, ckpt, True, first, second)[0]
+    loaded = run_distributed(2, checkpoint_phase, hf, loaded_as, ckpt, False, first, second)[0]
     real = second.attention_mask.bool().clone()
     real[:, 0] = False
     torch.testing.assert_close(loaded[0][real], saved[0][real], rtol=0, atol=1e-5)
