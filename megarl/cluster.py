@@ -79,13 +79,13 @@ class TrainWorkerActor:
         return getattr(self.worker, method)(*args)
 
     def push_weights(self, engine, bucket_bytes: int, version: int) -> int:
-        """Send this rank's buckets to the engine actor (megatron: each pipeline stage's
+        """Send this rank's flat buckets to the engine actor (megatron: each pipeline stage's
         source rank sends its stage; the other ranks only take part in the TP gathers);
         returns the number of buckets sent."""
         count = 0
         for bucket in self.worker.export_hf_weights(bucket_bytes):
             if self.is_source:
-                ray.get(engine.update_weights.remote([bucket], version))
+                ray.get(engine.load_bucket.remote(bucket, version))
                 count += 1
         return count
 
@@ -108,6 +108,12 @@ class EngineActor:
 
     async def update_weights(self, buckets, version: int) -> None:
         await self.engine.update_weights(buckets, version)
+
+    async def load_bucket(self, bucket, version: int) -> None:
+        """One flat bucket (megarl.sync.FlatBucket) from a trainer rank."""
+        from megarl.sync import unpack_bucket
+
+        await self.engine.update_weights([unpack_bucket(bucket)], version)
 
     async def call(self, method: str) -> object:
         return await getattr(self.engine, method)()
@@ -156,7 +162,7 @@ class RemoteTrainWorker:
     ComponentDied naming it, instead of leaving the others waiting in a collective."""
 
     METHODS = ("compute_log_prob", "compute_ref_log_prob", "compute_values", "update_actor", "update_critic",
-               "save_checkpoint", "load_checkpoint", "save_hf")
+               "save_checkpoint", "load_checkpoint", "save_hf", "weight_checksums")
 
     def __init__(self, actors: list, has_reference: bool):
         self.actors, self.has_reference = actors, has_reference
@@ -243,6 +249,9 @@ class RemoteEngine:
     async def health(self) -> bool:
         return await self.actor.call.remote("health")
 
+    async def weight_checksums(self) -> dict[str, str]:
+        return await self.actor.call.remote("weight_checksums")
+
     async def close(self) -> None:
         try:
             await self.actor.call.remote("close")
@@ -324,8 +333,16 @@ class RayCluster:
             raise _died(f"retrieval server at {self.retrieval_url} (Ray actor RetrievalActor)", e) from e
 
     def sync_weights(self, version: int) -> None:
-        gather_ranks([a.push_weights.remote(self.engine_actor, self.cfg.sync.bucket_mb << 20, version)
-                      for a in self.worker_actors])
+        """Trainer ranks -> engine actor, actor to actor, with generation paused around it."""
+        import asyncio
+
+        asyncio.run(self.engine.pause())
+        try:
+            gather_ranks([a.push_weights.remote(self.engine_actor, self.cfg.sync.bucket_mb << 20, version)
+                          for a in self.worker_actors])
+            asyncio.run(self.engine.flush_cache())
+        finally:
+            asyncio.run(self.engine.resume())
 
     def shutdown(self) -> None:
         for actor in (*self.worker_actors, self.engine_actor, self.reward_actor, self.retrieval_actor):

@@ -23,6 +23,7 @@ from megarl.data.prompts import PromptRecord, PromptSampler, load_prompts
 from megarl.reward import RewardPool, RewardSpec
 from megarl.rollout.agent import AgentSettings
 from megarl.rollout.local import LocalEngine
+from megarl.sync import load_into_engine, verify_engine
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +51,15 @@ class Components:
     retrieval_server: object | None = None  # the in-process BackgroundServer, when this process runs it
 
     def sync_weights(self, version: int) -> None:
-        """Trainer weights -> engine, in buckets of sync.bucket_mb."""
+        """Trainer weights -> engine in flat buckets of sync.bucket_mb (megarl.sync), then,
+        with sync.verify, the engine's checksums against the trainer's."""
         if self.ray_cluster is not None:
             self.ray_cluster.sync_weights(version)
-            return
-        buckets = self.worker.export_hf_weights(self.cfg.sync.bucket_mb << 20)
-        asyncio.run(self.engine.update_weights(buckets, version))
+        else:
+            buckets = self.worker.export_hf_weights(self.cfg.sync.bucket_mb << 20)
+            asyncio.run(load_into_engine(self.engine, buckets, version))
+        if self.cfg.sync.verify:
+            asyncio.run(verify_engine(self.engine, self.worker.weight_checksums()))
 
     def check_retrieval(self) -> None:
         """After failed searches: ComponentDied naming the retrieval server when it is gone or

@@ -90,3 +90,15 @@ def checkpoint_phase(hf_dir: str, overrides: list[str], ckpt_dir: str, save: boo
     at_checkpoint = w.compute_log_prob(second)[0]
     w.update_actor(second)
     return at_checkpoint, w.compute_log_prob(second)[0], w.actor.steps
+
+
+def trained_export(hf_dir: str, overrides: list[str], update, batch, bucket_bytes: int):
+    """One actor update on `update`, then what a weight sync sends: this rank's flat buckets
+    as (data, entries) when it is a source rank, the trainer's checksums of every tensor, and
+    the trainer's log-probs of `batch`."""
+    from dataclasses import astuple
+
+    w = worker(hf_dir, overrides)
+    w.update_actor(update)
+    buckets = [(b.data, [astuple(e) for e in b.entries]) for b in w.export_hf_weights(bucket_bytes)]
+    return (buckets if w.is_export_source else []), w.weight_checksums(), w.compute_log_prob(batch)[0]

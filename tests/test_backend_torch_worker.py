@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from megarl.backends.torch.worker import TorchTrainWorker, hf_state_buckets
+from megarl.backends.torch.worker import TorchTrainWorker
 from megarl.config import load_config
 from megarl.rollout.engine import SamplingParams
 from megarl.rollout.local import LocalEngine
+from megarl.sync import load_into_engine, unpack_bucket, verify_engine
 from test_backend_torch_actor import random_batch
 from tiny_models import reference_log_probs, tiny_model
 
@@ -26,13 +27,14 @@ def test_buckets_cover_the_state_once_and_respect_the_size():
     for tie in (False, True):
         model = tiny_model("qwen2", tie=tie)
         limit = 40_000
-        buckets = list(hf_state_buckets(model, limit))
-        names = [n for b in buckets for n in b]
+        buckets = list(TorchTrainWorker(model, load_config(None, CFG), 1).export_hf_weights(limit))
         expected = [n for n in model.state_dict() if not (tie and n == "lm_head.weight")]
-        assert names == expected
+        assert [n for b in buckets for n in b.names] == expected
         for b in buckets:
-            size = sum(t.numel() * t.element_size() for t in b.values())
-            assert size <= limit or len(b) == 1
+            assert b.data.numel() <= limit or len(b.entries) == 1
+        unpacked = {n: t for b in buckets for n, t in unpack_bucket(b).items()}
+        for name in expected:
+            assert torch.equal(unpacked[name], model.state_dict()[name])
 
 
 def test_exported_weights_sync_into_the_engine_exactly():
@@ -41,7 +43,8 @@ def test_exported_weights_sync_into_the_engine_exactly():
     engine = LocalEngine(fresh, eos_token_ids=[])
 
     async def go():
-        await engine.update_weights(worker.export_hf_weights(bucket_bytes=50_000), version=1)
+        await load_into_engine(engine, worker.export_hf_weights(bucket_bytes=50_000), version=1)
+        await verify_engine(engine, worker.weight_checksums())
         out = await engine.generate([4, 5, 6], SamplingParams(max_new_tokens=6, temperature=0.0))
         await engine.close()
         return out

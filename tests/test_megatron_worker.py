@@ -67,6 +67,16 @@ def test_critic_update_equals_the_torch_backend(tmp_path, family, tied, parallel
     assert metrics["grad_norm"] == pytest.approx(want_metrics["grad_norm"], rel=1e-4)
 
 
+def update_batch(model, seed: int):
+    """A batch with old log-probs near the model's and random per-row advantages."""
+    g = torch.Generator().manual_seed(seed + 100)
+    batch = a_batch(model.config.vocab_size, seed=seed)
+    with torch.no_grad():
+        now, _ = token_log_probs(model, batch.input_ids, batch.attention_mask)
+    return batch.with_fields(old_log_probs=now + 0.1 * torch.randn(now.shape, generator=g),
+                             advantages=torch.randn(len(batch), 1, generator=g).expand_as(now).clone())
+
+
 TP2, PP2, DP2 = (["actor.parallel.tensor_model_parallel_size=2"], ["actor.parallel.pipeline_model_parallel_size=2"],
                  ["actor.parallel.data_parallel_size=2"])
 PLAIN_ADAM = ["actor.parallel.use_distributed_optimizer=false"]
@@ -79,16 +89,7 @@ def test_checkpoint_resumes_on_another_layout(tmp_path, saved_as, loaded_as):
     DP=2 shards Adam's state over the two ranks; PLAIN_ADAM keeps it whole on every rank."""
     model = tiny_hf_model("qwen2")
     model.save_pretrained(tmp_path / "hf")
-    g = torch.Generator().manual_seed(5)
-
-    def update_batch(seed):
-        batch = a_batch(model.config.vocab_size, seed=seed)
-        with torch.no_grad():
-            now, _ = token_log_probs(model, batch.input_ids, batch.attention_mask)
-        return batch.with_fields(old_log_probs=now + 0.1 * torch.randn(now.shape, generator=g),
-                                 advantages=torch.randn(len(batch), 1, generator=g).expand_as(now).clone())
-
-    first, second = update_batch(1), update_batch(2)
+    first, second = update_batch(model, 1), update_batch(model, 2)
     hf, ckpt = str(tmp_path / "hf"), str(tmp_path / "ckpt")
     saved = run_distributed(2, checkpoint_phase, hf, saved_as, ckpt, True, first, second)[0]
     loaded = run_distributed(2, checkpoint_phase, hf, loaded_as, ckpt, False, first, second)[0]

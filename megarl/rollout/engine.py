@@ -120,3 +120,6 @@ class RolloutEngine(Protocol):
     async def resume_memory(self) -> None: ...
 
     async def health(self) -> bool: ...
+
+    async def weight_checksums(self) -> dict[str, str]:
+        """{HF name: checksum} of the loaded weights (megarl.sync.weight_checksums), for sync.verify."""

@@ -120,6 +120,10 @@ def create_engine_app(engine: RolloutEngine, tokenizer=None) -> FastAPI:
             return JSONResponse({"success": False, "message": str(e)}, status_code=400)
         return {"success": True, "message": f"loaded {len(files)} files", "num_paused_requests": 0}
 
+    @app.get("/weight_checksums")  # megarl's own route (sync.verify); SGLang has none
+    async def checksums():
+        return await engine.weight_checksums()
+
     for route, method in (("/pause_generation", "pause"), ("/continue_generation", "resume"),
                           ("/release_memory_occupation", "release_memory"),
                           ("/resume_memory_occupation", "resume_memory")):
@@ -183,6 +187,14 @@ class HTTPEngine:
 
     async def resume_memory(self) -> None:
         await self._post("/resume_memory_occupation")
+
+    async def weight_checksums(self) -> dict[str, str]:
+        response = await self._client.get("/weight_checksums")
+        if response.status_code == 404:
+            raise RuntimeError(f"{self.base_url} has no /weight_checksums route (megarl's embedded server has it, "
+                               "SGLang does not): set sync.verify=false for this engine")
+        response.raise_for_status()
+        return response.json()
 
     async def health(self) -> bool:
         try:

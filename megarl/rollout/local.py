@@ -112,6 +112,12 @@ class LocalEngine:
             await loop.run_in_executor(self._executor, _copy_bucket, params, bucket)
         self.weight_version = version
 
+    async def weight_checksums(self) -> dict[str, str]:
+        """Per-tensor checksums of the model's HF weights (sync.verify)."""
+        from megarl.sync import hf_tensors, weight_checksums
+
+        return weight_checksums(hf_tensors(self.model))
+
     async def pause(self) -> None:
         self._ensure_loop()
         self._unpaused.clear()

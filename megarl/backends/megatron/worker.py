@@ -29,6 +29,7 @@ from megarl.backends.schedule import lr_factor
 from megarl.backends.torch.step import run_epochs
 from megarl.config import RunConfig, TrainWorkerConfig
 from megarl.models import ModelSpec
+from megarl.sync import FlatBucket, pack_buckets, weight_checksums
 
 log = logging.getLogger(__name__)
 
@@ -108,8 +109,10 @@ class MegatronTrainWorker:
         self.critic = None
         if cfg.critic.enable:
             critic_path = cfg.critic.model_path or cfg.model.path
-            critic_chunks = build_critic(self.spec, self.layout, **build_options(cfg.critic, cfg.model.dtype))
-            load_hf_weights(critic_chunks, ModelSpec.from_hf(critic_path), critic_path, skip=VALUE_HEAD)
+            critic_spec = ModelSpec.from_hf(critic_path)
+            self.layout.check(critic_spec, torch.distributed.get_world_size())
+            critic_chunks = build_critic(critic_spec, self.layout, **build_options(cfg.critic, cfg.model.dtype))
+            load_hf_weights(critic_chunks, critic_spec, critic_path, skip=VALUE_HEAD)
             self.critic = trained(critic_chunks, cfg.critic)
         self.mini = {"actor": cfg.actor.ppo_mini_batch_size * samples, "critic": cfg.critic.ppo_mini_batch_size * samples}
 
@@ -233,16 +236,24 @@ class MegatronTrainWorker:
             loss_agg_mode=self.cfg.algorithm.loss_agg_mode, counts=counts, lr=lr, weight_decay=c.optim.weight_decay))
 
     # -- weights out ------------------------------------------------------------------------------
-    def export_hf_weights(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
-        """This pipeline stage's HF-named actor tensors, TP-gathered, in buckets of about
-        `bucket_bytes`. A collective over the TP group: every TP rank of DP rank 0 must
-        iterate; other DP ranks (replicas) yield nothing."""
+    def _hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This stage's HF-named actor tensors, TP-gathered; a collective over the TP group on
+        DP rank 0 (other DP ranks hold replicas and yield nothing)."""
         from megarl.backends.megatron.model import export_hf_tensors
-        from megarl.backends.torch.worker import bucketed
 
-        if self._dp()[0] != 0:
-            return iter(())
-        return bucketed(export_hf_tensors(self.actor.chunks, self.spec), bucket_bytes)
+        return export_hf_tensors(self.actor.chunks, self.spec) if self._dp()[0] == 0 else iter(())
+
+    def export_hf_weights(self, bucket_bytes: int) -> Iterator[FlatBucket]:
+        """This pipeline stage's actor weights as flat buckets of about `bucket_bytes`; every
+        TP rank of DP rank 0 must iterate (the source rank sends them, see is_export_source)."""
+        return pack_buckets(self._hf_tensors(), bucket_bytes)
+
+    def weight_checksums(self) -> dict[str, str]:
+        """Checksums of every HF tensor of the actor (all stages), the same on every rank."""
+        mine = weight_checksums(self._hf_tensors())
+        gathered = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(gathered, mine if self.is_export_source else {})
+        return {name: value for part in gathered for name, value in part.items()}
 
     def save_hf(self, directory: str | Path) -> str:
         """The actor as an HF model directory (safetensors + config; the tokenizer is the
@@ -256,9 +267,7 @@ class MegatronTrainWorker:
         stage = parallel_state.get_pipeline_model_parallel_rank()
         stages = parallel_state.get_pipeline_model_parallel_world_size()
         file = f"model-{stage + 1:05d}-of-{stages:05d}.safetensors"
-        tensors = {}
-        for bucket in self.export_hf_weights(1 << 62):
-            tensors.update({n: t.contiguous().cpu() for n, t in bucket.items()})
+        tensors = {n: t.contiguous().cpu() for n, t in self._hf_tensors()}
         names = [[] for _ in range(stages)]
         if self.is_export_source:
             save_file(tensors, str(directory / file), metadata={"format": "pt"})

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import random
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -20,32 +20,7 @@ from megarl.backends.batch import TrainBatch
 from megarl.backends.torch.actor import TorchActor
 from megarl.backends.torch.critic import TorchCritic
 from megarl.config import RunConfig
-
-
-def bucketed(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
-    """(name, tensor) pairs grouped into dicts of about `bucket_bytes` (a tensor larger than
-    a bucket travels alone)."""
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0")
-    bucket: dict[str, torch.Tensor] = {}
-    size = 0
-    for name, tensor in named_tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = {}, 0
-        bucket[name] = tensor.detach()
-        size += nbytes
-    if bucket:
-        yield bucket
-
-
-def hf_state_buckets(model: torch.nn.Module, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
-    """The model's HF-named tensors in buckets of about `bucket_bytes`. A tied LM head is
-    left out, as HF checkpoints leave it out."""
-    tied = getattr(model.config, "tie_word_embeddings", False)
-    return bucketed(((n, t) for n, t in model.state_dict().items() if not (tied and n == "lm_head.weight")),
-                    bucket_bytes)
+from megarl.sync import FlatBucket, hf_tensors, pack_buckets, weight_checksums
 
 
 class TorchTrainWorker:
@@ -99,8 +74,11 @@ class TorchTrainWorker:
             raise RuntimeError("no critic: set critic.enable=true")
         return self.critic.update_critic(batch)
 
-    def export_hf_weights(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
-        return hf_state_buckets(self.actor.model, bucket_bytes)
+    def export_hf_weights(self, bucket_bytes: int) -> Iterator[FlatBucket]:
+        return pack_buckets(hf_tensors(self.actor.model), bucket_bytes)
+
+    def weight_checksums(self) -> dict[str, str]:
+        return weight_checksums(hf_tensors(self.actor.model))
 
     def save_checkpoint(self, directory: str | Path) -> None:
         """Weights as safetensors; optimizer, scheduler and RNG states as tensor-only files

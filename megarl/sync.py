@@ -1,0 +1,132 @@
+"""Weight sync from the trainer to the rollout engines.
+
+After every update, each pipeline stage's source rank (TP rank 0 of DP rank 0) gathers its
+TP shards as HF-named tensors (`export_hf_weights`), packs them into flat buckets of about
+`sync.bucket_mb` (`pack_buckets`: one contiguous byte buffer and a manifest per bucket, so a
+bucket crosses a process boundary as one tensor, not hundreds), and the engine loads each
+bucket (`unpack_bucket`). The engine is paused around the sync (no decode step sees half the
+new weights) and its cache flushed; the weight version travels with every rollout
+(`GenerationOutput.weight_version`). With `sync.verify`, the engine's per-tensor checksums
+are compared with the trainer's after the sync (`weight_checksums`).
+
+Main entry points: `pack_buckets`, `unpack_bucket`, `load_into_engine`, `weight_checksums`,
+`verify_engine`.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+
+_ALIGN = 16  # byte alignment of every tensor in a bucket (views of any dtype stay aligned)
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    dtype: str  # torch dtype name, e.g. "bfloat16"
+    shape: tuple[int, ...]
+    offset: int  # bytes from the start of the bucket
+    nbytes: int
+
+
+@dataclass
+class FlatBucket:
+    """HF-named tensors packed into one uint8 buffer."""
+    data: torch.Tensor  # (nbytes,) uint8
+    entries: list[TensorEntry]
+
+    @property
+    def names(self) -> list[str]:
+        return [e.name for e in self.entries]
+
+
+def pack_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[FlatBucket]:
+    """(name, tensor) pairs as flat buckets of at most `bucket_bytes` (a larger tensor gets a
+    bucket of its own), in the order given."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0 (sync.bucket_mb)")
+    pending: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named_tensors:
+        nbytes = _aligned(tensor.numel() * tensor.element_size())
+        if pending and size + nbytes > bucket_bytes:
+            yield _flatten(pending)
+            pending, size = [], 0
+        pending.append((name, tensor.detach()))
+        size += nbytes
+    if pending:
+        yield _flatten(pending)
+
+
+def unpack_bucket(bucket: FlatBucket) -> dict[str, torch.Tensor]:
+    """{name: tensor} viewing the bucket's buffer (no copy)."""
+    out = {}
+    for e in bucket.entries:
+        raw = bucket.data[e.offset: e.offset + e.nbytes]
+        out[e.name] = raw.view(getattr(torch, e.dtype)).view(e.shape)
+    return out
+
+
+async def load_into_engine(engine, buckets: Iterable[FlatBucket | Mapping[str, torch.Tensor]], version: int) -> int:
+    """Pause the engine, load every bucket, flush its cache, resume; returns the number of
+    tensors loaded. The engine resumes even when a bucket fails (the error propagates)."""
+    await engine.pause()
+    count = 0
+    try:
+        for bucket in buckets:
+            tensors = unpack_bucket(bucket) if isinstance(bucket, FlatBucket) else dict(bucket)
+            await engine.update_weights([tensors], version)
+            count += len(tensors)
+        await engine.flush_cache()
+    finally:
+        await engine.resume()
+    return count
+
+
+def hf_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """An HF model's tensors by name; a tied LM head is left out, as HF checkpoints leave it out."""
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    return ((n, t.detach()) for n, t in model.state_dict().items() if not (tied and n == "lm_head.weight"))
+
+
+def weight_checksums(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
+    """{name: "dtype shape crc32"} of each tensor's bytes: equal exactly when the tensors are."""
+    out = {}
+    for name, tensor in named_tensors:
+        t = tensor.detach().contiguous().cpu()
+        crc = zlib.crc32(t.view(torch.uint8).reshape(-1).numpy().tobytes()) if t.numel() else 0
+        out[name] = f"{str(t.dtype).removeprefix('torch.')} {tuple(t.shape)} {crc:08x}"
+    return out
+
+
+def compare_checksums(trainer: Mapping[str, str], engine: Mapping[str, str]) -> list[str]:
+    """The names whose checksums differ or that only one side has (empty when in sync)."""
+    return sorted(n for n in set(trainer) | set(engine) if trainer.get(n) != engine.get(n))
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _flatten(pending: list[tuple[str, torch.Tensor]]) -> FlatBucket:
+    entries, offset = [], 0
+    for name, tensor in pending:
+        nbytes = tensor.numel() * tensor.element_size()
+        entries.append(TensorEntry(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset, nbytes))
+        offset += _aligned(nbytes)
+    data = torch.empty(offset, dtype=torch.uint8, device=pending[0][1].device)
+    for (_, tensor), e in zip(pending, entries):
+        data[e.offset: e.offset + e.nbytes].copy_(tensor.contiguous().view(-1).view(torch.uint8))
+    return FlatBucket(data, entries)
+
+
+async def verify_engine(engine, trainer_checksums: Mapping[str, str]) -> None:
+    """sync.verify: raise when the engine's weights are not exactly the trainer's."""
+    differ = compare_checksums(trainer_checksums, await engine.weight_checksums())
+    if differ:
+        raise RuntimeError(f"sync.verify: after the weight sync the engine's weights differ from the trainer's in "
+                           f"{len(differ)} tensors, e.g. {differ[:5]}")

@@ -1,0 +1,118 @@
+"""Weight sync (megarl.sync): flat buckets, checksums, the engine paused around a sync, and a
+TP=2 x PP=2 megatron trainer synced into the embedded engine bit-exactly."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from megarl.sync import FlatBucket, TensorEntry, compare_checksums, load_into_engine, pack_buckets, \
+    unpack_bucket, verify_engine, weight_checksums
+
+
+def test_buckets_pack_in_order_aligned_and_unpack_exactly():
+    # a limit of 80 bytes; every tensor starts at a multiple of 16 bytes
+    tensors = [("a", torch.arange(10, dtype=torch.float32)),  # 40 bytes, takes 48
+               ("b", torch.tensor([1, 2], dtype=torch.int64)),  # 16: 48 + 16 = 64 fits
+               ("c", torch.randn(5, 5).to(torch.bfloat16)),  # 50, takes 64: 64 + 64 > 80, a new bucket
+               ("d", torch.tensor(True)),  # 0-dim bool, 1 byte, takes 16: 64 + 16 = 80 fits
+               ("e", torch.randn(30))]  # 120 bytes > the limit: alone
+    buckets = list(pack_buckets(tensors, bucket_bytes=80))
+    assert [b.names for b in buckets] == [["a", "b"], ["c", "d"], ["e"]]
+    assert [(e.offset, e.nbytes) for e in buckets[0].entries] == [(0, 40), (48, 16)]
+    assert [(e.offset, e.nbytes) for e in buckets[1].entries] == [(0, 50), (64, 1)]
+    assert [b.data.numel() for b in buckets] == [64, 80, 128]
+    out = {n: t for b in buckets for n, t in unpack_bucket(b).items()}
+    for name, tensor in tensors:
+        assert out[name].dtype == tensor.dtype and torch.equal(out[name], tensor), name
+    with pytest.raises(ValueError, match="sync.bucket_mb"):
+        next(pack_buckets(tensors, 0))
+
+
+def test_checksums_see_one_flipped_bit():
+    t = torch.randn(4, 4)
+    flipped = t.clone()
+    flipped.view(torch.int32)[2, 3] ^= 1  # the last mantissa bit of one entry
+    a, b = weight_checksums([("w", t)]), weight_checksums([("w", flipped)])
+    assert a == weight_checksums([("w", t.clone())]) and a != b
+    assert compare_checksums(a, b) == ["w"]
+    assert compare_checksums(a | {"only_trainer": "x"}, a | {"only_engine": "y"}) == ["only_engine", "only_trainer"]
+    assert weight_checksums([("w", t.to(torch.bfloat16))])["w"].startswith("bfloat16 (4, 4) ")
+
+
+class RecordingEngine:
+    """A test double: records the calls; update_weights fails on a tensor named 'bad'."""
+
+    def __init__(self):
+        self.calls, self.loaded = [], {}
+
+    async def pause(self):
+        self.calls.append("pause")
+
+    async def resume(self):
+        self.calls.append("resume")
+
+    async def flush_cache(self):
+        self.calls.append("flush")
+
+    async def update_weights(self, buckets, version):
+        for bucket in buckets:
+            if "bad" in bucket:
+                raise KeyError("bad")
+            self.loaded.update(bucket)
+            self.calls.append(f"load v{version}")
+
+    async def weight_checksums(self):
+        return weight_checksums(self.loaded.items())
+
+
+def test_generation_is_paused_around_a_sync_and_resumes_after_a_failure():
+    engine = RecordingEngine()
+    buckets = pack_buckets([("x", torch.ones(3)), ("y", torch.zeros(2))], bucket_bytes=16)
+    assert asyncio.run(load_into_engine(engine, buckets, version=7)) == 2
+    assert engine.calls == ["pause", "load v7", "load v7", "flush", "resume"]
+    asyncio.run(verify_engine(engine, weight_checksums([("x", torch.ones(3)), ("y", torch.zeros(2))])))
+    with pytest.raises(RuntimeError, match=r"differ from the trainer's in 1 tensors, e.g. \['y'\]"):
+        asyncio.run(verify_engine(engine, weight_checksums([("x", torch.ones(3)), ("y", torch.ones(2))])))
+    engine.calls.clear()
+    with pytest.raises(KeyError):
+        asyncio.run(load_into_engine(engine, [{"bad": torch.ones(1)}], version=8))
+    assert engine.calls == ["pause", "resume"]
+
+
+def test_megatron_tp2_pp2_trainer_syncs_into_the_embedded_engine_exactly(tmp_path):
+    pytest.importorskip("megatron.core")
+    from megarl.backends.torch.logprobs import token_log_probs
+    from megarl.rollout.local import LocalEngine
+    from megatron_cases import trained_export
+    from megatron_dist import run_distributed
+    from test_megatron_worker import update_batch
+    from tiny_models import tiny_hf_model
+
+    model = tiny_hf_model("llama", tie_word_embeddings=True)
+    model.save_pretrained(tmp_path)
+    update, batch = update_batch(model, seed=1), update_batch(model, seed=2)
+    layout = ["actor.parallel.tensor_model_parallel_size=2", "actor.parallel.pipeline_model_parallel_size=2"]
+    results = run_distributed(4, trained_export, str(tmp_path), layout, update, batch, 20_000)
+    buckets = [FlatBucket(data, [TensorEntry(*e) for e in entries]) for sent, _, _ in results for data, entries in sent]
+    assert len(buckets) > 4  # several buckets from each of the two stages
+    trainer_checksums, trainer_log_probs = results[0][1], results[0][2]
+
+    engine_model = tiny_hf_model("llama", seed=7, tie_word_embeddings=True)  # other weights until the sync
+    engine = LocalEngine(engine_model, eos_token_ids=[])
+
+    async def sync():
+        await load_into_engine(engine, buckets, version=1)
+        await verify_engine(engine, trainer_checksums)  # bit-exact, every tensor
+        await engine.close()
+
+    asyncio.run(sync())
+    initial = dict(model.state_dict())
+    assert any(not torch.equal(t, initial[n]) for n, t in engine_model.state_dict().items())  # trained weights came
+    with torch.no_grad():
+        engine_log_probs, _ = token_log_probs(engine_model, batch.input_ids, batch.attention_mask)
+    real = batch.attention_mask.bool().clone()
+    real[:, 0] = False
+    torch.testing.assert_close(engine_log_probs[real], trainer_log_probs[real], rtol=0, atol=1e-5)
