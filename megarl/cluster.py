@@ -82,12 +82,14 @@ class TrainWorkerActor:
         """Send this rank's flat buckets to the engine actor (megatron: each pipeline stage's
         source rank sends its stage; the other ranks only take part in the TP gathers);
         returns the number of buckets sent."""
-        count = 0
-        for bucket in self.worker.export_hf_weights(bucket_bytes):
-            if self.is_source:
-                ray.get(engine.load_bucket.remote(bucket, version))
-                count += 1
-        return count
+        from megarl.sync import send_flat
+
+        buckets = self.worker.export_hf_weights(bucket_bytes)
+        if not self.is_source:
+            for _ in buckets:  # the TP gathers need every rank
+                pass
+            return 0
+        return send_flat(buckets, lambda flat: engine.load_bucket.remote(flat, version), ray.get)
 
 
 @ray.remote

@@ -1,15 +1,16 @@
 """Weight sync from the trainer to the rollout engines.
 
 After every update, each pipeline stage's source rank (TP rank 0 of DP rank 0) gathers its
-TP shards as HF-named tensors (`export_hf_weights`), packs them into flat buckets of about
-`sync.bucket_mb` (`pack_buckets`: one contiguous byte buffer and a manifest per bucket, so a
-bucket crosses a process boundary as one tensor, not hundreds), and the engine loads each
-bucket (`unpack_bucket`). The engine is paused around the sync (no decode step sees half the
+TP shards as HF-named tensors grouped into buckets of about `sync.bucket_mb`
+(`export_hf_weights`, `group_tensors`). An engine in the same process takes the groups as
+they are; to cross a process boundary each group is flattened (`flatten`: one contiguous
+byte buffer and a manifest, so a bucket travels as one array, not hundreds of tensors) and
+the engine unpacks it (`unpack_bucket`, views without copies). The engine is paused around the sync (no decode step sees half the
 new weights) and its cache flushed; the weight version travels with every rollout
 (`GenerationOutput.weight_version`). With `sync.verify`, the engine's per-tensor checksums
 are compared with the trainer's after the sync (`weight_checksums`).
 
-Main entry points: `pack_buckets`, `unpack_bucket`, `load_into_engine`, `weight_checksums`,
+Main entry points: `group_tensors`, `pack_buckets`, `unpack_bucket`, `load_into_engine`, `weight_checksums`,
 `verify_engine`.
 """
 
@@ -35,7 +36,8 @@ class TensorEntry:
 
 @dataclass
 class FlatBucket:
-    """HF-named tensors packed into one uint8 buffer."""
+    """HF-named tensors packed into one uint8 buffer. Pickled (Ray, multiprocessing) as a
+    numpy array, which Ray's object store moves without extra copies."""
     data: torch.Tensor  # (nbytes,) uint8
     entries: list[TensorEntry]
 
@@ -43,23 +45,42 @@ class FlatBucket:
     def names(self) -> list[str]:
         return [e.name for e in self.entries]
 
+    def __reduce__(self):
+        return _rebuild_bucket, (self.data.cpu().numpy(), self.entries)
 
-def pack_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[FlatBucket]:
-    """(name, tensor) pairs as flat buckets of at most `bucket_bytes` (a larger tensor gets a
-    bucket of its own), in the order given."""
+
+def _rebuild_bucket(array, entries: list[TensorEntry]) -> FlatBucket:
+    import warnings
+
+    with warnings.catch_warnings():  # Ray hands out read-only views; the bucket is only read
+        warnings.simplefilter("ignore", UserWarning)
+        return FlatBucket(torch.from_numpy(array), entries)
+
+
+def group_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]],
+                  bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+    """(name, tensor) pairs grouped, in the order given, into dicts of at most `bucket_bytes`
+    (each tensor counted from an aligned start; a larger tensor gets a group of its own).
+    In-process engines take these directly; `pack_buckets` flattens them."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0 (sync.bucket_mb)")
-    pending: list[tuple[str, torch.Tensor]] = []
+    pending: dict[str, torch.Tensor] = {}
     size = 0
     for name, tensor in named_tensors:
         nbytes = _aligned(tensor.numel() * tensor.element_size())
         if pending and size + nbytes > bucket_bytes:
-            yield _flatten(pending)
-            pending, size = [], 0
-        pending.append((name, tensor.detach()))
+            yield pending
+            pending, size = {}, 0
+        pending[name] = tensor.detach()
         size += nbytes
     if pending:
-        yield _flatten(pending)
+        yield pending
+
+
+def pack_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[FlatBucket]:
+    """`group_tensors`' groups, each flattened into one buffer (for crossing processes)."""
+    for group in group_tensors(named_tensors, bucket_bytes):
+        yield flatten(group)
 
 
 def unpack_bucket(bucket: FlatBucket) -> dict[str, torch.Tensor]:
@@ -69,6 +90,22 @@ def unpack_bucket(bucket: FlatBucket) -> dict[str, torch.Tensor]:
         raw = bucket.data[e.offset: e.offset + e.nbytes]
         out[e.name] = raw.view(getattr(torch, e.dtype)).view(e.shape)
     return out
+
+
+def send_flat(buckets: Iterable[Mapping[str, torch.Tensor]], send, wait, depth: int = 2) -> int:
+    """Flatten and send every bucket with at most `depth` sends in flight, so the next bucket
+    is packed while the engine loads the last. send(FlatBucket) -> handle; wait(handle)
+    blocks until that bucket is loaded (and raises its error). Returns the buckets sent."""
+    in_flight: list = []
+    count = 0
+    for bucket in buckets:
+        in_flight.append(send(flatten(bucket)))
+        count += 1
+        if len(in_flight) >= depth:
+            wait(in_flight.pop(0))
+    for handle in in_flight:
+        wait(handle)
+    return count
 
 
 async def load_into_engine(engine, buckets: Iterable[FlatBucket | Mapping[str, torch.Tensor]], version: int) -> int:
@@ -112,15 +149,16 @@ def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def _flatten(pending: list[tuple[str, torch.Tensor]]) -> FlatBucket:
+def flatten(group: Mapping[str, torch.Tensor]) -> FlatBucket:
+    """One group of tensors copied into one buffer (each tensor at an aligned offset)."""
     entries, offset = [], 0
-    for name, tensor in pending:
+    for name, tensor in group.items():
         nbytes = tensor.numel() * tensor.element_size()
         entries.append(TensorEntry(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset, nbytes))
         offset += _aligned(nbytes)
-    data = torch.empty(offset, dtype=torch.uint8, device=pending[0][1].device)
-    for (_, tensor), e in zip(pending, entries):
-        data[e.offset: e.offset + e.nbytes].copy_(tensor.contiguous().view(-1).view(torch.uint8))
+    data = torch.empty(offset, dtype=torch.uint8, device=next(iter(group.values())).device)
+    for tensor, e in zip(group.values(), entries):
+        data[e.offset: e.offset + e.nbytes].copy_(tensor.contiguous().reshape(-1).view(torch.uint8))
     return FlatBucket(data, entries)
 
 

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import torch
 
-from megarl.sync import FlatBucket, TensorEntry, compare_checksums, load_into_engine, pack_buckets, \
+from megarl.sync import FlatBucket, TensorEntry, compare_checksums, load_into_engine, pack_buckets, send_flat, \
     unpack_bucket, verify_engine, weight_checksums
 
 
@@ -116,3 +116,24 @@ def test_megatron_tp2_pp2_trainer_syncs_into_the_embedded_engine_exactly(tmp_pat
     real = batch.attention_mask.bool().clone()
     real[:, 0] = False
     torch.testing.assert_close(engine_log_probs[real], trainer_log_probs[real], rtol=0, atol=1e-5)
+
+
+def test_flat_buckets_are_sent_two_at_a_time_and_survive_pickling():
+    import pickle
+
+    log, loaded = [], {}
+
+    def send(flat):
+        log.append(f"send {flat.names}")
+        return pickle.loads(pickle.dumps(flat))  # what crossing a process does to it
+
+    def wait(flat):
+        log.append(f"wait {flat.names}")
+        loaded.update(unpack_bucket(flat))
+
+    groups = [{"a": torch.ones(2)}, {"b": torch.arange(3)}, {"c": torch.zeros(1, dtype=torch.bfloat16)}]
+    assert send_flat(groups, send, wait, depth=2) == 3
+    assert log == ["send ['a']", "send ['b']", "wait ['a']", "send ['c']", "wait ['b']", "wait ['c']"]
+    for group in groups:
+        for name, tensor in group.items():
+            assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor)

@@ -29,7 +29,7 @@ from megarl.backends.schedule import lr_factor
 from megarl.backends.torch.step import run_epochs
 from megarl.config import RunConfig, TrainWorkerConfig
 from megarl.models import ModelSpec
-from megarl.sync import FlatBucket, pack_buckets, weight_checksums
+from megarl.sync import group_tensors, weight_checksums
 
 log = logging.getLogger(__name__)
 
@@ -243,10 +243,10 @@ class MegatronTrainWorker:
 
         return export_hf_tensors(self.actor.chunks, self.spec) if self._dp()[0] == 0 else iter(())
 
-    def export_hf_weights(self, bucket_bytes: int) -> Iterator[FlatBucket]:
-        """This pipeline stage's actor weights as flat buckets of about `bucket_bytes`; every
-        TP rank of DP rank 0 must iterate (the source rank sends them, see is_export_source)."""
-        return pack_buckets(self._hf_tensors(), bucket_bytes)
+    def export_hf_weights(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+        """This pipeline stage's HF-named actor tensors in buckets of about `bucket_bytes`;
+        every TP rank of DP rank 0 must iterate (the source rank sends them, see is_export_source)."""
+        return group_tensors(self._hf_tensors(), bucket_bytes)
 
     def weight_checksums(self) -> dict[str, str]:
         """Checksums of every HF tensor of the actor (all stages), the same on every rank."""

@@ -20,7 +20,7 @@ from megarl.backends.batch import TrainBatch
 from megarl.backends.torch.actor import TorchActor
 from megarl.backends.torch.critic import TorchCritic
 from megarl.config import RunConfig
-from megarl.sync import FlatBucket, hf_tensors, pack_buckets, weight_checksums
+from megarl.sync import group_tensors, hf_tensors, weight_checksums
 
 
 class TorchTrainWorker:
@@ -74,8 +74,9 @@ class TorchTrainWorker:
             raise RuntimeError("no critic: set critic.enable=true")
         return self.critic.update_critic(batch)
 
-    def export_hf_weights(self, bucket_bytes: int) -> Iterator[FlatBucket]:
-        return pack_buckets(hf_tensors(self.actor.model), bucket_bytes)
+    def export_hf_weights(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+        """The actor's HF-named tensors in buckets of about `bucket_bytes` (megarl.sync)."""
+        return group_tensors(hf_tensors(self.actor.model), bucket_bytes)
 
     def weight_checksums(self) -> dict[str, str]:
         return weight_checksums(hf_tensors(self.actor.model))

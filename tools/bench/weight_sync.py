@@ -1,0 +1,118 @@
+"""Benchmark: weight sync trainer -> engine vs a raw memory copy of the same bytes.
+
+The sync is what `megarl train` does after every update with the embedded engine: the
+trainer's HF tensors grouped into buckets (megarl.sync.group_tensors), the engine paused,
+every bucket copied into the engine's model, the cache flushed, the engine resumed
+(`cluster.launcher=inprocess`). With --ray each bucket is also flattened into one buffer
+and crosses from a trainer actor to an engine actor through Ray's object store, as with
+`cluster.launcher=ray`. The baseline copies one buffer of the
+same size (torch `copy_`, the best the memory system does). One run of each after a
+warm-up; GB/s and the ratio printed.
+
+    python tools/bench/weight_sync.py [--hidden 1024 --layers 8 --bucket-mb 512] [--ray]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from megarl.rollout.local import LocalEngine
+from megarl.sync import group_tensors, hf_tensors, load_into_engine, send_flat, unpack_bucket
+
+
+def build_model(hidden: int, layers: int, seed: int) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
+                      num_attention_heads=hidden // 64, num_key_value_heads=max(hidden // 256, 1),
+                      tie_word_embeddings=False)
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+def sync_in_process(trainer, engine: LocalEngine, bucket_bytes: int) -> float:
+    start = time.perf_counter()
+    asyncio.run(load_into_engine(engine, group_tensors(hf_tensors(trainer), bucket_bytes), version=1))
+    return time.perf_counter() - start
+
+
+def sync_through_ray(trainer, engine_model, bucket_bytes: int) -> float:
+    import ray
+
+    @ray.remote
+    class Trainer:
+        def __init__(self, model):
+            self.model = model
+
+        def push(self, engine, bucket_bytes):  # as megarl.cluster.TrainWorkerActor.push_weights
+            ray.get(engine.pause.remote())
+            send_flat(group_tensors(hf_tensors(self.model), bucket_bytes), engine.load.remote, ray.get)
+            ray.get(engine.resume.remote())
+
+    @ray.remote
+    class Engine:
+        def __init__(self, model):
+            self.engine = LocalEngine(model, eos_token_ids=[])
+
+        async def pause(self):
+            await self.engine.pause()
+
+        async def resume(self):
+            await self.engine.resume()
+
+        async def load(self, bucket):
+            await self.engine.update_weights([unpack_bucket(bucket)], 1)
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        t, e = Trainer.remote(trainer), Engine.options(max_concurrency=4).remote(engine_model)
+        ray.get(t.push.remote(e, bucket_bytes))  # warm-up
+        start = time.perf_counter()
+        ray.get(t.push.remote(e, bucket_bytes))
+        return time.perf_counter() - start
+    finally:
+        ray.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--bucket-mb", type=int, default=512, help="sync.bucket_mb")
+    parser.add_argument("--ray", action="store_true", help="also sync actor to actor through Ray")
+    args = parser.parse_args()
+    trainer, engine_model = build_model(args.hidden, args.layers, 0), build_model(args.hidden, args.layers, 1)
+    nbytes = sum(t.numel() * t.element_size() for _, t in hf_tensors(trainer))
+    bucket_bytes = args.bucket_mb << 20
+
+    src, dst = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    src.fill_(1)
+    dst.copy_(src)  # warm-up: pages touched
+    start = time.perf_counter()
+    dst.copy_(src)
+    copy_s = time.perf_counter() - start
+    del src, dst
+
+    engine = LocalEngine(engine_model, eos_token_ids=[])
+    sync_in_process(trainer, engine, bucket_bytes)  # warm-up
+    sync_s = sync_in_process(trainer, engine, bucket_bytes)
+    asyncio.run(engine.close())
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(hf_tensors(trainer), hf_tensors(engine_model)))
+    gb = nbytes / 1e9
+    result = {"weights_gb": round(gb, 3), "bucket_mb": args.bucket_mb, "raw_copy_gb_per_s": round(gb / copy_s, 2),
+              "sync_in_process_gb_per_s": round(gb / sync_s, 2)}
+    if args.ray:
+        result["sync_ray_gb_per_s"] = round(gb / sync_through_ray(trainer, build_model(args.hidden, args.layers, 2),
+                                                                  bucket_bytes), 2)
+    print(json.dumps(result, indent=1))
+    print(f"in-process sync / raw copy: {copy_s / sync_s:.2f}x")
+    if args.ray:
+        print(f"Ray actor-to-actor sync / raw copy: {result['sync_ray_gb_per_s'] / result['raw_copy_gb_per_s']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
