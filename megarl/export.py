@@ -24,10 +24,11 @@ def export_checkpoint(run_dir: str | Path, out_dir: str | Path, step_dir: str | 
         raise FileNotFoundError(f"no complete checkpoint under {run_dir / 'checkpoints'}")
     checkpoint.read_meta(source)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model.path))
-    if (source / "megatron_trainer.json").exists():  # written by actor.backend=megatron
-        from megarl.backends.megatron.worker import read_distributed_actor
+    if (source / "megatron_trainer.json").exists():  # written by actor.backend=megatron, any layout
+        from megarl.backends.megatron.dist_format import actor_checkpoint, read_hf_tensors
+        from megarl.models import ModelSpec
 
-        state = read_distributed_actor(source, cfg.model.path, cfg.model.dtype)
+        state = dict(read_hf_tensors(actor_checkpoint(source), ModelSpec.from_hf(cfg.model.path)))
     else:
         state = load_file(str(source / "actor.safetensors"))
     missing, unexpected = model.load_state_dict(state, strict=False)

@@ -82,12 +82,18 @@ TP2, PP2, DP2 = (["actor.parallel.tensor_model_parallel_size=2"], ["actor.parall
 PLAIN_ADAM = ["actor.parallel.use_distributed_optimizer=false"]
 
 
-@pytest.mark.parametrize("saved_as, loaded_as", [(TP2, PP2), (DP2, TP2), (TP2 + PLAIN_ADAM, PP2 + PLAIN_ADAM)])
-def test_checkpoint_resumes_on_another_layout(tmp_path, saved_as, loaded_as):
+@pytest.mark.parametrize("family, tied, saved_as, loaded_as", [
+    ("qwen2", False, TP2, PP2), ("qwen3", True, DP2, TP2), ("llama", False, TP2 + PLAIN_ADAM, PP2 + PLAIN_ADAM)])
+def test_checkpoint_resumes_on_another_layout_and_converts_to_hf(tmp_path, family, tied, saved_as, loaded_as):
     """Saved after one update, loaded in another layout: the same log-probs, and the next
     update (which needs Adam's moments and the step count back) lands on the same weights.
-    DP=2 shards Adam's state over the two ranks; PLAIN_ADAM keeps it whole on every rank."""
-    model = tiny_hf_model("qwen2")
+    DP=2 shards Adam's state over the two ranks; PLAIN_ADAM keeps it whole on every rank.
+    ckpt_convert.megatron_to_hf turns the checkpoint into an HF model with the same log-probs."""
+    from transformers import AutoModelForCausalLM
+
+    from ckpt_convert.megatron_to_hf import convert
+
+    model = tiny_hf_model(family, tie_word_embeddings=tied)
     model.save_pretrained(tmp_path / "hf")
     first, second = update_batch(model, 1), update_batch(model, 2)
     hf, ckpt = str(tmp_path / "hf"), str(tmp_path / "ckpt")
@@ -99,3 +105,10 @@ def test_checkpoint_resumes_on_another_layout(tmp_path, saved_as, loaded_as):
     assert (saved[1] - saved[0])[real].abs().max() > 1e-3  # the second update moved the log-probs
     torch.testing.assert_close(loaded[1][real], saved[1][real], rtol=0, atol=1e-5)
     assert loaded[2] == saved[2] == 2  # optimizer steps, the LR schedule's position
+
+    convert(ckpt, tmp_path / "converted", hf_config=hf, progress=False)
+    converted = AutoModelForCausalLM.from_pretrained(tmp_path / "converted").eval()
+    assert converted.config.tie_word_embeddings == tied
+    with torch.no_grad():
+        hf_log_probs, _ = token_log_probs(converted, second.input_ids, second.attention_mask)
+    torch.testing.assert_close(hf_log_probs[real], saved[0][real], rtol=0, atol=1e-5)

@@ -418,35 +418,3 @@ def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
     if tracker:
         get_cuda_rng_tracker().set_states(tracker)
 
-
-def read_distributed_actor(step_dir: str | Path, model_path: str, dtype: str = "float32") -> dict[str, torch.Tensor]:
-    """The actor's HF-named tensors from a megatron checkpoint written in any layout, read in
-    this one process (TP = PP = 1; it holds the whole model: the streaming, any-layout
-    converter is ckpt_convert). Starts a one-process gloo group when none is running."""
-    import os
-    import socket
-
-    from megatron.core import dist_checkpointing
-
-    from megarl.backends.megatron.model import Layout, build_model, export_hf_tensors, initialize
-
-    started = not torch.distributed.is_initialized()
-    if started:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        spec = ModelSpec.from_hf(model_path)
-        initialize(Layout(), seed=0)
-        (chunk,) = build_model(spec, Layout(), dtype=dtype)
-        loaded = dist_checkpointing.load({"model": chunk.sharded_state_dict()}, str(Path(step_dir) / "actor"))
-        chunk.load_state_dict(loaded["model"], strict=False)
-        return {name: tensor.clone() for name, tensor in export_hf_tensors([chunk], spec)}
-    finally:
-        if started:
-            from megatron.core import parallel_state
-
-            parallel_state.destroy_model_parallel()
-            torch.distributed.destroy_process_group()

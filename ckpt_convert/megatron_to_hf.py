@@ -1,0 +1,121 @@
+"""Any megatron distributed checkpoint -> an HF model directory.
+
+    python -m ckpt_convert.megatron_to_hf --ckpt DIR --out HF_DIR [--hf-config HF_DIR] [--max-shard-gb 2]
+
+DIR is a megarl training checkpoint (`.../checkpoints/step_NNNNNN`, whose `actor/` is read),
+or a distributed checkpoint directory itself (an `ckpt_convert.hf_to_megatron` output or
+megatron's), written in any TP / PP / DP layout. The HF config and tokenizer come from
+--hf-config, else from the checkpoint's `hf_config/` (conversion outputs), else from the
+training run's config.yaml (model.path). Tensors are read one at a time (a layer weight one
+layer at a time) and written as safetensors shards of at most --max-shard-gb with an index,
+so memory stays near one shard. Main entry point: `convert`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+from megarl.backends.megatron.dist_format import actor_checkpoint, read_hf_tensors
+from megarl.models import ModelSpec
+from megarl.models.mapping import all_rules
+
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.safetensors.index.json", "*.bin.index.json")
+
+
+def find_hf_config(ckpt: Path, hf_config: str | None) -> Path:
+    if hf_config:
+        return Path(hf_config)
+    for candidate in (ckpt / "hf_config", ckpt.parent / "hf_config"):
+        if (candidate / "config.json").exists():
+            return candidate
+    run_config = ckpt.parent.parent / "config.yaml"  # <output_dir>/checkpoints/step_NNNNNN
+    if run_config.exists():
+        from megarl.config import load_config
+
+        return Path(load_config(run_config, []).model.path)
+    raise FileNotFoundError(f"no HF config for {ckpt}: pass --hf-config HF_DIR (a directory with config.json "
+                            "and the tokenizer)")
+
+
+def convert(ckpt: str | Path, out: str | Path, hf_config: str | None = None, max_shard_bytes: int = 2 << 30,
+            progress: bool = True) -> Path:
+    from safetensors.torch import save_file
+
+    ckpt, out = Path(ckpt), Path(out)
+    dist = actor_checkpoint(ckpt)
+    dist_dir = dist.path
+    config_dir = find_hf_config(ckpt, hf_config)
+    spec = ModelSpec.from_hf(config_dir)
+    rows = dist.shape("embedding.word_embeddings.weight")[0]
+    if rows < spec.vocab_size or dist.shape("decoder.final_layernorm.weight") != (spec.hidden_size,):
+        raise ValueError(f"{dist_dir} does not hold the model of {config_dir / 'config.json'} "
+                         f"({rows} embedding rows for a vocabulary of {spec.vocab_size}; hidden size "
+                         f"{dist.shape('decoder.final_layernorm.weight')} vs {spec.hidden_size})")
+    out.mkdir(parents=True, exist_ok=True)
+    shards: list[list[str]] = [[]]
+    pending, size, total, dtype = {}, 0, 0, None
+    names = [n for r in all_rules(spec) for n in r.hf]
+    bar = tqdm(total=len(names), desc="megatron -> HF", unit="tensor", disable=not progress)
+
+    def flush():
+        nonlocal pending, size
+        if pending:
+            save_file(pending, str(out / f"part-{len(shards):05d}.safetensors"), metadata={"format": "pt"})
+            shards[-1] = list(pending)
+            shards.append([])
+            pending, size = {}, 0
+
+    for name, tensor in read_hf_tensors(dist, spec):
+        nbytes = tensor.numel() * tensor.element_size()
+        if pending and size + nbytes > max_shard_bytes:
+            flush()
+        pending[name], size, total, dtype = tensor.contiguous(), size + nbytes, total + nbytes, tensor.dtype
+        bar.update(1)
+    flush()
+    bar.close()
+    count = len(shards) - 1
+    weight_map = {}
+    for i, tensor_names in enumerate(shards[:-1], start=1):
+        final = f"model-{i:05d}-of-{count:05d}.safetensors"
+        (out / f"part-{i:05d}.safetensors").rename(out / final)
+        weight_map.update({n: final for n in tensor_names})
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    _copy_config_and_tokenizer(config_dir, out, dtype)
+    return out
+
+
+def _copy_config_and_tokenizer(config_dir: Path, out: Path, dtype) -> None:
+    for f in config_dir.iterdir():
+        if f.is_file() and not any(f.match(p) for p in WEIGHT_FILES):
+            shutil.copy2(f, out / f.name)
+    config = json.loads((out / "config.json").read_text())
+    config.pop("torch_dtype", None)
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ckpt_convert.megatron_to_hf", description=__doc__.splitlines()[0])
+    parser.add_argument("--ckpt", required=True, help="a megarl step_NNNNNN directory or a distributed checkpoint")
+    parser.add_argument("--out", required=True, help="HF model directory to write")
+    parser.add_argument("--hf-config", help="directory with the model's config.json and tokenizer")
+    parser.add_argument("--max-shard-gb", type=float, default=2.0, help="largest safetensors file (GB)")
+    args = parser.parse_args(argv)
+    try:
+        out = convert(args.ckpt, args.out, args.hf_config, int(args.max_shard_gb * (1 << 30)))
+    except (FileNotFoundError, KeyError, ValueError) as e:
+        print(f"megatron_to_hf: {e}", file=sys.stderr)
+        return 2
+    print(f"megatron_to_hf: wrote {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
