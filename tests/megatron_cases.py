@@ -104,3 +104,8 @@ def trained_export(hf_dir: str, overrides: list[str], update, batch, bucket_byte
 
     buckets = [(b.data, [astuple(e) for e in b.entries]) for b in map(flatten, w.export_hf_weights(bucket_bytes))]
     return (buckets if w.is_export_source else []), w.weight_checksums(), w.compute_log_prob(batch)[0]
+
+
+def save_initial(hf_dir: str, ckpt_dir: str) -> None:
+    """A distributed checkpoint of the untrained worker (one rank)."""
+    worker(hf_dir, []).save_checkpoint(ckpt_dir)

@@ -347,8 +347,7 @@ OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 def _sharded_state(part: _Part, loading: bool) -> dict:
     """megatron's sharded state dict of the part: its chunks and the optimizer."""
-    if loading:
-        _materialise_optimizer_state(part.optimizer)
+    _materialise_optimizer_state(part.optimizer)  # also a never-stepped optimizer saves and loads
     state = {_model_key(part, i): chunk.sharded_state_dict() for i, chunk in enumerate(part.chunks)}
     model_state = state["model"] if len(part.chunks) == 1 else state
     state["optimizer"] = part.optimizer.sharded_state_dict(model_state, is_loading=loading,
@@ -358,8 +357,9 @@ def _sharded_state(part: _Part, loading: bool) -> dict:
 
 def _materialise_optimizer_state(optimizer) -> None:
     """Give a fresh torch Adam (megatron without Apex or Transformer Engine, as on CPU) its
-    state tensors and step counts: megatron reads the step from the state before loading
-    into it, which fails on an optimizer that never stepped."""
+    state tensors and step counts (zeros: the same as no state): megatron reads the step
+    from the state when saving it or loading into it, which fails on an optimizer that
+    never stepped."""
     from megatron.core.optimizer import distrib_optimizer
 
     if distrib_optimizer.HAVE_APEX_OR_TE:

@@ -1,0 +1,56 @@
+"""ckpt_convert command lines: what they write and how they fail on bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ckpt_convert.megatron_to_hf import main as megatron_to_hf
+from megatron_cases import save_initial
+from megatron_dist import run_distributed
+from tiny_models import tiny_hf_model
+
+pytest.importorskip("megatron.core")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    model = tiny_hf_model("qwen2")
+    model.save_pretrained(root / "hf")
+    run_distributed(1, save_initial, str(root / "hf"), str(root / "step"))
+    return root, model
+
+
+def test_megatron_to_hf_writes_shards_an_index_and_the_config(checkpoint, tmp_path):
+    root, model = checkpoint
+    assert megatron_to_hf(["--ckpt", str(root / "step"), "--out", str(tmp_path / "out"), "--hf-config",
+                           str(root / "hf"), "--max-shard-gb", str(60_000 / 2**30)]) == 0
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    # 60 kB shards: the largest tensors (300 x 64 embeddings, 96 x 64 MLP weights) are 76.8 and
+    # 24.6 kB, so several files; every name of the HF model is there exactly once
+    assert len(files) > 3 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert sorted(index["weight_map"]) == sorted(model.state_dict())
+    from safetensors.torch import load_file
+
+    loaded = {n: t for f in files for n, t in load_file(str(tmp_path / "out" / f)).items()}
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded[name], tensor), name
+    assert index["metadata"]["total_size"] == sum(t.numel() * 4 for t in loaded.values())
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "float32"
+
+
+def test_megatron_to_hf_says_what_is_wrong(checkpoint, tmp_path, capsys):
+    root, _ = checkpoint
+    assert megatron_to_hf(["--ckpt", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
+    assert "not a megatron distributed checkpoint (no metadata.json)" in capsys.readouterr().err
+    assert megatron_to_hf(["--ckpt", str(root / "step"), "--out", str(tmp_path / "o")]) == 2
+    assert "pass --hf-config HF_DIR" in capsys.readouterr().err
+    other = tiny_hf_model("qwen2", hidden_size=32, num_attention_heads=2, num_key_value_heads=1)
+    other.save_pretrained(tmp_path / "other")
+    assert megatron_to_hf(["--ckpt", str(root / "step"), "--out", str(tmp_path / "o"), "--hf-config",
+                           str(tmp_path / "other")]) == 2
+    assert "does not hold the model of" in capsys.readouterr().err
