@@ -109,3 +109,23 @@ def trained_export(hf_dir: str, overrides: list[str], update, batch, bucket_byte
 def save_initial(hf_dir: str, ckpt_dir: str) -> None:
     """A distributed checkpoint of the untrained worker (one rank)."""
     worker(hf_dir, []).save_checkpoint(ckpt_dir)
+
+
+def logprobs_from_dist(hf_dir: str, layout_kw: dict, ckpt_dir: str, batch):
+    """Build the layout, load only the weights of a distributed checkpoint (as megatron does,
+    no HF files read), and return the log-probs of `batch`."""
+    from megatron.core import dist_checkpointing
+
+    from megarl.backends.megatron.actor import forward_log_probs
+    from megarl.backends.megatron.model import Layout, build_model, initialize
+    from megarl.models import ModelSpec
+
+    spec = ModelSpec.from_hf(hf_dir)
+    layout = Layout(**layout_kw)
+    initialize(layout, seed=0)
+    chunks = build_model(spec, layout)
+    keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+    loaded = dist_checkpointing.load({k: c.sharded_state_dict() for k, c in zip(keys, chunks)}, ckpt_dir)
+    for k, c in zip(keys, chunks):
+        c.load_state_dict(loaded[k], strict=False)
+    return forward_log_probs(chunks, spec.vocab_size, batch, micro_batch_size=2)[0]

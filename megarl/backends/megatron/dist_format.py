@@ -1,5 +1,5 @@
-"""megatron distributed checkpoints (the torch_dist backend: PyTorch DCP files), read one
-tensor, or one layer of a layer-stacked tensor, at a time.
+"""megatron distributed checkpoints (the torch_dist backend: PyTorch DCP files), read and
+written one tensor, or one layer of a layer-stacked tensor, at a time.
 
 In such a checkpoint every weight is stored under a layout-free key with its global shape
 (TP shards are chunks of it); transformer layers share one key per weight with a leading
@@ -7,7 +7,9 @@ layer axis (`decoder.layers.self_attention.linear_qkv.weight` of shape (layers, 
 each layer (and each TP shard of it) a separate chunk. Chunks are `torch.save`d tensors at
 byte ranges of the `__R_K.distcp` files, located by DCP's metadata. Reading a tensor
 assembles its chunks, so memory stays at one tensor (one layer's slice) plus one chunk.
-Main entry points: `DistCheckpoint`, `read_hf_tensors`.
+Writing (`write_hf_as_dist`) plans every chunk from the HF files' headers and produces each
+chunk only when DCP's writer asks for it, so it never holds more than one rule's tensors.
+Main entry points: `DistCheckpoint`, `read_hf_tensors`, `write_hf_as_dist`.
 """
 
 from __future__ import annotations
@@ -112,3 +114,106 @@ def actor_checkpoint(step_dir: str | Path) -> DistCheckpoint:
     when it is a distributed checkpoint."""
     step_dir = Path(step_dir)
     return DistCheckpoint(step_dir / "actor" if (step_dir / "actor" / "metadata.json").exists() else step_dir)
+
+
+# the linear layers' extra state megatron stores per layer (None without FP8), and Transformer
+# Engine's attention (harmless to megatron's local layers, which do not ask for it)
+EXTRA_STATE_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2",
+                       "self_attention.core_attention")
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def write_hf_as_dist(hf_dir: str | Path, out: str | Path, spec: ModelSpec, *, tp: int = 1, progress=None) -> int:
+    """An HF safetensors checkpoint as a megatron distributed checkpoint of the model weights
+    (the embedding padded as megatron pads it at `tp`); returns the bytes of tensors written.
+    `progress`: a tqdm bar; its total is set to the bytes planned, and it advances per chunk."""
+    from safetensors import safe_open
+    from torch.distributed.checkpoint import FileSystemWriter, save
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+    from megarl.backends.megatron.model import safetensors_index
+    from megarl.models.mapping import shard_from_hf
+
+    hf_dir, out = Path(hf_dir), Path(out)
+    where = safetensors_index(hf_dir)
+    rules = all_rules(spec)
+    missing = sorted(n for r in rules for n in r.hf if n not in where)
+    if missing:
+        raise KeyError(f"{hf_dir}: the checkpoint has no {missing[:5]} (needed by the {spec.family} mapping)")
+
+    def read(names, device=None):
+        tensors = {}
+        for n in names:
+            with safe_open(where[n], framework="pt") as f:
+                if device == "meta":
+                    sl = f.get_slice(n)
+                    tensors[n] = torch.empty(sl.get_shape(), dtype=_SAFETENSORS_DTYPES[sl.get_dtype()], device="meta")
+                else:
+                    tensors[n] = f.get_tensor(n)
+        return tensors
+
+    def megatron_tensor(rule, device=None):
+        tensor = shard_from_hf(rule, read(rule.hf, device), spec, 0, 1)
+        if rule.vocab and tensor.shape[0] < spec.padded_vocab_size(tp):
+            pad = tensor.new_zeros((spec.padded_vocab_size(tp) - tensor.shape[0], *tensor.shape[1:]))
+            tensor = torch.cat([tensor, pad])
+        return tensor
+
+    items, producers, layer_count = [], {}, spec.num_layers
+    for rule in rules:
+        key, layer = dist_key(rule.megatron)
+        meta = megatron_tensor(rule, "meta")
+        if layer is None:
+            size, offsets, sizes = tuple(meta.shape), (0,) * meta.dim(), tuple(meta.shape)
+        else:
+            size, offsets, sizes = (layer_count, *meta.shape), (layer, *(0,) * meta.dim()), (1, *meta.shape)
+        index = MetadataIndex(key, torch.Size(offsets))
+        items.append(WriteItem(index=index, type=WriteItemType.SHARD, tensor_data=TensorWriteData(
+            chunk=ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)),
+            properties=TensorProperties(dtype=meta.dtype), size=torch.Size(size))))
+        producers[index] = (rule, layer is not None)
+    for layer in range(layer_count):
+        for module in EXTRA_STATE_MODULES:
+            index = MetadataIndex(f"decoder.layers.{module}._extra_state/shard_{layer}_{layer_count}")
+            items.append(WriteItem(index=index, type=WriteItemType.BYTE_IO))
+
+    class Planner(DefaultSavePlanner):
+        """Plans the chunks above and makes each one only when the writer asks for it."""
+
+        def __init__(self):
+            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+            self.written = 0
+
+        def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=True):
+            self.state_dict, self.is_coordinator = {}, is_coordinator
+
+        def create_local_plan(self):
+            self.plan = SavePlan(items)
+            return self.plan
+
+        def resolve_data(self, write_item):
+            if write_item.type == WriteItemType.BYTE_IO:
+                buf = io.BytesIO()
+                torch.save([None], buf)  # megatron stores a list of the objects' data
+                return buf
+            rule, stacked = producers[write_item.index]
+            tensor = megatron_tensor(rule)
+            self.written += tensor.numel() * tensor.element_size()
+            if progress is not None:
+                progress.update(tensor.numel() * tensor.element_size())
+            return tensor.unsqueeze(0) if stacked else tensor
+
+    if progress is not None:
+        progress.total = sum(i.tensor_data.chunk.sizes.numel() * i.tensor_data.properties.dtype.itemsize
+                             for i in items if i.tensor_data is not None)
+        progress.refresh()
+    out.mkdir(parents=True, exist_ok=True)
+    planner = Planner()
+    save({}, storage_writer=FileSystemWriter(str(out), single_file_per_rank=True, thread_count=1), planner=planner,
+         no_dist=True)
+    torch.save({}, out / "common.pt")  # megatron's non-sharded part: nothing for the weights alone
+    (out / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                                                   "common_backend": "torch", "common_backend_version": 1}))
+    return planner.written

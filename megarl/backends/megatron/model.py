@@ -205,7 +205,7 @@ def load_hf_weights(chunks: list[torch.nn.Module], spec: ModelSpec, hf_dir: str 
     from safetensors import safe_open
 
     tp_rank, tp = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
-    where = _safetensors_index(Path(hf_dir))
+    where = safetensors_index(Path(hf_dir))
     with torch.no_grad():
         for model in chunks:
             params = dict(model.named_parameters())
@@ -249,7 +249,7 @@ def export_hf_tensors(chunks: list[torch.nn.Module], spec: ModelSpec) -> Iterato
             yield from hf_from_shards(rule, shards, spec).items()
 
 
-def _safetensors_index(hf_dir: Path) -> dict[str, Path]:
+def safetensors_index(hf_dir: Path) -> dict[str, Path]:
     index = hf_dir / "model.safetensors.index.json"
     if index.exists():
         return {n: hf_dir / f for n, f in json.loads(index.read_text())["weight_map"].items()}
