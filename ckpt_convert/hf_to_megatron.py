@@ -16,19 +16,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 import time
 from pathlib import Path
 
 from tqdm import tqdm
 
+from megarl.models.hf_files import copy_config_and_tokenizer
 from megarl.backends.megatron.dist_format import write_hf_as_dist
 from megarl.models import ModelSpec, UnsupportedModel
 from megarl.models.mapping import all_rules
-
-WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.safetensors.index.json", "*.bin.index.json")
-
 
 def convert(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, progress: bool = True) -> dict:
     from megarl.backends.megatron.model import Layout
@@ -42,10 +39,7 @@ def convert(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, progr
     with tqdm(desc="HF -> megatron", unit="B", unit_scale=True, disable=not progress) as bar:
         written = write_hf_as_dist(hf_dir, out, spec, tp=tp, progress=bar)
     seconds = time.perf_counter() - start
-    (out / "hf_config").mkdir()
-    for f in hf_dir.iterdir():
-        if f.is_file() and not any(f.match(p) for p in WEIGHT_FILES):
-            shutil.copy2(f, out / "hf_config" / f.name)
+    copy_config_and_tokenizer(hf_dir, out / "hf_config")
     summary = {"source": str(hf_dir), "family": spec.family, "tp": tp, "pp": pp, "tensors": len(all_rules(spec)),
                "bytes_written": written, "seconds": round(seconds, 3)}
     (out / "conversion.json").write_text(json.dumps(summary, indent=1))

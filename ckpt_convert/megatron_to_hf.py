@@ -15,18 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 from pathlib import Path
 
 from tqdm import tqdm
 
+from megarl.models.hf_files import copy_config_and_tokenizer
 from megarl.backends.megatron.dist_format import actor_checkpoint, read_hf_tensors
 from megarl.models import ModelSpec
 from megarl.models.mapping import all_rules
-
-WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.safetensors.index.json", "*.bin.index.json")
-
 
 def find_hf_config(ckpt: Path, hf_config: str | None) -> Path:
     if hf_config:
@@ -87,18 +84,8 @@ def convert(ckpt: str | Path, out: str | Path, hf_config: str | None = None, max
         weight_map.update({n: final for n in tensor_names})
     (out / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-    _copy_config_and_tokenizer(config_dir, out, dtype)
+    copy_config_and_tokenizer(config_dir, out, str(dtype).removeprefix("torch."))
     return out
-
-
-def _copy_config_and_tokenizer(config_dir: Path, out: Path, dtype) -> None:
-    for f in config_dir.iterdir():
-        if f.is_file() and not any(f.match(p) for p in WEIGHT_FILES):
-            shutil.copy2(f, out / f.name)
-    config = json.loads((out / "config.json").read_text())
-    config.pop("torch_dtype", None)
-    config["dtype"] = str(dtype).removeprefix("torch.")
-    (out / "config.json").write_text(json.dumps(config, indent=2))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,6 +29,7 @@ from megarl.backends.schedule import lr_factor
 from megarl.backends.torch.step import run_epochs
 from megarl.config import RunConfig, TrainWorkerConfig
 from megarl.models import ModelSpec
+from megarl.models.hf_files import copy_config_and_tokenizer
 from megarl.sync import group_tensors, weight_checksums
 
 log = logging.getLogger(__name__)
@@ -278,13 +279,7 @@ class MegatronTrainWorker:
         if torch.distributed.get_rank() == 0:
             weight_map = {n: f"model-{s + 1:05d}-of-{stages:05d}.safetensors" for s in range(stages) for n in names[s]}
             (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
-            config = json.loads((Path(self.cfg.model.path) / "config.json").read_text())
-            config["dtype"] = self.cfg.model.dtype  # the trained weights' dtype, as save_pretrained writes it
-            config.pop("torch_dtype", None)
-            (directory / "config.json").write_text(json.dumps(config, indent=2))
-            for extra in ("generation_config.json",):
-                if (Path(self.cfg.model.path) / extra).exists():
-                    (directory / extra).write_text((Path(self.cfg.model.path) / extra).read_text())
+            copy_config_and_tokenizer(Path(self.cfg.model.path), directory, self.cfg.model.dtype)
         torch.distributed.barrier()
         return str(directory)
 
