@@ -169,6 +169,8 @@ def collect_samples(c: Components, step: int, metrics: dict) -> list[Sample]:
             kept = keeper.take()
             break
     _rollout_metrics(generated, kept, batch_index, metrics)
+    # the engine holds version `step` (synced after every step): anything else is stale
+    metrics["rollout/stale_samples"] = sum(s.trajectory.weight_version != step for s in generated)
     c.last_samples = kept
     return kept
 

@@ -16,7 +16,7 @@ from train_fixtures import tiny_overrides, write_tiny_run_inputs
 
 REQUIRED = ["train/reward_mean", "train/acc", "train/response_length_mean", "train/kept_groups", "train/gen_batches",
             "actor/pg_loss", "actor/clipfrac", "actor/entropy", "actor/grad_norm", "actor/lr",
-            "rollout/search_calls_mean", "rollout/valid_action_rate", "rollout/logprob_mismatch",
+            "rollout/search_calls_mean", "rollout/valid_action_rate", "rollout/logprob_mismatch", "rollout/stale_samples",
             "timing/rollout_s", "perf/tokens_per_s", "val/score", "val/acc"]
 
 
@@ -41,6 +41,8 @@ def test_two_step_micro_run(inputs, tmp_path, capsys):
         steps = [m.step for m in client.get_metric_history(run.info.run_id, name)]
         assert 1 in steps and 2 in steps, f"{name} logged at steps {steps}"
     assert run.data.params["rollout.n"] == "4"
+    # every rollout was sampled with the weights of the step before it (version = steps done)
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "rollout/stale_samples")] == [0, 0]
     assert run.info.status == "FINISHED"
     assert (out / "config.yaml").exists()
     # the closing summary quotes the first and last val/acc as MLflow recorded them
