@@ -23,6 +23,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	if [ -n "$(TORCH_SPEC)" ]; then $(BIN)/python -m pip install "$(TORCH_SPEC)"; fi
 	$(BIN)/python -m pip install -e '.[dev]'
+	$(BIN)/python tools/fetch_sglang_api.py $(VENV)/sglang-api
 	touch $@
 
 test: $(STAMP)

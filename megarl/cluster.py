@@ -13,7 +13,9 @@ reported by name (`ComponentDied`). Main entry point: `RayCluster`.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from pathlib import Path
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -53,6 +55,7 @@ class TrainWorkerActor:
             return ray.util.get_node_ip_address(), s.getsockname()[1]
 
     def setup(self, cfg: RunConfig, total_steps: int, rank: int, world_size: int, master: tuple[str, int]) -> bool:
+        self.rank, self.sender = rank, None
         if cfg.actor.backend == "torch":
             from megarl.backends.torch.worker import TorchTrainWorker
 
@@ -90,6 +93,63 @@ class TrainWorkerActor:
                 pass
             return 0
         return send_flat(buckets, lambda flat: engine.load_bucket.remote(flat, version), ray.get)
+
+    def source(self) -> tuple[bool, str]:
+        """(whether this rank sends its pipeline stage's weights, its node's address)."""
+        return self.is_source, ray.util.get_node_ip_address()
+
+    def _my_buckets(self, bucket_bytes: int):
+        """This rank's export buckets if it is a source; otherwise the TP gathers are run
+        (every rank must take part) and nothing is returned."""
+        buckets = self.worker.export_hf_weights(bucket_bytes)
+        if self.is_source:
+            return buckets
+        for _ in buckets:
+            pass
+        return []
+
+    def push_to_disk(self, directory: str, bucket_bytes: int) -> int:
+        """sync.transport=disk: this stage's buckets as safetensors files in `directory`."""
+        from megarl.transport import write_buckets
+
+        return len(write_buckets(self._my_buckets(bucket_bytes), directory, f"rank{self.rank:05d}"))
+
+    def open_sender(self, address: str, port: int, world_size: int, group_name: str, engine_urls: list[str],
+                    backend: str) -> None:
+        """sync.transport=nccl: host the weight-update group `group_name` as its rank 0
+        (returns once every engine rank has joined)."""
+        from megarl.transport import DistributedSender, open_update_group
+
+        self.close_sender()
+        group = open_update_group(backend, address, port, 0, world_size, group_name)
+        self.sender = DistributedSender(group, engine_urls, group_name)
+
+    def close_sender(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None
+
+    def push_distributed(self, bucket_bytes: int, version: int) -> int:
+        buckets = self._my_buckets(bucket_bytes)
+        return self.sender.send(buckets, version) if self.is_source else 0
+
+    def push_ipc(self, engines: list[tuple[str, int]], bucket_bytes: int, version: int) -> int:
+        """sync.transport=ipc: CUDA IPC handles of each bucket to the engines (url, TP) on
+        this rank's GPUs' node; each bucket stays alive until every engine has loaded it."""
+        import httpx
+
+        from megarl.transport import ipc_payload
+
+        count = 0
+        with httpx.Client(timeout=600) as client:
+            for bucket in self._my_buckets(bucket_bytes):
+                for url, tp in engines:
+                    response = client.post(url + "/update_weights_from_tensor", json=ipc_payload(bucket, tp, version))
+                    if response.status_code != 200 or not response.json().get("success"):
+                        raise RuntimeError(f"{url} failed to load a weight bucket through CUDA IPC: "
+                                           f"{response.status_code} {response.text[:500]}")
+                count += 1
+        return count
 
 
 @ray.remote
@@ -284,6 +344,7 @@ class RayCluster:
                          include_dashboard=False, log_to_driver=True)
             self._started_ray = True
         self.pg, self.worker_actors, self.engine_actor, self.reward_actor, self.retrieval_actor = None, [], None, None, None
+        self.fleet, self.colocated, self._engine_memory_released, self._update_groups = None, False, False, {}
         try:
             self._start(cfg, total_steps, world)
         except BaseException:
@@ -291,8 +352,22 @@ class RayCluster:
             raise
 
     def _start(self, cfg: RunConfig, total_steps: int, world: int) -> None:
-        device = {"CPU": 1} | ({"GPU": 1} if cfg.cluster.gpus_per_node else {})
-        bundles = [device] * world + [device, {"CPU": 1}]  # train ranks, engine, retrieval + reward
+        gpus = 1 if cfg.cluster.gpus_per_node else 0
+        device = {"CPU": 1} | ({"GPU": 1} if gpus else {})
+        fleet = cfg.rollout.engine == "sglang"
+        engines, tp = cfg.num_rollout_engines(), cfg.rollout.tensor_parallel_size
+        self.colocated = fleet and gpus and cfg.rollout.mode == "colocated"
+        if not fleet:
+            engine_bundles = [[world]]  # the embedded engine actor
+        elif self.colocated:
+            engine_bundles = [[e * tp + j for j in range(tp)] for e in range(engines)]  # on the train GPUs
+        else:
+            per_engine = tp if gpus else 1
+            engine_bundles = [[world + e * per_engine + j for j in range(per_engine)] for e in range(engines)]
+        own = sorted({i for b in engine_bundles for i in b if i >= world})
+        # train ranks, engines' own bundles, then one for the retrieval server, reward actor and router
+        bundles = [device] * world + [device if gpus else {"CPU": 1}] * len(own) + [{"CPU": 1}]
+        misc = len(bundles) - 1
         self.pg = placement_group(bundles, strategy="PACK", name="megarl")
         ready, _ = ray.wait([self.pg.ready()], timeout=120)
         if not ready:
@@ -300,22 +375,32 @@ class RayCluster:
                                f"{ray.available_resources()} — add resources or lower the request")
         place = [PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=i)
                  for i in range(len(bundles))]
-        gpus = 1 if cfg.cluster.gpus_per_node else 0
-        self.worker_actors = [TrainWorkerActor.options(num_cpus=1, num_gpus=gpus, scheduling_strategy=place[r]).remote()
-                              for r in range(world)]
-        self.engine_actor = EngineActor.options(num_cpus=1, num_gpus=gpus, scheduling_strategy=place[world],
-                                                max_concurrency=1000).remote(cfg)
-        self.reward_actor = RewardActor.options(num_cpus=0.5, scheduling_strategy=place[world + 1]).remote(
+        train_gpus = 0.8 if self.colocated else gpus  # a colocated engine server takes the other 0.2
+        self.worker_actors = [TrainWorkerActor.options(num_cpus=1, num_gpus=train_gpus, scheduling_strategy=place[r])
+                              .remote() for r in range(world)]
+        self.reward_actor = RewardActor.options(num_cpus=0.5, scheduling_strategy=place[misc]).remote(
             reward_spec(cfg), cfg.reward.num_workers, cfg.reward.timeout_s)
         self.retrieval_actor = None
         if cfg.agent.max_turns > 0 and cfg.agent.retrieval.url is None:
-            self.retrieval_actor = RetrievalActor.options(num_cpus=0.5, scheduling_strategy=place[world + 1]).remote(
+            self.retrieval_actor = RetrievalActor.options(num_cpus=0.5, scheduling_strategy=place[misc]).remote(
                 cfg.agent.retrieval)
         master = ray.get(self.worker_actors[0].address.remote())
         has_reference = gather_ranks([a.setup.remote(cfg, total_steps, r, world, master)
                                       for r, a in enumerate(self.worker_actors)])[0]
         self.worker = RemoteTrainWorker(self.worker_actors, has_reference)
-        self.engine = RemoteEngine(self.engine_actor)
+        if fleet:
+            from megarl.rollout.sglang import launch_fleet
+
+            out = Path(cfg.trainer.output_dir).resolve()
+            weight_dir = Path(cfg.sync.disk_dir or out / "weight_sync").resolve()
+            weight_dir.mkdir(parents=True, exist_ok=True)
+            self.fleet = self.engine = launch_fleet(cfg, self.pg, engine_bundles, misc, str(out / "logs"),
+                                                    str(weight_dir))
+            self.weight_dir = weight_dir
+        else:
+            self.engine_actor = EngineActor.options(num_cpus=1, num_gpus=gpus, scheduling_strategy=place[world],
+                                                    max_concurrency=1000).remote(cfg)
+            self.engine = RemoteEngine(self.engine_actor)
         self.reward_pool = RemoteRewardPool(self.reward_actor)
         self.retrieval_url = None
         if self.retrieval_actor is not None:
@@ -335,18 +420,89 @@ class RayCluster:
             raise _died(f"retrieval server at {self.retrieval_url} (Ray actor RetrievalActor)", e) from e
 
     def sync_weights(self, version: int) -> None:
-        """Trainer ranks -> engine actor, actor to actor, with generation paused around it."""
-        import asyncio
-
+        """Trainer ranks -> engines with generation paused around it: actor to actor for the
+        embedded engine, else by sync.transport (see megarl.transport)."""
+        bucket_bytes = self.cfg.sync.bucket_mb << 20
+        transport = self.cfg.sync_transport()
+        if self._engine_memory_released:  # colocated: weights back first, the KV cache after the sync
+            asyncio.run(self.fleet.resume_memory(["weights"]))
         asyncio.run(self.engine.pause())
         try:
-            gather_ranks([a.push_weights.remote(self.engine_actor, self.cfg.sync.bucket_mb << 20, version)
-                          for a in self.worker_actors])
+            if transport == "inprocess":
+                gather_ranks([a.push_weights.remote(self.engine_actor, bucket_bytes, version)
+                              for a in self.worker_actors])
+            elif transport == "disk":
+                directory = self.weight_dir / f"v{version:06d}"
+                gather_ranks([a.push_to_disk.remote(str(directory), bucket_bytes) for a in self.worker_actors])
+                asyncio.run(self.fleet.load_from_disk(str(directory), version))
+            elif transport == "nccl":
+                self._open_update_groups()
+                gather_ranks([a.push_distributed.remote(bucket_bytes, version) for a in self.worker_actors])
+            else:
+                targets = self._ipc_targets()
+                gather_ranks([a.push_ipc.remote(targets[r], bucket_bytes, version)
+                              for r, a in enumerate(self.worker_actors)])
             asyncio.run(self.engine.flush_cache())
         finally:
             asyncio.run(self.engine.resume())
+        if self._engine_memory_released:
+            asyncio.run(self.fleet.resume_memory(["kv_cache"]))
+            self._engine_memory_released = False
+
+    def release_engine_memory(self) -> None:
+        """Colocated engine servers free their GPU memory (weights and KV cache) for training."""
+        if self.colocated and not self._engine_memory_released:
+            asyncio.run(self.fleet.release_memory())
+            self._engine_memory_released = True
+
+    def _sources(self) -> list[tuple[int, str]]:
+        """(rank, node address) of every rank that sends a pipeline stage's weights."""
+        return [(r, node) for r, (is_source, node) in enumerate(ray.get([a.source.remote() for a in self.worker_actors]))
+                if is_source]
+
+    def _open_update_groups(self) -> None:
+        """One weight-update group per source rank with every engine (again after an engine
+        restart: a process group cannot take a new member)."""
+        if self._update_groups and not self.fleet.update_groups_stale:
+            return
+        for rank, name in self._update_groups.items():
+            ray.get(self.worker_actors[rank].close_sender.remote())
+            asyncio.run(self.fleet.leave_update_group(name))
+        self._update_groups = {}
+        from megarl.transport import default_backend
+
+        backend = "nccl" if self.cfg.cluster.gpus_per_node else default_backend()
+        world, _ = self.fleet.group_ranks()
+        for rank, _node in self._sources():
+            name = f"megarl-sync-rank{rank}"
+            address, port = ray.get(self.worker_actors[rank].address.remote())
+            opened = self.worker_actors[rank].open_sender.remote(address, port, world, name, self.fleet.engine_urls,
+                                                                 backend)
+            asyncio.run(self.fleet.join_update_group(address, port, name, backend))
+            gather_ranks([opened])
+            self._update_groups[rank] = name
+        self.fleet.update_groups_stale = False
+
+    def _ipc_targets(self) -> list[list[tuple[str, int]]]:
+        """For each train rank, the engines (url, TP) it feeds over CUDA IPC: a source rank
+        feeds the engines on its node; every engine needs a source of each stage there."""
+        sources = self._sources()
+        targets = [[] for _ in self.worker_actors]
+        for url, node, server in zip(self.fleet.engine_urls, self.fleet.engine_nodes, self.fleet.servers):
+            local = [rank for rank, where in sources if where == node]
+            if len(local) != len(sources):
+                raise RuntimeError(f"sync.transport=ipc: engine {server.name} on node {node} has source ranks of "
+                                   f"{len(local)} of the {len(sources)} pipeline stages on its node; CUDA IPC cannot "
+                                   "cross nodes: use sync.transport=nccl")
+            for rank in local:
+                targets[rank].append((url, server.tp))
+        return targets
 
     def shutdown(self) -> None:
+        if self.fleet is not None:
+            from megarl.rollout.sglang import stop_fleet
+
+            stop_fleet(self.fleet)
         for actor in (*self.worker_actors, self.engine_actor, self.reward_actor, self.retrieval_actor):
             if actor is not None:
                 ray.kill(actor)

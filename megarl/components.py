@@ -19,6 +19,7 @@ import torch
 
 from megarl.backends.torch.worker import TorchTrainWorker
 from megarl.config import RunConfig
+from megarl.errors import ComponentDied  # noqa: F401 (raised here, imported from here by callers)
 from megarl.data.prompts import PromptRecord, PromptSampler, load_prompts
 from megarl.reward import RewardPool, RewardSpec
 from megarl.rollout.agent import AgentSettings
@@ -26,10 +27,6 @@ from megarl.rollout.local import LocalEngine
 from megarl.sync import load_into_engine, verify_engine
 
 log = logging.getLogger(__name__)
-
-
-class ComponentDied(RuntimeError):
-    """A part of the run (engine, train worker, retrieval server, reward workers) is gone."""
 
 
 @dataclass
@@ -60,6 +57,17 @@ class Components:
             asyncio.run(load_into_engine(self.engine, buckets, version))
         if self.cfg.sync.verify:
             asyncio.run(verify_engine(self.engine, self.worker.weight_checksums()))
+
+    def release_engine_memory(self) -> None:
+        """After the rollouts: colocated engine servers give their GPU memory to the trainer
+        (the next sync_weights takes it back)."""
+        if self.ray_cluster is not None:
+            self.ray_cluster.release_engine_memory()
+
+    def engine_metrics(self) -> dict[str, float]:
+        """The fleet's restarts and re-sent requests so far (nothing for the embedded engine)."""
+        metrics = getattr(self.engine, "metrics", None)
+        return metrics() if callable(metrics) else {}
 
     def check_retrieval(self) -> None:
         """After failed searches: ComponentDied naming the retrieval server when it is gone or
@@ -100,9 +108,6 @@ def reward_spec(cfg: RunConfig) -> RewardSpec:
 def build_components(cfg: RunConfig) -> Components:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if cfg.rollout.engine != "local":
-        raise NotImplementedError("this release generates with rollout.engine=local; the SGLang fleet comes "
-                                  "in a later release")
     model_path = Path(cfg.model.path)
     if not (model_path / "config.json").is_file():
         raise FileNotFoundError(f"model.path={cfg.model.path} is not an HF model directory (no config.json)")

@@ -69,8 +69,31 @@ class SamplingConfig:
 
 
 @dataclass
+class SGLangConfig:
+    server: Literal["sglang", "embedded"] = param(
+        "sglang", "Server each engine runs: sglang = `python -m sglang.launch_server`; embedded = megarl's engine "
+        "behind the same HTTP API (`python -m megarl.rollout.serve`: CPU runs, tests of the fleet).")
+    router: bool = param(True, "Put sglang-router (cache-aware routing) in front of the engines; off = megarl "
+                         "sends each request to the engine with the fewest in flight.")
+    router_policy: Literal["cache_aware", "round_robin", "random", "power_of_two"] = param(
+        "cache_aware", "sglang-router's routing policy.")
+    host: str | None = param(None, "Address servers and router bind to; None = 127.0.0.1 on a one-node run, the "
+                             "node's own address when cluster.nnodes > 1.")
+    startup_timeout_s: float = param(900.0, "Seconds a server (or the router) may take to answer its health check "
+                                     "after launch before the run stops with the tail of its log.", gt=0.0)
+    health_timeout_s: float = param(60.0, "Seconds one health check (/health_generate) may take.", gt=0.0)
+    request_timeout_s: float = param(3600.0, "Seconds one generate request may take.", gt=0.0)
+    max_request_retries: int = param(3, "Times a request that failed on a dead or erroring engine is re-sent "
+                                     "(after the dead engine is restarted) before the run stops.", ge=0)
+    max_restarts: int = param(3, "Restarts allowed per engine over the run before it counts as dead for good.", ge=0)
+    extra_args: list[str] = param(help="More command-line flags for every server, e.g. "
+                                  "['--attention-backend', 'fa3'].", factory=list)
+
+
+@dataclass
 class RolloutConfig:
-    engine: Literal["local", "sglang"] = param("local", "local = embedded in-process engine; sglang = SGLang fleet.")
+    engine: Literal["local", "sglang"] = param("local", "local = embedded in-process engine; sglang = a fleet of "
+                                               "engine servers (rollout.sglang) launched by Ray.")
     n: int = param(16, "Samples per prompt (the GRPO group size).", gt=0)
     temperature: float = param(1.0, "Sampling temperature for training rollouts.", ge=0.0)
     top_p: float = param(1.0, "Nucleus sampling mass for training rollouts.", gt=0.0, le=1.0)
@@ -83,6 +106,7 @@ class RolloutConfig:
     )
     gpu_memory_utilization: float = param(0.6, "Fraction of GPU memory an engine may use (SGLang mem_fraction_static).", gt=0.0, le=1.0)
     max_concurrency: int = param(1024, "Requests in flight per engine.", gt=0)
+    sglang: SGLangConfig = param(help="The engine-server fleet (rollout.engine=sglang).", factory=SGLangConfig)
     val: SamplingConfig = param(
         help="Sampling for validation (DAPO's AIME protocol: 32 samples at top_p 0.7 for avg@32).",
         factory=lambda: SamplingConfig(temperature=1.0, top_p=0.7, n=32),
@@ -258,7 +282,12 @@ class TrackingConfig:
 @dataclass
 class SyncConfig:
     bucket_mb: int = param(512, "Size of one weight-sync bucket in MiB.", gt=0)
-    transport: Literal["auto", "inprocess", "ipc", "nccl", "disk"] = param("auto", "How weights reach the engines.")
+    transport: Literal["auto", "inprocess", "ipc", "nccl", "disk"] = param(
+        "auto", "How weights reach engine servers: ipc = CUDA IPC handles to engines on the same GPUs (colocated); "
+        "nccl = a process group between each pipeline stage's source rank and the engines (gloo without CUDA); "
+        "disk = safetensors files in sync.disk_dir; inprocess = the embedded engine (rollout.engine=local). "
+        "auto = inprocess for the embedded engine, ipc when colocated on GPUs, nccl otherwise.")
+    disk_dir: str | None = param(None, "Shared directory for sync.transport=disk; None = trainer.output_dir/weight_sync.")
     verify: bool = param(False, "Compare per-tensor checksums of engine and trainer weights after each sync.")
 
 
@@ -301,6 +330,31 @@ class RunConfig:
         if self.cluster.gpus_per_node:
             return self.cluster.nnodes * self.cluster.gpus_per_node
         return p.model_parallel_size
+
+    def sync_transport(self) -> str:
+        """sync.transport with auto resolved: inprocess for the embedded engine, ipc for
+        engine servers colocated on GPUs, nccl for the others (gloo where there is no CUDA)."""
+        if self.sync.transport != "auto":
+            return self.sync.transport
+        if self.rollout.engine == "local":
+            return "inprocess"
+        if self.cluster.gpus_per_node and self.rollout.mode == "colocated":
+            return "ipc"
+        return "nccl"
+
+    def num_rollout_engines(self) -> int:
+        """rollout.num_engines, or as many as the rollout GPUs hold: the train GPUs / engine TP
+        when colocated, the GPUs the trainer leaves when disaggregated, 1 on a CPU run."""
+        r, c = self.rollout, self.cluster
+        if r.engine == "local":
+            return 1
+        if r.num_engines is not None:
+            return r.num_engines
+        if not c.gpus_per_node:
+            return 1
+        if r.mode == "colocated":
+            return max(self.train_world_size() // r.tensor_parallel_size, 1)
+        return (c.nnodes * c.gpus_per_node - self.train_world_size()) // r.tensor_parallel_size
 
     def check_consistency(self, problems: Problems) -> None:
         """Rules that involve several fields; each names the keys and the fix."""
@@ -370,10 +424,47 @@ class RunConfig:
         if custom is not None and ":" not in custom and not custom.isidentifier():
             problems.add("reward.custom_function", f"{custom!r} is neither a scorer name nor 'module.path:function'",
                          "use search_r1_em, search_r1_format, dapo_math or 'module.path:function'")
-        if self.cluster.gpus_per_node == 0 and r.engine == "sglang":
-            problems.add("rollout.engine", "sglang needs GPUs (cluster.gpus_per_node=0)",
-                         "use rollout.engine=local on CPU machines or set cluster.gpus_per_node")
+        self._check_rollout(problems)
 
+
+    def _check_rollout(self, problems: Problems) -> None:
+        r, c, transport = self.rollout, self.cluster, self.sync.transport
+        if r.engine == "local":
+            if transport not in ("auto", "inprocess"):
+                problems.add("sync.transport", f"{transport} is for engine servers; the embedded engine takes "
+                             "weights in process", "use sync.transport=auto or rollout.engine=sglang")
+            return
+        if transport == "inprocess":
+            problems.add("sync.transport", "inprocess needs the embedded engine (rollout.engine=local)",
+                         "use auto, ipc, nccl or disk with rollout.engine=sglang")
+        if c.launcher != "ray":
+            problems.add("cluster.launcher", "inprocess cannot launch engine servers", "use cluster.launcher=ray")
+        if c.gpus_per_node == 0:
+            if r.sglang.server == "sglang":
+                problems.add("rollout.sglang.server", "sglang needs GPUs (cluster.gpus_per_node=0)",
+                             "use rollout.sglang.server=embedded (or rollout.engine=local) on CPU machines, or set "
+                             "cluster.gpus_per_node")
+            if transport == "ipc":
+                problems.add("sync.transport", "ipc passes CUDA memory and needs GPUs", "use nccl or disk")
+            return
+        if r.tensor_parallel_size > c.gpus_per_node:
+            problems.add("rollout.tensor_parallel_size", f"{r.tensor_parallel_size} GPUs per engine is more than "
+                         f"cluster.gpus_per_node={c.gpus_per_node}", "an engine's TP ranks share one node")
+        if r.mode == "colocated" and self.train_world_size() % r.tensor_parallel_size:
+            problems.add("rollout.tensor_parallel_size", f"{r.tensor_parallel_size} does not divide the "
+                         f"{self.train_world_size()} train GPUs the engines share (rollout.mode=colocated)",
+                         "choose an engine TP that divides the number of GPUs")
+        if r.mode == "colocated" and self.num_rollout_engines() * r.tensor_parallel_size > self.train_world_size():
+            problems.add("rollout.num_engines", f"{self.num_rollout_engines()} engines x TP {r.tensor_parallel_size} "
+                         f"need more GPUs than the {self.train_world_size()} train GPUs they share",
+                         "lower rollout.num_engines or leave it null")
+        if r.mode == "disaggregated" and self.num_rollout_engines() < 1:
+            problems.add("rollout.mode", f"disaggregated engines need GPUs of their own, but the trainer takes all "
+                         f"{c.nnodes * c.gpus_per_node}", "set actor.parallel.data_parallel_size lower, or "
+                         "rollout.mode=colocated")
+        if r.mode == "disaggregated" and transport == "ipc":
+            problems.add("sync.transport", "ipc needs the engines on the trainer's GPUs (rollout.mode=colocated)",
+                         "use nccl or disk")
 
     def _check_megatron(self, problems: Problems) -> None:
         p, world = self.actor.parallel, self.train_world_size()

@@ -149,13 +149,19 @@ def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def flatten(group: Mapping[str, torch.Tensor]) -> FlatBucket:
-    """One group of tensors copied into one buffer (each tensor at an aligned offset)."""
+def flatten(group: Mapping[str, torch.Tensor], *, packed: bool = False) -> FlatBucket:
+    """One group of tensors copied into one buffer, each at a 16-byte aligned offset, or with
+    `packed` back to back with no padding: SGLang's flattened_bucket layout, which the
+    receiver rebuilds from names, dtypes and shapes alone (every offset must still be a
+    multiple of its tensor's element size)."""
     entries, offset = [], 0
     for name, tensor in group.items():
         nbytes = tensor.numel() * tensor.element_size()
+        if packed and offset % tensor.element_size():
+            raise ValueError(f"{name} ({tensor.dtype}) would start at byte {offset} of a packed bucket, not a multiple "
+                             f"of its element size; SGLang rejects that: send tensors of one dtype per bucket")
         entries.append(TensorEntry(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset, nbytes))
-        offset += _aligned(nbytes)
+        offset += nbytes if packed else _aligned(nbytes)
     data = torch.empty(offset, dtype=torch.uint8, device=next(iter(group.values())).device)
     for tensor, e in zip(group.values(), entries):
         data[e.offset: e.offset + e.nbytes].copy_(tensor.contiguous().reshape(-1).view(torch.uint8))

@@ -116,6 +116,8 @@ def train_step(c: Components, step: int) -> dict[str, float]:
     cfg, metrics = c.cfg, {}
     with _timer(metrics, "rollout"):
         samples = collect_samples(c, step, metrics)
+    c.release_engine_memory()
+    metrics.update(c.engine_metrics())
     batch = to_train_batch(samples, pad_id=c.tokenizer.pad_token_id or 0)
     scores = [s.score for s in samples]
     groups = [s.group for s in samples]

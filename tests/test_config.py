@@ -125,7 +125,17 @@ def test_out_of_range(override, bound):
     (["actor.fp8=hybrid"], "actor.fp8", "megatron"),
     (["reward.custom_function=mymodule.score"], "reward.custom_function", "module.path:function"),
     (["reward.repetition_max_penalty=0.5"], "reward.repetition_max_penalty", "out of range"),
-    (["rollout.engine=sglang"], "rollout.engine", "needs GPUs"),
+    (["rollout.engine=sglang"], "rollout.sglang.server", "needs GPUs"),
+    (["rollout.engine=sglang", "rollout.sglang.server=embedded", "sync.transport=ipc"], "sync.transport",
+     "needs GPUs"),
+    (["sync.transport=nccl"], "sync.transport", "embedded engine takes weights in process"),
+    (["rollout.engine=sglang", "rollout.sglang.server=embedded", "cluster.launcher=inprocess"], "cluster.launcher",
+     "cannot launch engine servers"),
+    (["rollout.engine=sglang", "cluster.gpus_per_node=8", "rollout.mode=disaggregated", "rollout.num_engines=1",
+      "rollout.tensor_parallel_size=16"],
+     "rollout.tensor_parallel_size", "more than cluster.gpus_per_node=8"),
+    (["rollout.engine=sglang", "cluster.gpus_per_node=8", "rollout.mode=disaggregated", "sync.transport=ipc"],
+     "sync.transport", "colocated"),
     (["agent.max_turns=2", "agent.max_turn_length=4096", "rollout.max_response_length=1024",
       "algorithm.overlong.buffer_len=256", "agent.retrieval.index_dir=idx"],
      "agent.max_turn_length", "exceeds rollout.max_response_length"),
@@ -166,6 +176,9 @@ def test_consistent_alternatives_pass():
     load_config(None, ["actor.backend=megatron", "actor.parallel.tensor_model_parallel_size=8",
                        "actor.parallel.pipeline_model_parallel_size=2", "actor.fp8=e4m3"])
     load_config(None, ["rollout.engine=sglang", "cluster.gpus_per_node=8"])
+    load_config(None, ["rollout.engine=sglang", "rollout.sglang.server=embedded", "sync.transport=nccl"])
+    load_config(None, ["actor.backend=megatron", "cluster.gpus_per_node=8", "actor.parallel.tensor_model_parallel_size=8",
+                       "rollout.engine=sglang", "rollout.tensor_parallel_size=4", "sync.transport=ipc"])
 
 
 def test_all_problems_reported_together():

@@ -125,7 +125,9 @@ def test_update_weights_through_disk(served, tmp_path):
 def test_pause_and_continue(served):
     url, _, _ = served
     with httpx.Client(base_url=url, timeout=30) as http:
-        assert http.post("/pause_generation").json() == {"success": True}
-        assert http.post("/continue_generation").json() == {"success": True}
+        assert http.post("/pause_generation", json={"mode": "retract"}).json()["status"] == "ok"
+        refused = http.post("/pause_generation", json={"mode": "abort"})  # SGLang's default would end requests
+        assert refused.status_code == 400 and "retract" in refused.text
+        assert http.post("/continue_generation", json={}).json()["status"] == "ok"
         assert http.get("/health_generate").status_code == 200
         assert http.get("/flush_cache").json() == {"success": True}

@@ -1,0 +1,187 @@
+"""megarl's SGLang payloads against the pinned SGLang version's own definitions.
+
+The files come from the pinned wheel (`tools/fetch_sglang_api.py`, run by `make setup`):
+`/generate` bodies are decoded with SGLang's generated JSON contract (api_types.py: the
+schema both its Python and Rust servers enforce, unknown sampling keys rejected); the
+embedded server's answers are decoded with the same contract; control bodies are checked
+against the fields of the io_struct request each route parses, and every route the fleet
+calls must exist in the pinned http_server.py.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import importlib.util
+import re
+from pathlib import Path
+
+import httpx
+import pytest
+
+from megarl.rollout import sglang_api
+from megarl.rollout.engine import GenerationOutput, SamplingParams
+from megarl.rollout.http import HTTPEngine
+
+ROOT = Path(__file__).resolve().parents[1]
+API = ROOT / ".venv" / "sglang-api" / sglang_api.SGLANG_VERSION
+
+
+@pytest.fixture(scope="module")
+def sglang_files() -> Path:
+    if not (API / "sglang/api/v1/api_types.py").is_file():
+        import subprocess
+        import sys
+
+        subprocess.run([sys.executable, str(ROOT / "tools" / "fetch_sglang_api.py"), str(API.parent)], check=True)
+    return API
+
+
+@pytest.fixture(scope="module")
+def api_types(sglang_files):
+    spec = importlib.util.spec_from_file_location("sglang_api_types", sglang_files / "sglang/api/v1/api_types.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def request_structs(sglang_files) -> dict[str, tuple[set[str], set[str]]]:
+    """{struct name: (all fields, fields without a default)} of io_struct.py, BaseReq's included."""
+    tree = ast.parse((sglang_files / "sglang/srt/managers/io_struct.py").read_text())
+    structs = {}
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            fields, required = set(), set()
+            for item in node.body:
+                if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                    fields.add(item.target.id)
+                    if item.value is None:
+                        required.add(item.target.id)
+            bases = [b.id for b in node.bases if isinstance(b, ast.Name)]
+            structs[node.name] = (fields, required, bases)
+    out = {}
+    for name, (fields, required, bases) in structs.items():
+        for base in bases:
+            if base in structs:
+                fields = fields | structs[base][0]
+        out[name] = (fields, required)
+    return out
+
+
+SAMPLING_CASES = [
+    SamplingParams(max_new_tokens=16, temperature=0.0),
+    SamplingParams(max_new_tokens=500, temperature=1.0, top_p=0.7, seed=12345),
+    SamplingParams(max_new_tokens=8, temperature=0.6, top_k=20, stop=("</search>", "</answer>"),
+                   stop_token_ids=(151643, 151645)),
+    SamplingParams(max_new_tokens=4, ignore_eos=True),
+]
+
+
+@pytest.mark.parametrize("params", SAMPLING_CASES)
+def test_generate_bodies_satisfy_the_pinned_contract(api_types, params):
+    body = sglang_api.generate_body([1, 2, 3], params)
+    decoded = api_types.GenerateRequest.from_json_value(body)
+    assert decoded.input_ids == [1, 2, 3] and decoded.return_logprob is True and decoded.text is None
+    sampling = api_types.SamplingParams.from_json_value(body["sampling_params"])
+    assert sampling.max_new_tokens == params.max_new_tokens
+    assert sampling.temperature == params.temperature and sampling.top_p == params.top_p
+    assert sampling.no_stop_trim is True  # a stop string stays in the tokens we train on
+    assert sampling.sampling_seed == params.seed
+    assert list(sampling.stop) == list(params.stop) and list(sampling.stop_token_ids) == list(params.stop_token_ids)
+
+
+def test_the_contract_decoder_rejects_what_sglang_rejects(api_types):
+    # the check above can fail: a key SGLang does not know is refused by its own decoder
+    body = sglang_api.generate_body([1], SamplingParams())
+    body["sampling_params"]["frobnicate"] = 1
+    with pytest.raises(api_types.JsonContractError):
+        api_types.GenerateRequest.from_json_value(body)
+
+
+@pytest.mark.parametrize("out", [
+    GenerationOutput([5, 6, 7], [-0.1, -0.2, -0.3], "length", weight_version=3, prompt_tokens=4),
+    GenerationOutput([5, 9], [-0.1, -0.5], "stop", matched_stop=9, weight_version=0, prompt_tokens=2),
+    GenerationOutput([5], [-0.1], "stop", matched_stop="</search>", prompt_tokens=2),
+    GenerationOutput([], [], "abort", message="engine stopped", prompt_tokens=2),
+])
+def test_answers_decode_with_the_contract_and_back(api_types, out):
+    payload = sglang_api.output_to_sglang(out, return_logprob=True, text="t")
+    decoded = api_types.GenerateResponse.from_json_value(payload)
+    assert list(decoded.output_ids) == out.token_ids
+    assert [e.token_id for e in decoded.meta_info.output_token_logprobs] == out.token_ids
+    assert decoded.meta_info.weight_version == str(out.weight_version)
+    back = sglang_api.output_from_sglang(payload)
+    assert (back.token_ids, back.log_probs, back.finish_reason, back.matched_stop, back.weight_version) == \
+        (out.token_ids, out.log_probs, out.finish_reason, out.matched_stop, out.weight_version)
+
+
+CONTROL_BODIES = {
+    "/update_weights_from_disk": sglang_api.disk_update_body("/shared/w/v000003", 3),
+    "/init_weights_update_group": sglang_api.init_group_body("10.0.0.1", 29500, 1, 9, "megarl-sync-rank0", "nccl"),
+    "/destroy_weights_update_group": sglang_api.destroy_group_body("megarl-sync-rank0"),
+    "/update_weights_from_distributed": sglang_api.distributed_update_body(
+        ["model.embed_tokens.weight", "lm_head.weight"], ["bfloat16", "bfloat16"], [[300, 64], [300, 64]],
+        "megarl-sync-rank0", 7),
+    "/update_weights_from_tensor": sglang_api.tensor_update_body(["b64a", "b64b"], 7),
+    "/pause_generation": sglang_api.pause_body(),
+    "/continue_generation": sglang_api.continue_body(),
+    "/release_memory_occupation": sglang_api.memory_body(),
+    "/resume_memory_occupation": sglang_api.memory_body(["weights"]),
+}
+
+
+@pytest.mark.parametrize("route", sorted(sglang_api.CONTROL_ROUTES))
+def test_control_bodies_match_the_request_structs(request_structs, sglang_files, route):
+    body = CONTROL_BODIES[route]
+    fields, required = request_structs[sglang_api.CONTROL_ROUTES[route]]
+    assert set(body) <= fields, f"{route}: fields SGLang does not know: {set(body) - fields}"
+    assert required <= set(body), f"{route}: required fields missing: {required - set(body)}"
+    server = (sglang_files / "sglang/srt/entrypoints/http_server.py").read_text()
+    assert re.search(rf'@app\.(post|api_route)\("{re.escape(route)}"', server), f"{route} is not served"
+
+
+def test_every_control_route_has_a_body_here():
+    assert set(CONTROL_BODIES) == set(sglang_api.CONTROL_ROUTES)
+
+
+def test_weight_versions_and_pause_mode():
+    # SGLang's weight_version is a string; its default pause mode ("abort") would drop requests
+    assert sglang_api.disk_update_body("/w", 12)["weight_version"] == "12"
+    assert sglang_api.pause_body() == {"mode": "retract"}
+    with pytest.raises(ValueError, match="kv_cache"):
+        sglang_api.memory_body(["activations"])
+
+
+def test_client_sends_the_contract_bodies(api_types):
+    """HTTPEngine's requests, captured at the transport, are the bodies checked above."""
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        import json
+
+        seen.append((request.url.path, json.loads(request.content) if request.content else None))
+        if request.url.path == "/generate":
+            return httpx.Response(200, json=sglang_api.output_to_sglang(
+                GenerationOutput([4], [-0.5], "length", weight_version=2, prompt_tokens=1), True))
+        return httpx.Response(200, json={"success": True, "message": "ok", "status": "ok"})
+
+    async def go():
+        client = HTTPEngine("http://engine")
+        client._clients = {id(asyncio.get_running_loop()): httpx.AsyncClient(
+            base_url="http://engine", transport=httpx.MockTransport(handler))}
+        out = await client.generate([1, 2], SAMPLING_CASES[2])
+        await client.pause()
+        await client.resume()
+        await client.load_from_disk("/w/v2", 2)
+        await client.release_memory()
+        await client.resume_memory(["kv_cache"])
+        return out
+
+    out = asyncio.run(go())
+    assert out.token_ids == [4] and out.weight_version == 2
+    bodies = dict(seen)
+    api_types.GenerateRequest.from_json_value(bodies["/generate"])
+    assert bodies["/pause_generation"] == CONTROL_BODIES["/pause_generation"]
+    assert bodies["/update_weights_from_disk"] == sglang_api.disk_update_body("/w/v2", 2)
+    assert bodies["/resume_memory_occupation"] == {"tags": ["kv_cache"]}
