@@ -272,7 +272,14 @@ class SGLangFleet:
     async def _each(self, method: str, *args) -> list:
         return await asyncio.gather(*[getattr(s.client, method)(*args) for s in self.servers])
 
+    async def check_engines(self) -> None:
+        """A health pass now, restarting dead engines: the router re-sends the requests of a
+        dead engine to the others by itself, so the fleet may not see the failure."""
+        await self._recover(self._epoch)
+
     async def pause(self) -> None:
+        """Before every weight sync: dead engines are restarted first, so they get the new weights too."""
+        await self.check_engines()
         await self._each("pause")
 
     async def resume(self) -> None:

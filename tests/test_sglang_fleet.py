@@ -1,0 +1,194 @@
+"""The engine-server fleet on CPU: two of megarl's embedded engine servers (SGLang's HTTP
+API) launched by Ray actors, the real sglang-router in front; generation, a killed engine
+restarted with its requests re-sent, and weight updates over disk and over a gloo process
+group, each checked against a plain forward pass of the model holding those weights."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import threading
+
+import pytest
+import ray
+import torch
+from ray.util.placement_group import placement_group, remove_placement_group
+
+from megarl.config import load_config
+from megarl.errors import ComponentDied
+from megarl.rollout.engine import SamplingParams
+from megarl.rollout.sglang import SGLangFleet, ServerProcess, launch_fleet, stop_fleet
+from megarl.sync import group_tensors, hf_tensors, weight_checksums
+from megarl.transport import DistributedSender, open_update_group
+from tiny_models import reference_log_probs, tiny_model, tiny_tokenizer
+
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11], [12, 13], [14, 15, 16, 17, 18], [19, 20, 21], [22, 23], [24, 25, 26], [27, 28]]
+
+
+@pytest.fixture(scope="module")
+def fleet_setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fleet")
+    tok = tiny_tokenizer()
+    model = tiny_model("qwen2", vocab_size=len(tok), eos_token_id=None)
+    model.save_pretrained(root / "model")
+    tok.save_pretrained(root / "model")
+    cfg = load_config(None, [f"model.path={root / 'model'}", "rollout.engine=sglang", "rollout.sglang.server=embedded",
+                             "rollout.num_engines=2", f"trainer.output_dir={root / 'run'}", "model.dtype=float32",
+                             "rollout.sglang.startup_timeout_s=120", "rollout.sglang.health_timeout_s=20"])
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
+    pg = placement_group([{"CPU": 1}] * 3)
+    ray.get(pg.ready(), timeout=60)
+    (root / "weights").mkdir()
+    fleet = launch_fleet(cfg, pg, [[0], [1]], 2, str(root / "logs"), str(root / "weights"))
+    yield fleet, model, cfg, root
+    asyncio.run(fleet.close())
+    stop_fleet(fleet)
+    remove_placement_group(pg)
+    ray.shutdown()
+
+
+def generate_all(fleet, prompts, max_new_tokens=6, seed0=100):
+    async def go():
+        return await asyncio.gather(*[fleet.generate(p, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.9, ignore_eos=True,
+                                                                        seed=seed0 + i)) for i, p in enumerate(prompts)])
+    return asyncio.run(go())
+
+
+def assert_matches(model, prompts, outs, temperature=0.9):
+    for prompt, out in zip(prompts, outs):
+        assert out.finish_reason == "length"
+        torch.testing.assert_close(torch.tensor(out.log_probs),
+                                   reference_log_probs(model, prompt, out.token_ids, temperature), atol=1e-5, rtol=0)
+
+
+def test_generate_through_the_router(fleet_setup):
+    fleet, model, _, _ = fleet_setup
+    assert fleet.router_url is not None and len(fleet.engine_urls) == 2
+    outs = generate_all(fleet, PROMPTS)
+    assert_matches(model, PROMPTS, outs)
+    assert all(o.weight_version == 0 for o in outs)
+    again = generate_all(fleet, PROMPTS)  # seeded requests give the same tokens on either engine
+    assert [o.token_ids for o in again] == [o.token_ids for o in outs]
+
+
+def test_without_router_requests_spread_over_engines(fleet_setup):
+    fleet, model, cfg, _ = fleet_setup
+    direct = SGLangFleet([(s.name, s.actor, s.url, s.tp) for s in fleet.servers], cfg.rollout.sglang)
+    seen = []
+    for s in direct.servers:  # count what each engine's client is asked
+        original = s.client.generate
+
+        async def counted(ids, params, _orig=original, _name=s.name):
+            seen.append(_name)
+            return await _orig(ids, params)
+        s.client.generate = counted
+    outs = generate_all(direct, PROMPTS)
+    assert_matches(model, PROMPTS, outs)
+    assert sorted(set(seen)) == ["engine0", "engine1"] and len(seen) == len(PROMPTS)
+    asyncio.run(direct.close())
+
+
+LONG = 300  # tokens per request: generation lasts seconds, so the kill lands mid-flight
+
+
+def kill_during_generation(fleet, victim, prompts, seed0):
+    """Generate while engine `victim`'s server is killed (SIGKILL) half a second in; the
+    generation must still be running then (checked)."""
+    pid = ray.get(victim.actor.pid.remote())
+    done, mid_flight = threading.Event(), []
+
+    def kill():
+        mid_flight.append(not done.is_set())
+        os.killpg(pid, signal.SIGKILL)
+    timer = threading.Timer(0.5, kill)
+    timer.start()
+    outs = generate_all(fleet, prompts, max_new_tokens=LONG, seed0=seed0)
+    done.set()
+    timer.join()
+    assert mid_flight == [True], "generation finished before the kill: make it longer"
+    return pid, outs
+
+
+@pytest.mark.parametrize("router", [True, False])
+def test_a_killed_engine_is_restarted_and_its_requests_resent(fleet_setup, router):
+    fleet, model, cfg, _ = fleet_setup
+    if not router:  # megarl routes and re-sends itself
+        fleet = SGLangFleet([(s.name, s.actor, s.url, s.tp) for s in fleet.servers], cfg.rollout.sglang)
+    prompts = PROMPTS * 3
+    expected = generate_all(fleet, prompts, max_new_tokens=LONG, seed0=500)
+    victim = fleet.servers[0]
+    pid, outs = kill_during_generation(fleet, victim, prompts, seed0=500)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in expected]  # nothing lost, nothing changed
+    assert_matches(model, prompts, outs)
+    if router:  # the router re-sent the dead engine's requests; the next sync's pause restarts it
+        asyncio.run(fleet.pause())
+        asyncio.run(fleet.resume())
+    else:
+        assert fleet.metrics()["rollout/resent_requests"] >= 1
+    assert fleet.metrics()["rollout/engine_restarts"] == 1
+    assert ray.get(victim.actor.alive.remote()) and ray.get(victim.actor.pid.remote()) != pid
+    assert_matches(model, prompts[:4], generate_all(fleet, prompts[:4]))  # the restarted engine serves again
+    if not router:
+        asyncio.run(fleet.close())
+
+
+def test_weights_through_disk_then_a_gloo_group(fleet_setup):
+    fleet, _, _, _ = fleet_setup
+    new = tiny_model("qwen2", vocab_size=fleet_setup[1].config.vocab_size, seed=7, eos_token_id=None)
+    asyncio.run(fleet.update_weights(group_tensors(hf_tensors(new), 20_000), version=3))
+    outs = generate_all(fleet, PROMPTS[:3])
+    assert_matches(new, PROMPTS[:3], outs)
+    assert {o.weight_version for o in outs} == {3}
+    assert asyncio.run(fleet.weight_checksums()) == weight_checksums(hf_tensors(new))
+
+    newer = tiny_model("qwen2", vocab_size=new.config.vocab_size, seed=8, eos_token_id=None)
+    world, offsets = fleet.group_ranks()
+    assert (world, offsets) == (3, [1, 2])
+    port = __import__("megarl.rollout.sglang", fromlist=["free_port"]).free_port()
+    joined = {}
+    trainer = threading.Thread(target=lambda: joined.setdefault(
+        "group", open_update_group("gloo", "127.0.0.1", port, 0, world, "test-sync", timeout_s=60)))
+    trainer.start()
+    asyncio.run(fleet.join_update_group("127.0.0.1", port, "test-sync", "gloo"))
+    trainer.join()
+    sender = DistributedSender(joined["group"], fleet.engine_urls, "test-sync")
+    asyncio.run(fleet.pause())
+    sent = sender.send(group_tensors(hf_tensors(newer), 20_000), version=4)
+    asyncio.run(fleet.flush_cache())
+    asyncio.run(fleet.resume())
+    assert sent > 1  # several buckets, each one broadcast
+    outs = generate_all(fleet, PROMPTS[:3])
+    assert_matches(newer, PROMPTS[:3], outs)
+    assert {o.weight_version for o in outs} == {4}
+    assert asyncio.run(fleet.weight_checksums()) == weight_checksums(hf_tensors(newer))
+    asyncio.run(fleet.leave_update_group("test-sync"))
+    sender.close()
+
+
+def test_a_server_that_exits_at_start_shows_its_log(tmp_path):
+    server = ServerProcess([sys.executable, "-m", "megarl.rollout.serve", "--model-path", str(tmp_path / "missing")],
+                           "engine9", log_dir=str(tmp_path))
+    with pytest.raises(RuntimeError, match=r"engine9 exited with status 1 while starting(.|\n)*cannot load"):
+        server.start(timeout_s=60)
+
+
+def test_a_server_that_never_answers_times_out_and_is_stopped(tmp_path):
+    server = ServerProcess([sys.executable, "-c", "import time; print('warming up', flush=True); time.sleep(600)"],
+                           "slow", log_dir=str(tmp_path))
+    with pytest.raises(RuntimeError, match=r"did not answer /health within 2 s(.|\n)*warming up"):
+        server.start(timeout_s=2)
+    assert not server.alive()
+
+
+def test_an_engine_past_its_restart_budget_stops_the_run(fleet_setup):
+    fleet, _, cfg, _ = fleet_setup
+    settings = type(cfg.rollout.sglang)(**{**cfg.rollout.sglang.__dict__, "max_restarts": 0,
+                                           "max_request_retries": 1, "router": False})
+    strict = SGLangFleet([(s.name, s.actor, s.url, s.tp) for s in fleet.servers[:1]], settings)
+    os.killpg(ray.get(fleet.servers[0].actor.pid.remote()), signal.SIGKILL)
+    with pytest.raises(ComponentDied, match="engine0 .* failed again after 0 restarts"):
+        generate_all(strict, PROMPTS[:1])
+    asyncio.run(strict.close())
+    ray.get(fleet.servers[0].actor.restart.remote(60))  # leave the shared fleet whole
