@@ -340,7 +340,7 @@ class RayCluster:
             if c.ray_address:
                 ray.init(address=c.ray_address, log_to_driver=True)
             else:
-                ray.init(num_cpus=c.cpus_per_node or max(world + 2, _cpu_count()), num_gpus=c.gpus_per_node,
+                ray.init(num_cpus=c.cpus_per_node or max(len(plan_bundles(cfg)[0]), _cpu_count()), num_gpus=c.gpus_per_node,
                          include_dashboard=False, log_to_driver=True)
             self._started_ray = True
         self.pg, self.worker_actors, self.engine_actor, self.reward_actor, self.retrieval_actor = None, [], None, None, None
@@ -353,20 +353,9 @@ class RayCluster:
 
     def _start(self, cfg: RunConfig, total_steps: int, world: int) -> None:
         gpus = 1 if cfg.cluster.gpus_per_node else 0
-        device = {"CPU": 1} | ({"GPU": 1} if gpus else {})
         fleet = cfg.rollout.engine == "sglang"
-        engines, tp = cfg.num_rollout_engines(), cfg.rollout.tensor_parallel_size
         self.colocated = fleet and gpus and cfg.rollout.mode == "colocated"
-        if not fleet:
-            engine_bundles = [[world]]  # the embedded engine actor
-        elif self.colocated:
-            engine_bundles = [[e * tp + j for j in range(tp)] for e in range(engines)]  # on the train GPUs
-        else:
-            per_engine = tp if gpus else 1
-            engine_bundles = [[world + e * per_engine + j for j in range(per_engine)] for e in range(engines)]
-        own = sorted({i for b in engine_bundles for i in b if i >= world})
-        # train ranks, engines' own bundles, then one for the retrieval server, reward actor and router
-        bundles = [device] * world + [device if gpus else {"CPU": 1}] * len(own) + [{"CPU": 1}]
+        bundles, engine_bundles = plan_bundles(cfg)
         misc = len(bundles) - 1
         self.pg = placement_group(bundles, strategy="PACK", name="megarl")
         ready, _ = ray.wait([self.pg.ready()], timeout=120)
@@ -510,6 +499,24 @@ class RayCluster:
             remove_placement_group(self.pg)
         if self._started_ray:
             ray.shutdown()
+
+
+def plan_bundles(cfg: RunConfig) -> tuple[list[dict], list[list[int]]]:
+    """(placement-group bundles, bundle indices of each engine). Bundles: one per train rank,
+    the engines' own (the embedded engine actor; fleet servers unless colocated, one per GPU
+    of each engine), and a last one for the retrieval server, reward actor and router."""
+    world, gpus = cfg.train_world_size(), cfg.cluster.gpus_per_node > 0
+    device = {"CPU": 1} | ({"GPU": 1} if gpus else {})
+    engines, tp = cfg.num_rollout_engines(), cfg.rollout.tensor_parallel_size
+    if cfg.rollout.engine == "local":
+        engine_bundles = [[world]]
+    elif gpus and cfg.rollout.mode == "colocated":  # on the train ranks' GPUs
+        engine_bundles = [[e * tp + j for j in range(tp)] for e in range(engines)]
+    else:
+        per_engine = tp if gpus else 1
+        engine_bundles = [[world + e * per_engine + j for j in range(per_engine)] for e in range(engines)]
+    own = sum(1 for b in engine_bundles for i in b if i >= world)
+    return [device] * (world + own) + [{"CPU": 1}], engine_bundles
 
 
 def _cpu_count() -> int:

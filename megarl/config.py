@@ -300,8 +300,8 @@ class ClusterConfig:
     nnodes: int = param(1, "Nodes of the run.", gt=0)
     gpus_per_node: int = param(0, "GPUs per node; 0 = CPU run.", ge=0)
     cpus_per_node: int | None = param(
-        None, "CPUs Ray may use per node (logical slots; the run needs one per train rank + 2); None = all, at "
-        "least that many.", gt=0)
+        None, "CPUs Ray may use per node (logical slots, not cores: one per train rank, one per engine that has no "
+        "GPU of a train rank, one more); None = all, at least that many.", gt=0)
 
 
 @dataclass
