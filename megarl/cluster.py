@@ -144,7 +144,8 @@ class TrainWorkerActor:
         with httpx.Client(timeout=600) as client:
             for bucket in self._my_buckets(bucket_bytes):
                 for url, tp in engines:
-                    response = client.post(url + "/update_weights_from_tensor", json=ipc_payload(bucket, tp, version))
+                    body, _buffer = ipc_payload(bucket, tp, version)  # the buffer lives until the engine answers
+                    response = client.post(url + "/update_weights_from_tensor", json=body)
                     if response.status_code != 200 or not response.json().get("success"):
                         raise RuntimeError(f"{url} failed to load a weight bucket through CUDA IPC: "
                                            f"{response.status_code} {response.text[:500]}")

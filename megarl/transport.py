@@ -140,11 +140,11 @@ def write_buckets(buckets: Iterable[Mapping[str, torch.Tensor]], directory: str 
     return paths
 
 
-def ipc_payload(group: Mapping[str, torch.Tensor], engine_tp: int, version: int) -> dict:
-    """The /update_weights_from_tensor body for one bucket of CUDA tensors: one packed buffer,
-    its CUDA IPC handle serialized with SGLang's serializer (the engine unpickles it with
-    SGLang's restricted unpickler), once per engine TP rank. Needs SGLang and CUDA; the
-    buffer must stay alive until the engine answers."""
+def ipc_payload(group: Mapping[str, torch.Tensor], engine_tp: int, version: int) -> tuple[dict, torch.Tensor]:
+    """(the /update_weights_from_tensor body, the buffer it points to) for one bucket of CUDA
+    tensors: one packed buffer, its CUDA IPC handle serialized with SGLang's serializer (the
+    engine unpickles it with SGLang's restricted unpickler), once per engine TP rank. Needs
+    SGLang and CUDA; keep the buffer referenced until the engine has answered."""
     from sglang.srt.utils import MultiprocessingSerializer
     from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
@@ -153,4 +153,4 @@ def ipc_payload(group: Mapping[str, torch.Tensor], engine_tp: int, version: int)
     bucket = FlattenedTensorBucket(named_tensors=list(group.items()))
     payload = {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()}
     blob = MultiprocessingSerializer.serialize(payload, output_str=True)
-    return sglang_api.tensor_update_body([blob] * engine_tp, version)
+    return sglang_api.tensor_update_body([blob] * engine_tp, version), payload["flattened_tensor"]
