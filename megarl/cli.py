@@ -4,6 +4,7 @@
     megarl export --run OUTPUT_DIR --out HF_DIR [--checkpoint STEP_DIR]
     megarl retrieval build --corpus FILE --out DIR [--kind bm25|dense]
     megarl retrieval serve --index DIR [--host 127.0.0.1 --port 8000 --topk 3]
+    megarl plan --model HF_CONFIG_OR_NAME --nodes N [--gpus-per-node 8 --gpu-memory 80GB ...]
 
 Configuration errors are reported (every problem, with its key and fix) before anything
 heavy is imported, with exit status 2.
@@ -16,6 +17,7 @@ import sys
 
 from megarl.config import ConfigError, RunConfig, load_config
 from megarl.config_loader import dump_config
+from megarl.plan import add_plan_command
 from megarl.retrieval.commands import add_retrieval_commands
 
 EXIT_CONFIG_ERROR = 2
@@ -69,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--checkpoint", help="a step_NNNNNN directory (default: the newest)")
     export.set_defaults(func=_export)
     add_retrieval_commands(sub)
+    add_plan_command(sub)
     return parser
 
 

@@ -1,0 +1,339 @@
+"""`megarl plan`: layouts for a model on a cluster, with the memory each needs per GPU.
+
+For every actor layout (TP in 1, 2, 4, 8 within a node, PP dividing the layers, DP the
+rest; CP 1) it estimates the memory of one GPU while training (megatron, bf16 weights, fp32
+gradient buffers, Adam with the distributed optimizer), picks the cheapest settings that
+fit (no recompute, then full recompute, then optimizer offload), sizes SGLang engines
+colocated on the same GPUs, and reports the KV cache left to them. The formulas, in bytes,
+with S = parameters of the largest pipeline stage / TP:
+
+    weights      2 S                       bf16
+    grads        4 S                       fp32 gradient buffers (grad_reduce_in_fp32)
+    optimizer    12 S / (DP x CP)          fp32 master weights + Adam m, v, sharded (0 with offload)
+    reference    2 S                       a frozen copy, when a KL term is on
+    critic       18 S / ... as the actor   weights + grads + optimizer, with a critic (PPO)
+    activations  one micro-batch of T tokens (T = max_tokens_per_gpu / CP), per layer
+                 A = 2 T (4h + (q + 2 kv) d + q d + 3 f) / TP   (bf16: norms' inputs, QKV, attention
+                 output, residuals, SwiGLU's gate/up and product; flash attention keeps no s x s
+                 scores; sequence parallel splits the rest over TP);
+                 no recompute: A x L (1F1B holds PP micro-batches of L / PP layers on stage 0);
+                 full recompute: 2 T h / TP x L (each layer's input) + A (one layer rebuilt)
+    logits       8 T V' / TP               fp32 logits and their gradient (V' padded vocabulary)
+    overhead     4 GiB                     CUDA context, NCCL buffers, allocator slack
+
+    training peak = weights + grads + optimizer + reference + critic + activations + logits + overhead
+    a layout fits when its peak is within USABLE = 90% of the GPU (fragmentation, caches)
+
+Rollout (colocated, SGLang with its memory released during training): the trainer's static
+memory (everything but activations and logits) stays on the GPU, so an engine may use
+    budget = 0.9 GPU - static - overhead - 3 GiB (the engine's own activations, CUDA graphs)
+    weights of an engine GPU = 2 P / engine TP, KV cache = budget - that,
+    KV bytes per token per GPU = 2 (K, V) x L x max(kv / engine TP, 1) x d x 2 (bf16)
+and SGLang's --mem-fraction-static is budget / GPU. The engine TP is the smallest (1, 2, 4, 8)
+whose weights take at most half the budget.
+
+These are estimates for choosing a layout, not measurements; layouts are listed by
+preference (no offload, no recompute, fewer pipeline stages, smaller TP) after the
+problems that rule a layout out. Main entry points: `plan`, `estimate`, `ModelShape`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from dataclasses import asdict, dataclass, field
+
+from megarl.models.spec import ModelSpec
+
+GiB = 1 << 30
+OVERHEAD = 4 * GiB
+ENGINE_RUNTIME = 3 * GiB
+USABLE = 0.9  # of a GPU's memory
+
+# Public HF configs of the models megarl's recipes use (no hub access is needed to plan them).
+KNOWN_MODELS = {
+    "Qwen/Qwen2.5-7B": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                            num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                            tie_word_embeddings=False),
+    "Qwen/Qwen2.5-32B": dict(model_type="qwen2", vocab_size=152064, hidden_size=5120, intermediate_size=27648,
+                             num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8,
+                             tie_word_embeddings=False),
+    "Qwen/Qwen2.5-72B": dict(model_type="qwen2", vocab_size=152064, hidden_size=8192, intermediate_size=29568,
+                             num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                             tie_word_embeddings=False),
+    "Qwen/Qwen3-8B": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                          num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                          tie_word_embeddings=False),
+    "Qwen/Qwen3-32B": dict(model_type="qwen3", vocab_size=151936, hidden_size=5120, intermediate_size=25600,
+                           num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
+                           tie_word_embeddings=False),
+    "meta-llama/Llama-3.1-8B": dict(model_type="llama", vocab_size=128256, hidden_size=4096,
+                                    intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                                    num_key_value_heads=8, tie_word_embeddings=False),
+    "meta-llama/Llama-3.1-70B": dict(model_type="llama", vocab_size=128256, hidden_size=8192,
+                                     intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                                     num_key_value_heads=8, tie_word_embeddings=False),
+}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes the estimates need, from a ModelSpec."""
+
+    spec: ModelSpec
+
+    @classmethod
+    def load(cls, name_or_path: str) -> ModelShape:
+        """A known model name (KNOWN_MODELS, case-insensitive, with or without the org) or an
+        HF config.json / model directory."""
+        wanted = name_or_path.lower()
+        for name, config in KNOWN_MODELS.items():
+            if wanted in (name.lower(), name.split("/")[1].lower()):
+                return cls(ModelSpec.from_hf(config))
+        try:
+            return cls(ModelSpec.from_hf(name_or_path))
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{name_or_path!r} is neither an HF config / model directory nor a known model "
+                                    f"({', '.join(KNOWN_MODELS)})") from None
+
+    def layer_params(self) -> int:
+        s = self.spec
+        h, d, q, kv = s.hidden_size, s.head_dim, s.num_heads, s.num_kv_heads
+        attention = h * q * d + 2 * h * kv * d + q * d * h + ((q + 2 * kv) * d if s.qkv_bias else 0)
+        mlp = 3 * h * s.ffn_hidden_size
+        norms = 2 * h + (2 * d if s.qk_norm else 0)
+        return attention + mlp + norms
+
+    def params(self) -> int:
+        """All parameters as in the HF checkpoint (a tied output layer counted once)."""
+        s = self.spec
+        embeddings = s.vocab_size * s.hidden_size * (1 if s.tied_embeddings else 2)
+        return s.num_layers * self.layer_params() + embeddings + s.hidden_size
+
+    def stage_params(self, tp: int, pp: int) -> int:
+        """Parameters of the largest pipeline stage (padded vocabulary; with PP > 1 a tied
+        output layer has its own copy on the last stage, as megatron keeps it)."""
+        s = self.spec
+        layers = s.num_layers // pp * self.layer_params()
+        table = s.padded_vocab_size(tp) * s.hidden_size
+        if pp == 1:
+            return layers + table * (1 if s.tied_embeddings else 2) + s.hidden_size
+        return layers + table + s.hidden_size  # the first stage's embedding or the last stage's output layer
+
+    def activation_bytes_per_layer(self, tokens: int, tp: int) -> int:
+        s = self.spec
+        width = 4 * s.hidden_size + (s.num_heads + 2 * s.num_kv_heads) * s.head_dim + s.num_heads * s.head_dim \
+            + 3 * s.ffn_hidden_size
+        return 2 * tokens * width // tp
+
+    def kv_bytes_per_token(self, engine_tp: int) -> int:
+        s = self.spec
+        return 2 * s.num_layers * max(s.num_kv_heads // engine_tp, 1) * s.head_dim * 2
+
+
+@dataclass
+class Workload:
+    max_prompt_length: int = 2048
+    max_response_length: int = 20480
+    max_tokens_per_gpu: int | None = None  # None = one longest sequence
+    rollout_batch: int = 512 * 16  # sequences generated per step (prompts x samples)
+    kl: bool = False  # a frozen reference model (KL loss or KL in the reward)
+    critic: bool = False  # PPO's value model on the same GPUs
+
+    @property
+    def sequence(self) -> int:
+        return self.max_prompt_length + self.max_response_length
+
+    @property
+    def tokens(self) -> int:
+        return max(self.max_tokens_per_gpu or 0, self.sequence)
+
+
+@dataclass
+class Estimate:
+    tp: int
+    pp: int
+    cp: int
+    dp: int
+    recompute: bool
+    offload: bool
+    weights: int
+    grads: int
+    optimizer: int
+    reference: int
+    critic: int
+    activations: int
+    logits: int
+    overhead: int
+    train_peak: int
+    engine_tp: int = 0
+    engines: int = 0
+    engine_weights: int = 0
+    kv_cache: int = 0
+    kv_tokens: int = 0
+    sequences_per_engine: int = 0
+    rollout_waves: int = 0
+    mem_fraction_static: float = 0.0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def static(self) -> int:
+        return self.weights + self.grads + self.optimizer + self.reference + self.critic
+
+
+def estimate(shape: ModelShape, world: int, gpus_per_node: int, gpu_bytes: int, work: Workload, *, tp: int, pp: int,
+             cp: int = 1, recompute: bool = False, offload: bool = False) -> Estimate:
+    """Memory per GPU of one layout (see the module docstring for every formula)."""
+    s = shape.spec
+    dp = world // (tp * pp * cp) if world % (tp * pp * cp) == 0 else 0
+    problems = []
+    if s.num_heads % tp or s.num_kv_heads % tp:
+        problems.append(f"TP={tp} does not divide the {s.num_heads} heads and {s.num_kv_heads} KV heads")
+    if s.num_layers % pp:
+        problems.append(f"PP={pp} does not divide the {s.num_layers} layers")
+    if tp > gpus_per_node:
+        problems.append(f"TP={tp} spans nodes ({gpus_per_node} GPUs per node)")
+    if not dp:
+        problems.append(f"TP x PP x CP = {tp * pp * cp} does not divide the {world} GPUs")
+    stage = shape.stage_params(tp, pp) / tp
+    weights, grads = int(2 * stage), int(4 * stage)
+    optimizer = 0 if offload else int(12 * stage / max(dp * cp, 1))
+    reference = weights if work.kl else 0
+    critic = weights + grads + optimizer if work.critic else 0
+    tokens = math.ceil(work.tokens / cp)
+    per_layer = shape.activation_bytes_per_layer(tokens, tp)
+    if recompute:
+        activations = 2 * tokens * s.hidden_size // tp * s.num_layers + per_layer
+    else:
+        activations = per_layer * s.num_layers
+    logits = 8 * tokens * s.padded_vocab_size(tp) // tp
+    peak = weights + grads + optimizer + reference + critic + activations + logits + OVERHEAD
+    if peak > USABLE * gpu_bytes:
+        problems.append(f"training needs {peak / GiB:.1f} GiB, more than {USABLE:.0%} of the GPU's "
+                        f"{gpu_bytes / GiB:.0f} GiB")
+    e = Estimate(tp, pp, cp, dp, recompute, offload, weights, grads, optimizer, reference, critic, activations,
+                 logits, OVERHEAD, peak, problems=problems)
+    _size_engines(e, shape, world, gpus_per_node, gpu_bytes, work)
+    return e
+
+
+def _size_engines(e: Estimate, shape: ModelShape, world: int, gpus_per_node: int, gpu_bytes: int,
+                  work: Workload) -> None:
+    budget = int(USABLE * gpu_bytes) - e.static - OVERHEAD - ENGINE_RUNTIME
+    total = 2 * shape.params()
+    for engine_tp in (1, 2, 4, 8):
+        if engine_tp > gpus_per_node or world % engine_tp:
+            break
+        if total / engine_tp <= budget / 2:
+            e.engine_tp, e.engines = engine_tp, world // engine_tp
+            break
+    if not e.engine_tp:
+        e.problems.append(f"no room for SGLang engines next to the trainer's {e.static / GiB:.1f} GiB "
+                          f"(an engine's weights would take more than half of the {max(budget, 0) / GiB:.1f} GiB left)")
+        return
+    e.engine_weights = int(total / e.engine_tp)
+    e.kv_cache = budget - e.engine_weights
+    e.kv_tokens = e.kv_cache // shape.kv_bytes_per_token(e.engine_tp)
+    e.sequences_per_engine = e.kv_tokens // work.sequence
+    e.mem_fraction_static = math.floor(100 * budget / gpu_bytes) / 100
+    if e.sequences_per_engine < 1:
+        e.problems.append(f"the KV cache left ({e.kv_cache / GiB:.1f} GiB) does not hold one "
+                          f"{work.sequence}-token sequence")
+    else:
+        e.rollout_waves = math.ceil(work.rollout_batch / (e.sequences_per_engine * e.engines))
+
+
+def plan(shape: ModelShape, nodes: int, gpus_per_node: int, gpu_bytes: int, work: Workload) -> list[Estimate]:
+    """For each (TP, PP) the first settings that fit in the order no recompute, recompute,
+    recompute + offload (or the last tried, with its problems); feasible layouts first, by
+    preference."""
+    world = nodes * gpus_per_node
+    out = []
+    for tp in (1, 2, 4, 8):
+        for pp in (p for p in range(1, 17) if shape.spec.num_layers % p == 0):
+            if tp > gpus_per_node or world % (tp * pp):
+                continue
+            for recompute, offload in ((False, False), (True, False), (True, True)):
+                e = estimate(shape, world, gpus_per_node, gpu_bytes, work, tp=tp, pp=pp, recompute=recompute,
+                             offload=offload)
+                if not e.problems:
+                    break
+            out.append(e)
+    return sorted(out, key=lambda e: (bool(e.problems), e.offload, e.recompute, e.pp, e.tp))
+
+
+def parse_bytes(text: str) -> int:
+    """'80GB' / '80GiB' / '80' (GiB) -> bytes; GPU memory is quoted in binary units."""
+    m = re.fullmatch(r"\s*([\d.]+)\s*(G|GB|GiB|T|TB|TiB)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise ValueError(f"--gpu-memory {text!r}: give a size such as 80GB")
+    unit = (m.group(2) or "G").upper()[0]
+    return int(float(m.group(1)) * (GiB if unit == "G" else 1024 * GiB))
+
+
+def render(shape: ModelShape, nodes: int, gpus_per_node: int, gpu_bytes: int, work: Workload,
+           estimates: list[Estimate], top: int) -> str:
+    g = lambda b: f"{b / GiB:6.1f}"  # noqa: E731
+    lines = [f"{shape.spec.family} model, {shape.params() / 1e9:.2f}B parameters; {nodes} nodes x {gpus_per_node} "
+             f"GPUs of {gpu_bytes / GiB:.0f} GiB; sequences up to {work.sequence} tokens "
+             f"({work.max_prompt_length} prompt + {work.max_response_length} response), micro-batches of "
+             f"{work.tokens} tokens; rollout batch {work.rollout_batch} sequences",
+             "", "memory per GPU in GiB while training (w = weights, g = grads, opt = optimizer, act = activations):",
+             "  TP PP CP DP recompute offload |      w      g    opt    act logits   peak | engines x TP  KV GiB  "
+             "seq/engine waves mem_frac"]
+    shown = [e for e in estimates if not e.problems][:top]
+    for e in shown:
+        lines.append(f"  {e.tp:2d} {e.pp:2d} {e.cp:2d} {e.dp:2d} {'yes' if e.recompute else 'no':>9} "
+                     f"{'yes' if e.offload else 'no':>7} | {g(e.weights)} {g(e.grads)} {g(e.optimizer)} "
+                     f"{g(e.activations)} {g(e.logits)} {g(e.train_peak)} | {e.engines:7d} x {e.engine_tp:2d} "
+                     f"{g(e.kv_cache)} {e.sequences_per_engine:10d} {e.rollout_waves:5d} {e.mem_fraction_static:8.2f}")
+    if not shown:
+        lines.append("  (no layout fits)")
+    ruled_out = [e for e in estimates if e.problems]
+    if ruled_out:
+        lines += ["", "ruled out:"]
+        lines += [f"  TP={e.tp} PP={e.pp}{' recompute' if e.recompute else ''}{' offload' if e.offload else ''}: "
+                  + "; ".join(e.problems) for e in ruled_out]
+    if shown:
+        b = shown[0]
+        lines += ["", "recommended: actor.parallel.tensor_model_parallel_size={} pipeline_model_parallel_size={} "
+                  "actor.gradient_checkpointing={} actor.optim.offload={} rollout.tensor_parallel_size={} "
+                  "rollout.gpu_memory_utilization={}".format(b.tp, b.pp, str(b.recompute).lower(),
+                                                             str(b.offload).lower(), b.engine_tp, b.mem_fraction_static)]
+    return "\n".join(lines)
+
+
+def add_plan_command(sub) -> None:
+    p = sub.add_parser("plan", help="Recommend parallel layouts with the memory per GPU they need.")
+    p.add_argument("--model", required=True, help=f"HF config.json / model directory, or one of: {', '.join(KNOWN_MODELS)}")
+    p.add_argument("--nodes", type=int, required=True)
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpu-memory", default="80GB", help="memory of one GPU, e.g. 80GB (binary units)")
+    p.add_argument("--max-prompt-length", type=int, default=2048)
+    p.add_argument("--max-response-length", type=int, default=20480)
+    p.add_argument("--max-tokens-per-gpu", type=int, default=None, help="tokens of one micro-batch (default: one sequence)")
+    p.add_argument("--rollout-batch", type=int, default=512 * 16, help="sequences generated per step")
+    p.add_argument("--kl", action="store_true", help="a frozen reference model is on the GPUs")
+    p.add_argument("--critic", action="store_true", help="a critic (PPO) shares the GPUs")
+    p.add_argument("--top", type=int, default=5, help="feasible layouts to show")
+    p.add_argument("--json", action="store_true", help="every layout as JSON")
+    p.set_defaults(func=_plan_command)
+
+
+def _plan_command(args: argparse.Namespace) -> int:
+    if args.nodes < 1 or args.gpus_per_node < 1:
+        raise ValueError("--nodes and --gpus-per-node must be at least 1")
+    shape = ModelShape.load(args.model)
+    gpu = parse_bytes(args.gpu_memory)
+    work = Workload(args.max_prompt_length, args.max_response_length, args.max_tokens_per_gpu, args.rollout_batch,
+                    args.kl, args.critic)
+    estimates = plan(shape, args.nodes, args.gpus_per_node, gpu, work)
+    if args.json:
+        json.dump([asdict(e) for e in estimates], sys.stdout, indent=1)
+        print()
+    else:
+        print(render(shape, args.nodes, args.gpus_per_node, gpu, work, estimates, args.top))
+    return 0 if any(not e.problems for e in estimates) else 1
