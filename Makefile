@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.megarl-installed
 
-.PHONY: setup test quickstart quickstart-math quickstart-megatron bench clean
+.PHONY: setup test test-slurm quickstart quickstart-math quickstart-megatron bench clean
 
 setup: $(STAMP)
 
@@ -28,6 +28,11 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(BIN)/python -m pytest tests $(PYTEST_ARGS)
+
+# A one-node slurm cluster on this machine (installs Debian's slurm-wlm and munge when missing),
+# the CPU quickstart recipe submitted with sbatch, its completion and MLflow run checked.
+test-slurm: $(STAMP)
+	MEGARL_PYTHON=$(abspath $(BIN))/python bash tests/slurm/run.sh
 
 # Search-R1 + DAPO on the CPU: build the search world, index and warmed-up tiny model
 # (skipped when already built), then train with the example config (resumes if interrupted).

@@ -1,0 +1,107 @@
+# Ray on a slurm allocation, for megarl's recipes. Source it, then run the driver through it:
+#
+#   source tools/ray_on_slurm.sh
+#   ray_on_slurm megarl train examples/dapo/dapo_qwen2.5_32b.yaml key=value ...
+#
+# ray_on_slurm starts a Ray head on the first node of the job (an `srun` step) and one worker
+# on each other node, waits until Ray sees every node (RAY_START_TIMEOUT seconds, default 600),
+# then runs the command here (the batch host, which is the first node) with RAY_ADDRESS set, so
+# `cluster.ray_address=auto` joins that cluster. When the command ends, fails, or the job is
+# cancelled, the Ray steps it started are stopped (by their own process ids; nothing is killed
+# by name) and the command's exit status is returned.
+#
+# Settings (environment): MEGARL_PYTHON (the python with megarl installed; default the
+# repository's .venv, else python3), RAY_PORT (6379), RAY_NUM_CPUS / RAY_NUM_GPUS per node
+# (default: what slurm gives the job on a node; GPUs from SLURM_GPUS_ON_NODE, else 0),
+# RAY_TMPDIR (Ray's session files; default /tmp/ray-$SLURM_JOB_ID, one per job), RAY_AUTH_TOKEN
+# (default: a fresh random token per job; Ray's token authentication is on).
+
+_ray_on_slurm_steps=()
+
+_ray_on_slurm_log() { echo "[ray_on_slurm $(date +%H:%M:%S)] $*" >&2; }
+
+_ray_on_slurm_stop() {
+    local pid
+    for pid in "${_ray_on_slurm_steps[@]}"; do
+        kill -TERM "$pid" 2>/dev/null || true
+    done
+    for pid in "${_ray_on_slurm_steps[@]}"; do
+        wait "$pid" 2>/dev/null || true
+    done
+    _ray_on_slurm_steps=()
+}
+
+ray_on_slurm() {
+    if [[ -z "${SLURM_JOB_ID:-}" ]]; then
+        echo "ray_on_slurm: not inside a slurm job (submit the recipe with sbatch)" >&2
+        return 2
+    fi
+    local repo py ray port cpus gpus tmp head head_ip deadline status
+    repo=${MEGARL_HOME:-${SLURM_SUBMIT_DIR:-$PWD}}
+    py=${MEGARL_PYTHON:-}
+    if [[ -z "$py" ]]; then
+        if [[ -x "$repo/.venv/bin/python" ]]; then py="$repo/.venv/bin/python"; else py=$(command -v python3); fi
+    fi
+    ray="$(dirname "$py")/ray"
+    [[ -x "$ray" ]] || { echo "ray_on_slurm: no ray next to $py (set MEGARL_PYTHON)" >&2; return 2; }
+    port=${RAY_PORT:-6379}
+    cpus=${RAY_NUM_CPUS:-${SLURM_CPUS_ON_NODE:-1}}
+    gpus=${RAY_NUM_GPUS:-${SLURM_GPUS_ON_NODE:-0}}
+    tmp=${RAY_TMPDIR:-/tmp/ray-$SLURM_JOB_ID}
+    mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+    head=${nodes[0]}
+    # the address Ray itself picks on that node (hostname -i can answer a loopback address)
+    head_ip=$(srun --overlap --nodes=1 --ntasks=1 -w "$head" "$py" -c \
+        "from ray._private.services import get_node_ip_address; print(get_node_ip_address())")
+    [[ -n "$head_ip" ]] || { echo "ray_on_slurm: cannot find the address of $head" >&2; return 1; }
+
+    # Ray's token authentication with a token of this job's own: srun hands the environment to
+    # every step, so the nodes, the driver and the actors share it and nobody else can connect
+    export RAY_AUTH_MODE=token
+    export RAY_AUTH_TOKEN=${RAY_AUTH_TOKEN:-$("$py" -c 'import secrets; print(secrets.token_hex(32))')}
+
+    trap '_ray_on_slurm_stop; exit 143' TERM INT
+    _ray_on_slurm_log "Ray head on $head ($head_ip:$port), ${#nodes[@]} node(s), $cpus CPUs and $gpus GPUs each"
+    srun --overlap --nodes=1 --ntasks=1 -w "$head" \
+        "$ray" start --head --block --node-ip-address="$head_ip" --port="$port" --num-cpus="$cpus" \
+        --num-gpus="$gpus" --temp-dir="$tmp" --include-dashboard=false &
+    _ray_on_slurm_steps+=($!)
+    local node
+    for node in "${nodes[@]:1}"; do
+        sleep 2  # the head first
+        srun --overlap --nodes=1 --ntasks=1 -w "$node" \
+            "$ray" start --block --address="$head_ip:$port" --num-cpus="$cpus" --num-gpus="$gpus" &
+        _ray_on_slurm_steps+=($!)
+    done
+
+    deadline=$((SECONDS + ${RAY_START_TIMEOUT:-600}))
+    until timeout 60 "$py" - "$head_ip:$port" "${#nodes[@]}" 2>/dev/null <<'EOF'
+import sys, ray
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+alive = sum(1 for n in ray.nodes() if n["Alive"])
+sys.exit(0 if alive >= int(sys.argv[2]) else 1)
+EOF
+    do
+        if (( SECONDS > deadline )); then
+            _ray_on_slurm_log "Ray did not see all ${#nodes[@]} nodes within ${RAY_START_TIMEOUT:-600} s; stopping"
+            _ray_on_slurm_stop
+            return 1
+        fi
+        local pid
+        for pid in "${_ray_on_slurm_steps[@]}"; do
+            if ! kill -0 "$pid" 2>/dev/null; then
+                _ray_on_slurm_log "a Ray start step exited early; see the job's output above"
+                _ray_on_slurm_stop
+                return 1
+            fi
+        done
+        sleep 3
+    done
+    _ray_on_slurm_log "Ray is up on ${#nodes[@]} node(s); running: $*"
+    status=0
+    RAY_ADDRESS="$head_ip:$port" "$@" || status=$?
+    _ray_on_slurm_log "command exited with status $status; stopping Ray"
+    _ray_on_slurm_stop
+    trap - TERM INT
+    return "$status"
+}
