@@ -298,12 +298,20 @@ def render(shape: ModelShape, nodes: int, gpus_per_node: int, gpu_bytes: int, wo
         lines += [f"  TP={e.tp} PP={e.pp}{' recompute' if e.recompute else ''}{' offload' if e.offload else ''}: "
                   + "; ".join(e.problems) for e in ruled_out]
     if shown:
-        b = shown[0]
-        lines += ["", "recommended: actor.parallel.tensor_model_parallel_size={} pipeline_model_parallel_size={} "
-                  "actor.gradient_checkpointing={} actor.optim.offload={} rollout.tensor_parallel_size={} "
-                  "rollout.gpu_memory_utilization={}".format(b.tp, b.pp, str(b.recompute).lower(),
-                                                             str(b.offload).lower(), b.engine_tp, b.mem_fraction_static)]
+        lines += ["", "recommended (megarl train overrides): " + " ".join(overrides(shown[0]))]
     return "\n".join(lines)
+
+
+def overrides(e: Estimate) -> list[str]:
+    """A layout as `megarl train` key=value overrides (what the slurm recipes append); with a
+    critic, its settings too (actor and critic share one layout)."""
+    workers = ("actor", "critic") if e.critic else ("actor",)
+    out = []
+    for w in workers:
+        out += [f"{w}.parallel.tensor_model_parallel_size={e.tp}", f"{w}.parallel.pipeline_model_parallel_size={e.pp}",
+                f"{w}.parallel.data_parallel_size={e.dp}", f"{w}.gradient_checkpointing={str(e.recompute).lower()}",
+                f"{w}.optim.offload={str(e.offload).lower()}"]
+    return out + [f"rollout.tensor_parallel_size={e.engine_tp}", f"rollout.gpu_memory_utilization={e.mem_fraction_static}"]
 
 
 def add_plan_command(sub) -> None:
@@ -320,6 +328,8 @@ def add_plan_command(sub) -> None:
     p.add_argument("--critic", action="store_true", help="a critic (PPO) shares the GPUs")
     p.add_argument("--top", type=int, default=5, help="feasible layouts to show")
     p.add_argument("--json", action="store_true", help="every layout as JSON")
+    p.add_argument("--overrides", action="store_true",
+                   help="print only the recommended layout as megarl train overrides (for recipes); status 1 if none fits")
     p.set_defaults(func=_plan_command)
 
 
@@ -331,9 +341,16 @@ def _plan_command(args: argparse.Namespace) -> int:
     work = Workload(args.max_prompt_length, args.max_response_length, args.max_tokens_per_gpu, args.rollout_batch,
                     args.kl, args.critic)
     estimates = plan(shape, args.nodes, args.gpus_per_node, gpu, work)
+    feasible = [e for e in estimates if not e.problems]
+    if args.overrides:
+        if not feasible:
+            print(render(shape, args.nodes, args.gpus_per_node, gpu, work, estimates, args.top), file=sys.stderr)
+            return 1
+        print(" ".join(overrides(feasible[0])))
+        return 0
     if args.json:
         json.dump([asdict(e) for e in estimates], sys.stdout, indent=1)
         print()
     else:
         print(render(shape, args.nodes, args.gpus_per_node, gpu, work, estimates, args.top))
-    return 0 if any(not e.problems for e in estimates) else 1
+    return 0 if feasible else 1

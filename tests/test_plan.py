@@ -3,6 +3,8 @@ the arithmetic it came from, in the order of megarl/plan.py's docstring)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from megarl.cli import main
@@ -103,8 +105,15 @@ def test_plan_prefers_layouts_without_offload_or_recompute():
 def test_command_line(capsys, tmp_path):
     assert main(["plan", "--model", "Qwen/Qwen2.5-32B", "--nodes", "8", "--gpu-memory", "80GB"]) == 0
     out = capsys.readouterr().out
-    assert "32.76B parameters" in out and "actor.parallel.tensor_model_parallel_size=8 pipeline_model_parallel_size=2" \
-        in out
+    assert "32.76B parameters" in out
+    assert "actor.parallel.tensor_model_parallel_size=8 actor.parallel.pipeline_model_parallel_size=2" in out
+    assert main(["plan", "--model", "Qwen2.5-32B", "--nodes", "8", "--overrides"]) == 0
+    layout = capsys.readouterr().out.split()
+    assert layout[:3] == ["actor.parallel.tensor_model_parallel_size=8", "actor.parallel.pipeline_model_parallel_size=2",
+                          "actor.parallel.data_parallel_size=4"]
+    from megarl.config import load_config  # the overrides are valid keys of a run
+    cfg = load_config(str(Path(__file__).parents[1] / "examples/dapo/dapo_qwen2.5_32b.yaml"), layout)
+    assert cfg.rollout.tensor_parallel_size == 4
     (tmp_path / "config.json").write_text('{"model_type": "gpt2", "vocab_size": 10}')
     assert main(["plan", "--model", str(tmp_path), "--nodes", "1"]) == 1  # unsupported family: a clear error
     assert "not supported" in capsys.readouterr().err

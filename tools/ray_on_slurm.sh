@@ -105,3 +105,78 @@ EOF
     trap - TERM INT
     return "$status"
 }
+
+
+# megarl_train_on_slurm CONFIG [key=value ...]: what every GPU recipe does after setting its
+# defaults. Reads MODEL_PATH, OUTPUT_DIR, MLFLOW_TRACKING_URI, NNODES (must equal the job's
+# nodes), GPUS_PER_NODE [8], GPU_MEMORY [80GB], PLAN_MODEL (the model `megarl plan` sizes when
+# MODEL_PATH has no config.json yet) and PLAN_ARGS (sequence lengths, --critic, --kl); the layout
+# (actor TP / PP / DP, recompute, offload, engine TP, SGLang memory fraction) is the one
+# `megarl plan` recommends for the job's nodes, unless LAYOUT is set. Prints what it runs;
+# with MEGARL_DRY_RUN=1 it only validates the assembled run (`megarl train --dry-run`), no cluster.
+megarl_train_on_slurm() {
+    local config=$1; shift
+    local repo=${MEGARL_HOME:-${SLURM_SUBMIT_DIR:-$PWD}}
+    local py=${MEGARL_PYTHON:-$repo/.venv/bin/python}
+    local megarl nodes=${NNODES:-${SLURM_JOB_NUM_NODES:-1}}
+    megarl="$(dirname "$py")/megarl"
+    if [[ -n "${SLURM_JOB_NUM_NODES:-}" && "$nodes" != "$SLURM_JOB_NUM_NODES" ]]; then
+        echo "megarl: NNODES=$nodes but the job has $SLURM_JOB_NUM_NODES nodes; submit with sbatch --nodes=$nodes" >&2
+        return 2
+    fi
+    local plan_model=$MODEL_PATH
+    [[ -f "$MODEL_PATH/config.json" ]] || plan_model=${PLAN_MODEL:?MODEL_PATH has no config.json: set PLAN_MODEL}
+    local layout=${LAYOUT:-}
+    if [[ -z "$layout" ]]; then
+        # shellcheck disable=SC2086
+        layout=$("$megarl" plan --model "$plan_model" --nodes "$nodes" --gpus-per-node "${GPUS_PER_NODE:-8}" \
+                 --gpu-memory "${GPU_MEMORY:-80GB}" ${PLAN_ARGS:-} --overrides) || {
+            echo "megarl: no layout of $plan_model fits $nodes nodes (megarl plan above)" >&2; return 1; }
+    fi
+    local args=(train "$config" "model.path=$MODEL_PATH" "trainer.output_dir=$OUTPUT_DIR"
+                "cluster.ray_address=auto" "cluster.nnodes=$nodes" "cluster.gpus_per_node=${GPUS_PER_NODE:-8}")
+    [[ -n "${MLFLOW_TRACKING_URI:-}" ]] && args+=("tracking.uri=$MLFLOW_TRACKING_URI")
+    # shellcheck disable=SC2206
+    args+=($layout "$@")
+    echo "megarl on slurm job ${SLURM_JOB_ID:-?} ($nodes nodes): $megarl ${args[*]}"
+    if [[ -n "${MEGARL_DRY_RUN:-}" ]]; then  # check the assembled run without a cluster
+        "$megarl" "${args[@]}" --dry-run
+        return
+    fi
+    ray_on_slurm "$megarl" "${args[@]}"
+}
+
+
+# retrieval_on_slurm INDEX_DIR [NODE]: megarl's retrieval server (`megarl retrieval serve`) as a
+# step on NODE (default the job's last node), bound to that node's address; waits for its
+# /health (RETRIEVAL_START_TIMEOUT seconds, default 1800: a dense wiki-18 index takes minutes to
+# load), exports RETRIEVAL_URL, and is stopped with the Ray steps. RETRIEVAL_ARGS go to serve.
+retrieval_on_slurm() {
+    local index=$1 node=${2:-}
+    local repo=${MEGARL_HOME:-${SLURM_SUBMIT_DIR:-$PWD}}
+    local py=${MEGARL_PYTHON:-$repo/.venv/bin/python}
+    local port=${RETRIEVAL_PORT:-8000} address deadline
+    if [[ -n "${MEGARL_DRY_RUN:-}" ]]; then
+        export RETRIEVAL_URL="http://retrieval-node:$port/retrieve"
+        return
+    fi
+    [[ -n "$node" ]] || node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | tail -n 1)
+    address=$(srun --overlap --nodes=1 --ntasks=1 -w "$node" "$py" -c \
+        "from ray._private.services import get_node_ip_address; print(get_node_ip_address())")
+    _ray_on_slurm_log "retrieval server for $index on $node ($address:$port)"
+    # shellcheck disable=SC2086
+    srun --overlap --nodes=1 --ntasks=1 -w "$node" "$(dirname "$py")/megarl" retrieval serve --index "$index" \
+        --host "$address" --port "$port" ${RETRIEVAL_ARGS:-} &
+    _ray_on_slurm_steps+=($!)
+    deadline=$((SECONDS + ${RETRIEVAL_START_TIMEOUT:-1800}))
+    until "$py" -c "import sys, httpx; sys.exit(httpx.get('http://$address:$port/health', timeout=5).status_code != 200)" \
+            2>/dev/null; do
+        if (( SECONDS > deadline )) || ! kill -0 "${_ray_on_slurm_steps[-1]}" 2>/dev/null; then
+            _ray_on_slurm_log "the retrieval server did not come up; stopping"
+            _ray_on_slurm_stop
+            return 1
+        fi
+        sleep 5
+    done
+    export RETRIEVAL_URL="http://$address:$port/retrieve"
+}

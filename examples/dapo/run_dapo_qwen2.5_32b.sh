@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+#SBATCH --job-name=megarl-dapo-qwen2.5-32b
+#SBATCH --nodes=8
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=8
+#SBATCH --exclusive
+#SBATCH --time=7-00:00:00
+#SBATCH --output=%x-%j.out
+#
+# DAPO on Qwen2.5-32B base with the paper's settings (examples/dapo/dapo_qwen2.5_32b.yaml):
+# 512 prompts x 16 samples, 3x over-generation with dynamic sampling, responses up to 20480
+# tokens with a 4096-token overlong buffer, clip 0.2 / 0.28, token-mean loss, lr 1e-6 with
+# warm-up, weight decay 0.1, grad clip 1.0; AIME-2024 avg@32 at top_p 0.7. Megatron actor and
+# SGLang engines colocated; the layout is `megarl plan`'s for the nodes of the job.
+#
+#   python tools/prepare_dapo_math.py --out $DATA_DIR      # once: train and validation parquet
+#   sbatch examples/dapo/run_dapo_qwen2.5_32b.sh [key=value ...]
+#
+# Environment (defaults): MODEL_PATH [models/Qwen2.5-32B], DATA_DIR [data/dapo],
+# OUTPUT_DIR [outputs/dapo_qwen2.5_32b], MLFLOW_TRACKING_URI [a store in OUTPUT_DIR],
+# NNODES [the job's nodes], GPUS_PER_NODE [8], GPU_MEMORY [80GB], LAYOUT [megarl plan's].
+set -euo pipefail
+cd "${MEGARL_HOME:-${SLURM_SUBMIT_DIR:-$(dirname "$0")/../..}}"
+source tools/ray_on_slurm.sh
+
+MODEL_PATH=${MODEL_PATH:-models/Qwen2.5-32B}
+DATA_DIR=${DATA_DIR:-data/dapo}
+OUTPUT_DIR=${OUTPUT_DIR:-outputs/dapo_qwen2.5_32b}
+PLAN_MODEL=${PLAN_MODEL:-Qwen/Qwen2.5-32B}
+PLAN_ARGS=${PLAN_ARGS:---max-prompt-length 2048 --max-response-length 20480 --max-tokens-per-gpu 22528}
+
+megarl_train_on_slurm examples/dapo/dapo_qwen2.5_32b.yaml \
+    "data.train_files=[$DATA_DIR/dapo-math-17k.parquet]" "data.val_files=[$DATA_DIR/aime-2024.parquet]" "$@"
