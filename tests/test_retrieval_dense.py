@@ -154,3 +154,91 @@ def test_missing_faiss_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "faiss", None)  # makes `import faiss` fail
     with pytest.raises(RetrievalError, match=r"pip install 'megarl\[dense\]'"):
         import_faiss()
+
+
+def flat_vectors(index_dir):
+    faiss = import_faiss()
+    index = faiss.read_index(str(index_dir / "dense" / "index.faiss"))
+    return index.reconstruct_n(0, index.ntotal)
+
+
+def test_sharded_build_equals_one_build(encoder, encoder_dir, tmp_path):
+    docs = make_corpus(50, seed=3)
+    write_jsonl_corpus(tmp_path / "c.jsonl", docs)
+    common = dict(kind="dense", encoder=encoder_dir, max_length=64, device="cpu", show_progress=False)
+    whole = build_index(tmp_path / "c.jsonl", tmp_path / "whole", **common)
+    work = tmp_path / "work"
+    for i in range(3):  # three jobs, each embedding every third shard of 8 documents
+        assert build_index(tmp_path / "c.jsonl", tmp_path / "idx", work_dir=work, shard_docs=8, shard=(i, 3),
+                           **common) is None
+        assert not (tmp_path / "idx").exists()
+    assert sorted(p.name for p in work.glob("shard-*.npy")) == [f"shard-{k:06d}.npy" for k in range(7)]
+    merged = build_index(tmp_path / "c.jsonl", tmp_path / "idx", work_dir=work, shard_docs=8, **common)
+    np.testing.assert_allclose(flat_vectors(merged), flat_vectors(whole), atol=1e-6)
+    np.testing.assert_allclose(flat_vectors(merged)[9], encoder.encode_passages([docs[9].contents])[0], atol=1e-6)
+    queries = ["river mountain", "castle"]
+    assert load_index(merged, device="cpu").search(queries, topk=3) == load_index(whole, device="cpu").search(
+        queries, topk=3)
+
+
+def test_an_interrupted_build_resumes_from_its_last_whole_shard(encoder_dir, tmp_path, monkeypatch):
+    docs = make_corpus(40, seed=4)
+    write_jsonl_corpus(tmp_path / "c.jsonl", docs)
+    common = dict(kind="dense", encoder=encoder_dir, max_length=64, device="cpu", show_progress=False,
+                  work_dir=tmp_path / "work", shard_docs=10)
+    calls = []
+    original = E5Encoder.encode_passages
+
+    def failing(self, texts):
+        calls.append(len(texts))
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # the job is stopped while embedding the third shard
+        return original(self, texts)
+
+    monkeypatch.setattr(E5Encoder, "encode_passages", failing)
+    with pytest.raises(KeyboardInterrupt):
+        build_index(tmp_path / "c.jsonl", tmp_path / "idx", **common)
+    assert sorted(p.name for p in (tmp_path / "work").glob("shard-*")) == ["shard-000000.npy", "shard-000001.npy"]
+    assert not (tmp_path / "idx").exists()
+    calls.clear()
+    monkeypatch.setattr(E5Encoder, "encode_passages", lambda self, texts: calls.append(len(texts)) or
+                        original(self, texts))
+    out = build_index(tmp_path / "c.jsonl", tmp_path / "idx", **common)
+    assert calls == [10, 10]  # only shards 2 and 3 were embedded again
+    reference = E5Encoder(encoder_dir, max_length=64, device="cpu").encode_passages([d.contents for d in docs])
+    np.testing.assert_allclose(flat_vectors(out), reference, atol=1e-6)
+
+
+def test_a_work_dir_of_another_build_is_refused(encoder_dir, tmp_path):
+    write_jsonl_corpus(tmp_path / "c.jsonl", make_corpus(12))
+    common = dict(kind="dense", encoder=encoder_dir, device="cpu", show_progress=False, work_dir=tmp_path / "w")
+    build_index(tmp_path / "c.jsonl", tmp_path / "a", max_length=64, shard_docs=5, **common)
+    with pytest.raises(RetrievalError, match="holds embeddings made with"):
+        build_index(tmp_path / "c.jsonl", tmp_path / "b", max_length=32, shard_docs=5, **common)
+    with pytest.raises(RetrievalError, match="needs a work_dir"):
+        build_index(tmp_path / "c.jsonl", tmp_path / "c", kind="dense", encoder=encoder_dir, device="cpu",
+                    show_progress=False, shard=(0, 2))
+
+
+def test_memory_needed_for_wiki18():
+    from megarl.retrieval.dense import memory_needed
+
+    assert memory_needed(21_015_324, 768) == 21_015_324 * 768 * 4  # 64.6 GB of float32 vectors
+    assert memory_needed(21_015_324, 768, hnsw=True, hnsw_m=32) == 21_015_324 * (768 * 4 + 64 * 4)
+
+
+def test_sharded_build_from_the_command_line(encoder_dir, tmp_path, capsys):
+    from megarl.cli import main
+
+    write_jsonl_corpus(tmp_path / "c.jsonl", make_corpus(30))
+    base = ["retrieval", "build", "--corpus", str(tmp_path / "c.jsonl"), "--out", str(tmp_path / "idx"), "--kind",
+            "dense", "--encoder", str(encoder_dir), "--device", "cpu", "--max-length", "64", "--shard-docs", "10",
+            "--quiet"]
+    assert main(base + ["--shard", "2/1"]) == 2 and "use I/N" in capsys.readouterr().err
+    for i in (0, 1):
+        assert main(base + ["--shard", f"{i}/2"]) == 0
+        assert "run the same command without --shard" in capsys.readouterr().err
+    assert len(list((tmp_path / "idx.embeddings").glob("shard-*.npy"))) == 3
+    assert main(base) == 0 and "index written" in capsys.readouterr().err
+    assert load_index(tmp_path / "idx", device="cpu").search(["river"], topk=2)
+    assert not (tmp_path / "idx.embeddings").exists()  # kept only for resuming, removed once the index is whole

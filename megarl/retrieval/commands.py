@@ -11,7 +11,9 @@ index directory, options) print one message and return 2, without a traceback.
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
+from pathlib import Path
 
 from megarl.retrieval.errors import RetrievalError
 
@@ -42,6 +44,11 @@ def add_retrieval_commands(subparsers: argparse._SubParsersAction) -> argparse.A
     dense.add_argument("--max-length", type=int, default=256, help="encoder tokens per passage (default 256)")
     dense.add_argument("--device", default=None, help="encoder device (default: cuda if available, else cpu)")
     dense.add_argument("--fp16", action="store_true", help="run the encoder in half precision (GPU)")
+    dense.add_argument("--work-dir", help="keep the embeddings here, so an interrupted build resumes from its last "
+                       "whole shard (default: OUT.embeddings beside --out)")
+    dense.add_argument("--shard-docs", type=int, default=100_000, help="documents per embedding shard (default 100000)")
+    dense.add_argument("--shard", help="I/N: embed only shards k with k %% N == I (one job per GPU), then run once "
+                       "more without --shard to build the index from all of them")
     build.set_defaults(func=run_build)
 
     serve = commands.add_parser("serve", help="serve an index over HTTP (Search-R1's POST /retrieve API)")
@@ -66,9 +73,21 @@ def run_build(args: argparse.Namespace) -> int:
     if args.kind == "bm25":
         options = {"stemmer": args.stemmer, "k1": args.k1, "b": args.b}
     else:
+        shard = None
+        if args.shard:
+            try:
+                i, n = (int(x) for x in args.shard.split("/"))
+                assert 0 <= i < n
+            except (ValueError, AssertionError):
+                print(f"megarl retrieval build: --shard {args.shard!r}: use I/N with 0 <= I < N", file=sys.stderr)
+                return EXIT_USAGE_ERROR
+            shard = (i, n)
+        out_path = Path(args.out)
         options = {
             "encoder": args.encoder, "hnsw": args.hnsw, "hnsw_m": args.hnsw_m, "batch_size": args.batch_size,
             "max_length": args.max_length, "device": args.device, "fp16": args.fp16,
+            "work_dir": args.work_dir or str(out_path.parent / f"{out_path.name}.embeddings"),
+            "shard_docs": args.shard_docs, "shard": shard,
         }
     try:
         out = build_index(
@@ -78,7 +97,13 @@ def run_build(args: argparse.Namespace) -> int:
     except (RetrievalError, FileNotFoundError) as e:
         print(f"megarl retrieval build: {e}", file=sys.stderr)
         return EXIT_USAGE_ERROR
+    if out is None:
+        print(f"megarl retrieval build: shard {args.shard} embedded into {options['work_dir']}; once every shard is, "
+              "run the same command without --shard to build the index", file=sys.stderr)
+        return 0
     print(f"megarl retrieval build: {args.kind} index written to {out}", file=sys.stderr)
+    if args.kind == "dense" and not args.work_dir:  # the embeddings were only kept for resuming
+        shutil.rmtree(options["work_dir"], ignore_errors=True)
     return 0
 
 

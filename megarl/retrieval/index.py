@@ -31,7 +31,8 @@ KINDS = ("bm25", "dense")
 _ENCODER_OPTIONS = ("max_length", "batch_size", "device", "fp16")
 _OPTIONS = {
     "bm25": ("stemmer", "k1", "b", "method"),
-    "dense": ("encoder", "hnsw", "hnsw_m", "ef_construction", "ef_search", "chunk_docs") + _ENCODER_OPTIONS,
+    "dense": ("encoder", "hnsw", "hnsw_m", "ef_construction", "ef_search", "chunk_docs", "work_dir", "shard_docs",
+              "shard") + _ENCODER_OPTIONS,
 }
 
 
@@ -44,14 +45,16 @@ def build_index(
     show_progress: bool = True,
     checksum: bool = True,
     **options: Any,
-) -> Path:
+) -> Path | None:
     """Build a `kind` index of the corpus at `corpus_path` into `out_dir`; returns out_dir.
 
     overwrite: replace an existing non-empty out_dir (refused otherwise).
     checksum: record the corpus SHA-256 in the manifest (one extra read of the file).
     options, bm25: stemmer (e.g. "english", needs PyStemmer), k1, b, method.
     options, dense: encoder (directory, required), hnsw, hnsw_m, ef_construction, ef_search,
-    chunk_docs, and for the encoder max_length, batch_size, device, fp16.
+    chunk_docs, work_dir / shard_docs / shard (resumable and sharded embedding, see
+    megarl.retrieval.dense.build_dense: with `shard` the result is None and no index is
+    written), and for the encoder max_length, batch_size, device, fp16.
     """
     if kind not in KINDS:
         raise RetrievalError(f"unknown index kind {kind!r}; choose one of {', '.join(KINDS)}")
@@ -85,6 +88,9 @@ def build_index(
         finally:
             store.close()
             progress.close()
+        if params is None:  # one shard of a sharded build: its embeddings are kept, no index yet
+            shutil.rmtree(tmp, ignore_errors=True)
+            return None
         manifest = {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
