@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.megarl-installed
 
-.PHONY: setup test test-slurm quickstart quickstart-math quickstart-megatron bench clean
+.PHONY: setup test test-slurm test-ui quickstart quickstart-math quickstart-megatron bench clean
 
 setup: $(STAMP)
 
@@ -28,6 +28,11 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(BIN)/python -m pytest tests $(PYTEST_ARGS)
+
+# The MLflow UI in headless Chromium (installs Debian's chromium when missing, as root).
+test-ui: $(STAMP)
+	command -v chromium >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
+	$(BIN)/python -m pytest tests/ui -m ui $(PYTEST_ARGS)
 
 # A one-node slurm cluster on this machine (installs Debian's slurm-wlm and munge when missing),
 # the CPU quickstart recipe submitted with sbatch, its completion and MLflow run checked.
