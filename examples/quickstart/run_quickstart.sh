@@ -11,28 +11,32 @@
 #
 #   sbatch examples/quickstart/run_quickstart.sh [key=value ...]
 #
-# Environment (defaults in brackets): DATA_DIR [outputs/quickstart] built by
-# `python -m megarl.quickstart prepare` when missing (PREPARE_ARGS are passed to it),
-# CONFIG [examples/quickstart/search_r1_tiny.yaml], OUTPUT_DIR [outputs/quickstart/run_slurm],
+# Environment (defaults in brackets): QUICKSTART [search; or math: single-turn DAPO on sums],
+# DATA_DIR [outputs/quickstart or outputs/quickstart_math] built by `python -m megarl.quickstart
+# prepare` (prepare-math) when missing, with PREPARE_ARGS, OUTPUT_DIR [DATA_DIR/run_slurm],
 # MLFLOW_TRACKING_URI [a store inside OUTPUT_DIR], RAY_NUM_CPUS [8 scheduling slots].
 set -euo pipefail
 cd "${MEGARL_HOME:-${SLURM_SUBMIT_DIR:-$(dirname "$0")/../..}}"
 source tools/ray_on_slurm.sh
 
 PY=${MEGARL_PYTHON:-.venv/bin/python}
-DATA_DIR=${DATA_DIR:-outputs/quickstart}
-CONFIG=${CONFIG:-examples/quickstart/search_r1_tiny.yaml}
-OUTPUT_DIR=${OUTPUT_DIR:-outputs/quickstart/run_slurm}
+case ${QUICKSTART:-search} in
+    search) config=examples/quickstart/search_r1_tiny.yaml; prepare=prepare; DATA_DIR=${DATA_DIR:-outputs/quickstart} ;;
+    math) config=examples/quickstart/dapo_math_tiny.yaml; prepare=prepare-math
+          DATA_DIR=${DATA_DIR:-outputs/quickstart_math} ;;
+    *) echo "QUICKSTART=$QUICKSTART: use search or math" >&2; exit 2 ;;
+esac
+OUTPUT_DIR=${OUTPUT_DIR:-$DATA_DIR/run_slurm}
 export RAY_NUM_CPUS=${RAY_NUM_CPUS:-8}  # logical slots for the run's actors, not cores
 
 # shellcheck disable=SC2086
-"$PY" -m megarl.quickstart prepare "$DATA_DIR" ${PREPARE_ARGS:-}
+"$PY" -m megarl.quickstart $prepare "$DATA_DIR" ${PREPARE_ARGS:-}
 
-args=(train "$CONFIG"
+args=(train "$config"
       "model.path=$DATA_DIR/model"
       "data.train_files=[$DATA_DIR/data/train.parquet]" "data.val_files=[$DATA_DIR/data/val.parquet]"
-      "agent.retrieval.index_dir=$DATA_DIR/index"
       "trainer.output_dir=$OUTPUT_DIR" "cluster.ray_address=auto" "cluster.nnodes=${SLURM_JOB_NUM_NODES:-1}")
+[[ $prepare == prepare ]] && args+=("agent.retrieval.index_dir=$DATA_DIR/index")
 [[ -n "${MLFLOW_TRACKING_URI:-}" ]] && args+=("tracking.uri=$MLFLOW_TRACKING_URI")
 echo "megarl quickstart on slurm job ${SLURM_JOB_ID:-?}: $(dirname "$PY")/megarl ${args[*]} $*"
 ray_on_slurm "$(dirname "$PY")/megarl" "${args[@]}" "$@"
