@@ -10,13 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from mlflow.tracking import MlflowClient
-from transformers import AutoModelForCausalLM
 
 from megarl.config import load_config
-from megarl.tracking import local_store_uri
 from megarl.train import train
-from train_fixtures import tiny_overrides, write_tiny_run_inputs
+from train_fixtures import hf_weights as weights, mlflow_metric as metric, tiny_overrides, write_tiny_run_inputs
 
 FLEET = ["rollout.engine=sglang", "rollout.sglang.server=embedded", "rollout.num_engines=2", "sync.verify=true",
          "rollout.sglang.startup_timeout_s=120"]
@@ -40,15 +37,6 @@ def run(inputs, out: Path, extra: list[str]) -> None:
     train(load_config(None, overrides + ["reward.custom_function=reward_fixtures:length_score",
                                          "cluster.launcher=ray", *extra]))
 
-
-def weights(directory: Path) -> dict[str, torch.Tensor]:
-    return AutoModelForCausalLM.from_pretrained(directory).state_dict()
-
-
-def metric(out: Path, name: str) -> list[float]:
-    client = MlflowClient(tracking_uri=local_store_uri(out))
-    (r,) = client.search_runs([client.get_experiment_by_name("t").experiment_id])
-    return [m.value for m in sorted(client.get_metric_history(r.info.run_id, name), key=lambda m: m.step)]
 
 
 @pytest.fixture(scope="module")

@@ -36,3 +36,21 @@ def tiny_overrides(paths: dict[str, str], out: Path, steps: int = 2) -> list[str
             "actor.optim.lr_warmup_steps=0", f"trainer.output_dir={out}", f"trainer.total_training_steps={steps}",
             "trainer.test_freq=1", "trainer.save_freq=1", "reward.num_workers=0", "tracking.experiment_name=t",
             "cluster.launcher=inprocess"]
+
+
+def hf_weights(directory: Path) -> dict:
+    """The state dict of the HF model saved in `directory`."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(directory).state_dict()
+
+
+def mlflow_metric(out: Path, name: str, experiment: str = "t") -> list[float]:
+    """A metric's values by step from a run's local MLflow store (tiny_overrides' experiment "t")."""
+    from mlflow.tracking import MlflowClient
+
+    from megarl.tracking import local_store_uri
+
+    client = MlflowClient(tracking_uri=local_store_uri(out))
+    (r,) = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    return [m.value for m in sorted(client.get_metric_history(r.info.run_id, name), key=lambda m: m.step)]

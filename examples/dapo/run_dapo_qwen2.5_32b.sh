@@ -21,13 +21,8 @@
 # NNODES [the job's nodes], GPUS_PER_NODE [8], GPU_MEMORY [80GB], LAYOUT [megarl plan's].
 set -euo pipefail
 cd "${MEGARL_HOME:-${SLURM_SUBMIT_DIR:-$(dirname "$0")/../..}}"
-source tools/ray_on_slurm.sh
 
+SIZE=32b
 MODEL_PATH=${MODEL_PATH:-models/Qwen2.5-32B}
-DATA_DIR=${DATA_DIR:-data/dapo}
-OUTPUT_DIR=${OUTPUT_DIR:-outputs/dapo_qwen2.5_32b}
 PLAN_MODEL=${PLAN_MODEL:-Qwen/Qwen2.5-32B}
-PLAN_ARGS=${PLAN_ARGS:---max-prompt-length 2048 --max-response-length 20480 --max-tokens-per-gpu 22528}
-
-megarl_train_on_slurm examples/dapo/dapo_qwen2.5_32b.yaml \
-    "data.train_files=[$DATA_DIR/dapo-math-17k.parquet]" "data.val_files=[$DATA_DIR/aime-2024.parquet]" "$@"
+source examples/dapo/dapo.sh "$@"
