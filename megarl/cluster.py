@@ -4,11 +4,12 @@ actors in one placement group.
 On one CPU machine Ray starts locally and everything fits one node; with
 `cluster.ray_address=auto` (the slurm recipes) the same code joins a multi-node cluster.
 The driver talks to the actors through small proxies with the same methods as the
-in-process objects (`RemoteTrainWorker`, `RemoteEngine`, `RemoteRewardPool`), so
-`megarl.train` does not know which it has; the search agent reaches the retrieval actor's
-HTTP server like any retriever. Weights go from the worker actor to the engine actor
-directly, bucket by bucket, without passing through the driver. An actor that dies is
-reported by name (`ComponentDied`). Main entry point: `RayCluster`.
+in-process objects (megarl.remote), so `megarl.train` does not know which it has; with
+rollout.engine=sglang the engines are the fleet's servers (megarl.rollout.sglang). The
+search agent reaches the retrieval actor's HTTP server like any retriever. Weights go from
+the worker actors to the engines directly, bucket by bucket, without passing through the
+driver (`RayCluster.sync_weights`, by sync.transport). An actor that dies is reported by
+name (`ComponentDied`). Main entry point: `RayCluster`.
 """
 
 from __future__ import annotations
@@ -23,13 +24,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from megarl.components import ComponentDied, reward_spec
 from megarl.config import RetrievalConfig, RunConfig
+from megarl.remote import RemoteEngine, RemoteRewardPool, RemoteTrainWorker, died as _died, gather_ranks
 from megarl.rollout.engine import GenerationOutput, SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-def _died(what: str, error: Exception) -> ComponentDied:
-    return ComponentDied(f"{what} died: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
 
 
 def _load_model(cfg: RunConfig):
@@ -87,12 +85,8 @@ class TrainWorkerActor:
         returns the number of buckets sent."""
         from megarl.sync import send_flat
 
-        buckets = self.worker.export_hf_weights(bucket_bytes)
-        if not self.is_source:
-            for _ in buckets:  # the TP gathers need every rank
-                pass
-            return 0
-        return send_flat(buckets, lambda flat: engine.load_bucket.remote(flat, version), ray.get)
+        buckets = self._my_buckets(bucket_bytes)
+        return send_flat(buckets, lambda flat: engine.load_bucket.remote(flat, version), ray.get) if self.is_source else 0
 
     def source(self) -> tuple[bool, str]:
         """(whether this rank sends its pipeline stage's weights, its node's address)."""
@@ -217,109 +211,6 @@ class RewardActor:
 
     def close(self) -> None:
         self.pool.close()
-
-
-class RemoteTrainWorker:
-    """The TrainWorker methods, each a blocking call into every rank actor of the group (they
-    run in lockstep); the answer is rank 0's. A rank that dies or fails stops the call with
-    ComponentDied naming it, instead of leaving the others waiting in a collective."""
-
-    METHODS = ("compute_log_prob", "compute_ref_log_prob", "compute_values", "update_actor", "update_critic",
-               "save_checkpoint", "load_checkpoint", "save_hf", "weight_checksums")
-
-    def __init__(self, actors: list, has_reference: bool):
-        self.actors, self.has_reference = actors, has_reference
-
-    def __getattr__(self, method: str):
-        if method not in self.METHODS:
-            raise AttributeError(method)
-
-        def call(*args):
-            args = [ray.put(a) for a in args] if len(self.actors) > 1 else list(args)  # one copy for all ranks
-            return gather_ranks([a.call.remote(method, *args) for a in self.actors])[0]
-
-        return call
-
-
-def gather_ranks(refs: list) -> list:
-    """Every rank's result, in rank order; the first failure raises ComponentDied naming its rank."""
-    pending = list(refs)
-    while pending:
-        ready, pending = ray.wait(pending, num_returns=1)
-        rank = refs.index(ready[0])
-        try:
-            ray.get(ready[0])
-        except ray.exceptions.RayActorError as e:
-            raise _died(f"train worker rank {rank} (Ray actor TrainWorkerActor)", e) from e
-        except ray.exceptions.RayTaskError as e:
-            if len(refs) == 1:
-                raise  # the worker's own exception (Ray's error is also an instance of it)
-            raise ComponentDied(f"train worker rank {rank} of {len(refs)} failed (the other ranks are stopped):\n"
-                                f"{e}") from None
-    return ray.get(refs)
-
-
-class RemoteRewardPool:
-    """`RewardPool.compute` in the reward actor."""
-
-    def __init__(self, actor):
-        self.actor = actor
-
-    def compute(self, requests):
-        try:
-            return ray.get(self.actor.compute.remote(requests))
-        except ray.exceptions.RayActorError as e:
-            raise _died("reward workers (Ray actor RewardActor)", e) from e
-
-    def close(self) -> None:
-        try:
-            ray.get(self.actor.close.remote(), timeout=30)
-        except (ray.exceptions.RayError, TimeoutError) as e:  # already gone: nothing left to close
-            log.debug("reward actor close: %s", e)
-
-
-class RemoteEngine:
-    """A `RolloutEngine` whose engine lives in an actor."""
-
-    def __init__(self, actor):
-        self.actor = actor
-
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationOutput:
-        try:
-            return await self.actor.generate.remote(list(prompt_ids), params)
-        except ray.exceptions.RayActorError as e:
-            raise _died("rollout engine (Ray actor EngineActor)", e) from e
-
-    async def update_weights(self, buckets, version: int) -> None:
-        for bucket in buckets:
-            await self.actor.update_weights.remote([bucket], version)
-
-    async def pause(self) -> None:
-        await self.actor.call.remote("pause")
-
-    async def resume(self) -> None:
-        await self.actor.call.remote("resume")
-
-    async def flush_cache(self) -> None:
-        await self.actor.call.remote("flush_cache")
-
-    async def release_memory(self) -> None:
-        await self.actor.call.remote("release_memory")
-
-    async def resume_memory(self) -> None:
-        await self.actor.call.remote("resume_memory")
-
-    async def health(self) -> bool:
-        return await self.actor.call.remote("health")
-
-    async def weight_checksums(self) -> dict[str, str]:
-        return await self.actor.call.remote("weight_checksums")
-
-    async def close(self) -> None:
-        try:
-            await self.actor.call.remote("close")
-        except ray.exceptions.RayActorError as e:  # already gone: nothing left to close
-            log.debug("engine actor close: %s", e)
 
 
 class RayCluster:

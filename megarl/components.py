@@ -36,9 +36,9 @@ class Components:
     train_records: list[PromptRecord]
     val_records: list[PromptRecord]
     sampler: PromptSampler
-    engine: object  # a RolloutEngine: LocalEngine or cluster.RemoteEngine
-    worker: object  # a TrainWorker: TorchTrainWorker or cluster.RemoteTrainWorker
-    reward_pool: object  # RewardPool or cluster.RemoteRewardPool
+    engine: object  # a RolloutEngine: LocalEngine or remote.RemoteEngine, rollout.sglang.SGLangFleet
+    worker: object  # a TrainWorker: TorchTrainWorker or remote.RemoteTrainWorker
+    reward_pool: object  # RewardPool or remote.RemoteRewardPool
     searcher: object | None
     total_steps: int
     dropped_prompts: int
