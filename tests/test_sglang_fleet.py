@@ -193,3 +193,14 @@ def test_an_engine_past_its_restart_budget_stops_the_run(fleet_setup):
         generate_all(strict, PROMPTS[:1])
     asyncio.run(strict.close())
     ray.get(fleet.servers[0].actor.restart.remote(60))  # leave the shared fleet whole
+
+
+def test_a_dead_router_is_restarted_and_the_request_resent(fleet_setup):
+    fleet, model, _, _ = fleet_setup
+    pid = ray.get(fleet.router_actor.pid.remote())
+    os.killpg(pid, signal.SIGKILL)
+    ray.get(fleet.router_actor.alive.remote())  # the actor notices through its process handle
+    outs = generate_all(fleet, PROMPTS[:3])
+    assert_matches(model, PROMPTS[:3], outs)
+    assert fleet.metrics()["rollout/router_restarts"] == 1
+    assert ray.get(fleet.router_actor.pid.remote()) != pid

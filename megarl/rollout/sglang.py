@@ -208,6 +208,7 @@ class SGLangFleet:
         self.update_groups_stale = False  # a restarted engine left the weight-update groups
         self.failed_requests = 0  # requests re-sent after an engine failure (a metric)
         self.engine_nodes: list[str] = []  # node address of each engine (set by launch_fleet)
+        self.router_restarts = 0
         self._epoch = 0  # health passes so far; a request that failed before the latest one just retries
         self._locks: dict[int, asyncio.Lock] = {}
 
@@ -244,7 +245,22 @@ class SGLangFleet:
             if self._epoch != failed_in_epoch:
                 return
             await asyncio.gather(*[self._check(s) for s in self.servers])
+            if self.router_actor is not None:
+                await self._check_router()
             self._epoch += 1
+
+    async def _check_router(self) -> None:
+        """Restart the router if its process is gone (same address: the URL stays valid)."""
+        import ray
+
+        try:
+            if await self.router_actor.alive.remote():
+                return
+            log.warning("sglang-router at %s is gone: restarting it", self.router_url)
+            await self.router_actor.restart.remote(self.settings.startup_timeout_s)
+        except ray.exceptions.RayError as e:
+            raise ComponentDied(f"sglang-router at {self.router_url} could not be restarted: {e}") from e
+        self.router_restarts += 1
 
     async def _check(self, server: _ServerHandle) -> None:
         if await server.call("alive") and await server.client.health(self.settings.health_timeout_s):
@@ -357,6 +373,7 @@ class SGLangFleet:
 
     def metrics(self) -> dict[str, float]:
         return {"rollout/engine_restarts": float(sum(s.restarts for s in self.servers)),
+                "rollout/router_restarts": float(self.router_restarts),
                 "rollout/resent_requests": float(self.failed_requests)}
 
     async def close(self) -> None:
