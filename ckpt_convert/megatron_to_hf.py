@@ -8,7 +8,8 @@ megatron's), written in any TP / PP / DP layout. The HF config and tokenizer com
 --hf-config, else from the checkpoint's `hf_config/` (conversion outputs), else from the
 training run's config.yaml (model.path). Tensors are read one at a time (a layer weight one
 layer at a time) and written as safetensors shards of at most --max-shard-gb with an index,
-so memory stays near one shard. Main entry point: `convert`.
+one shard written while the next is read, so memory stays near two shards. Main entry point:
+`convert`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tqdm import tqdm
@@ -59,23 +61,34 @@ def convert(ckpt: str | Path, out: str | Path, hf_config: str | None = None, max
     pending, size, total, dtype = {}, 0, 0, None
     names = [n for r in all_rules(spec) for n in r.hf]
     bar = tqdm(total=len(names), desc="megatron -> HF", unit="tensor", disable=not progress)
+    # a shard is written on a thread while the next one is read: reading is mostly CPU
+    # (unpickling chunks), writing mostly disk, so the two overlap; at most two shards in memory
+    writer, writing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatron-to-hf"), None
 
     def flush():
-        nonlocal pending, size
+        nonlocal pending, size, writing
         if pending:
-            save_file(pending, str(out / f"part-{len(shards):05d}.safetensors"), metadata={"format": "pt"})
+            if writing is not None:
+                writing.result()  # the previous shard is on disk (and its error, if any, raised here)
+            writing = writer.submit(save_file, pending, str(out / f"part-{len(shards):05d}.safetensors"),
+                                    metadata={"format": "pt"})
             shards[-1] = list(pending)
             shards.append([])
             pending, size = {}, 0
 
-    for name, tensor in read_hf_tensors(dist, spec):
-        nbytes = tensor.numel() * tensor.element_size()
-        if pending and size + nbytes > max_shard_bytes:
-            flush()
-        pending[name], size, total, dtype = tensor.contiguous(), size + nbytes, total + nbytes, tensor.dtype
-        bar.update(1)
-    flush()
-    bar.close()
+    try:
+        for name, tensor in read_hf_tensors(dist, spec):
+            nbytes = tensor.numel() * tensor.element_size()
+            if pending and size + nbytes > max_shard_bytes:
+                flush()
+            pending[name], size, total, dtype = tensor.contiguous(), size + nbytes, total + nbytes, tensor.dtype
+            bar.update(1)
+        flush()
+        if writing is not None:
+            writing.result()
+    finally:
+        writer.shutdown(wait=True)
+        bar.close()
     count = len(shards) - 1
     weight_map = {}
     for i, tensor_names in enumerate(shards[:-1], start=1):
