@@ -305,6 +305,8 @@ class RayCluster:
         embedded engine, else by sync.transport (see megarl.transport)."""
         bucket_bytes = self.cfg.sync.bucket_mb << 20
         transport = self.cfg.sync_transport()
+        if self.fleet is not None and not self._engine_memory_released:
+            asyncio.run(self.fleet.check_engines())  # (colocated: checked before the memory was released)
         if self._engine_memory_released:  # colocated: weights back first, the KV cache after the sync
             asyncio.run(self.fleet.resume_memory(["weights"]))
         asyncio.run(self.engine.pause())
@@ -333,6 +335,7 @@ class RayCluster:
     def release_engine_memory(self) -> None:
         """Colocated engine servers free their GPU memory (weights and KV cache) for training."""
         if self.colocated and not self._engine_memory_released:
+            asyncio.run(self.fleet.check_engines())  # a health check needs the KV cache: before releasing it
             asyncio.run(self.fleet.release_memory())
             self._engine_memory_released = True
 

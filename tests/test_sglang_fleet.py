@@ -123,9 +123,8 @@ def test_a_killed_engine_is_restarted_and_its_requests_resent(fleet_setup, route
     pid, outs, busy = kill_during_generation(fleet, victim, prompts, seed0=500)
     assert [o.token_ids for o in outs] == [o.token_ids for o in expected]  # nothing lost, nothing changed
     assert_matches(model, prompts, outs)
-    if router:  # the router re-sent the dead engine's requests; the next sync's pause restarts it
-        asyncio.run(fleet.pause())
-        asyncio.run(fleet.resume())
+    if router:  # the router re-sent the dead engine's requests; the check before the next sync restarts it
+        asyncio.run(fleet.check_engines())
     else:  # the victim had requests in flight: they failed and were sent again
         assert busy > 0 and fleet.metrics()["rollout/resent_requests"] >= 1
     assert fleet.metrics()["rollout/engine_restarts"] == 1

@@ -290,12 +290,12 @@ class SGLangFleet:
 
     async def check_engines(self) -> None:
         """A health pass now, restarting dead engines: the router re-sends the requests of a
-        dead engine to the others by itself, so the fleet may not see the failure."""
+        dead engine to the others by itself, so the fleet may not see the failure. Run before
+        every weight sync (so a restarted engine gets the new weights too), while the engines
+        still hold their memory (a health check generates a token)."""
         await self._recover(self._epoch)
 
     async def pause(self) -> None:
-        """Before every weight sync: dead engines are restarted first, so they get the new weights too."""
-        await self.check_engines()
         await self._each("pause")
 
     async def resume(self) -> None:
