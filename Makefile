@@ -31,7 +31,8 @@ test: $(STAMP)
 
 # The MLflow UI in headless Chromium (installs Debian's chromium when missing, as root).
 test-ui: $(STAMP)
-	command -v chromium >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
+	command -v chromium >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium \
+		|| { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 	$(BIN)/python -m pytest tests/ui -m ui $(PYTEST_ARGS)
 
 # A one-node slurm cluster on this machine (installs Debian's slurm-wlm and munge when missing),
