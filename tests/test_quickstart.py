@@ -4,6 +4,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
 from mlflow.tracking import MlflowClient
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -59,11 +60,17 @@ def test_command_line(tmp_path, monkeypatch):
     import megarl.quickstart as qs
 
     seen = {}
-    monkeypatch.setattr(qs, "prepare", lambda out, force=False: seen.update(search=out, force=force))
+    monkeypatch.setattr(qs, "prepare", lambda out, settings, force=False: seen.update(search=out, force=force,
+                                                                                     settings=settings))
     monkeypatch.setattr(qs, "prepare_math", lambda out, force=False: seen.update(math=out))
     assert main(["prepare", str(tmp_path), "--force"]) == 0
     assert main(["prepare-math", str(tmp_path / "m")]) == 0
-    assert seen == {"search": str(tmp_path), "force": True, "math": str(tmp_path / "m")}
+    assert seen == {"search": str(tmp_path), "force": True, "math": str(tmp_path / "m"),
+                    "settings": qs.QuickstartSettings()}
+    assert main(["prepare", str(tmp_path), "--warmup-steps", "20"]) == 0  # a smoke model (the slurm test)
+    assert (seen["settings"].read_steps, seen["settings"].mix_steps) == (20, 20) and seen["force"] is False
+    with pytest.raises(SystemExit):
+        main(["prepare", str(tmp_path), "--warmup-steps", "0"])
 
 
 def test_math_quickstart_config_trains_on_prepared_inputs(tmp_path, monkeypatch):
