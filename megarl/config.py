@@ -462,6 +462,10 @@ class RunConfig:
             problems.add("rollout.mode", f"disaggregated engines need GPUs of their own, but the trainer takes all "
                          f"{c.nnodes * c.gpus_per_node}", "set actor.parallel.data_parallel_size lower, or "
                          "rollout.mode=colocated")
+        if r.mode == "colocated" and transport == "nccl":
+            problems.add("sync.transport", "nccl cannot join a trainer rank and the engine rank on the same GPU "
+                         "(rollout.mode=colocated puts engines on every train GPU; NCCL refuses two ranks on one "
+                         "device)", "use ipc (the colocated default) or disk")
         if r.mode == "disaggregated" and transport == "ipc":
             problems.add("sync.transport", "ipc needs the engines on the trainer's GPUs (rollout.mode=colocated)",
                          "use nccl or disk")

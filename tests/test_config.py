@@ -136,6 +136,8 @@ def test_out_of_range(override, bound):
      "rollout.tensor_parallel_size", "more than cluster.gpus_per_node=8"),
     (["rollout.engine=sglang", "cluster.gpus_per_node=8", "rollout.mode=disaggregated", "sync.transport=ipc"],
      "sync.transport", "colocated"),
+    (["rollout.engine=sglang", "cluster.gpus_per_node=8", "sync.transport=nccl"], "sync.transport",
+     "two ranks on one device"),
     (["agent.max_turns=2", "agent.max_turn_length=4096", "rollout.max_response_length=1024",
       "algorithm.overlong.buffer_len=256", "agent.retrieval.index_dir=idx"],
      "agent.max_turn_length", "exceeds rollout.max_response_length"),
