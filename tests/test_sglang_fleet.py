@@ -195,11 +195,13 @@ def test_an_engine_past_its_restart_budget_stops_the_run(fleet_setup):
 
 
 def test_a_dead_router_is_restarted_and_the_request_resent(fleet_setup):
-    fleet, model, _, _ = fleet_setup
+    fleet = fleet_setup[0]
+    before = generate_all(fleet, PROMPTS[:3])  # whatever weights the engines hold now (earlier tests load others)
     pid = ray.get(fleet.router_actor.pid.remote())
     os.killpg(pid, signal.SIGKILL)
-    ray.get(fleet.router_actor.alive.remote())  # the actor notices through its process handle
     outs = generate_all(fleet, PROMPTS[:3])
-    assert_matches(model, PROMPTS[:3], outs)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in before]
+    for out, earlier in zip(outs, before):  # batch composition moves the last float bits only
+        torch.testing.assert_close(torch.tensor(out.log_probs), torch.tensor(earlier.log_probs), atol=1e-5, rtol=0)
     assert fleet.metrics()["rollout/router_restarts"] == 1
     assert ray.get(fleet.router_actor.pid.remote()) != pid
