@@ -214,6 +214,11 @@ class TrainWorkerConfig:
     ppo_micro_batch_size: int = param(4, "Samples per forward/backward pass (gradient accumulation unit).", gt=0)
     ppo_epochs: int = param(1, "Passes over each training batch.", gt=0)
     max_tokens_per_gpu: int | None = param(None, "Token budget of a dynamic micro-batch; None = fixed micro-batch size.", gt=0)
+    pack_sequences: bool | None = param(
+        None, "Pack a micro-batch's sequences end to end, no compute on padding (megatron; max_tokens_per_gpu then "
+        "counts real tokens): None = where the attention has a packed path (Transformer Engine's THD); true = also "
+        "on megatron's local layers, through a block-diagonal mask (tokens^2 memory: CPU and small runs); "
+        "false = padded rows.")
     gradient_checkpointing: bool = param(False, "Recompute activations in backward to save memory.")
     transformer_impl: Literal["transformer_engine", "local"] = param("transformer_engine", "megatron layer implementation.")
     fp8: Literal["hybrid", "e4m3"] | None = param(None, "Transformer Engine FP8 format; None = off.")

@@ -6,7 +6,8 @@ import torch
 
 
 def logprobs_and_export(hf_dir: str, layout_kw: dict, batch, micro_batch_size: int, dtype: str = "float32",
-                        max_tokens: int | None = None, impl: str = "local", fp8: dict | None = None):
+                        max_tokens: int | None = None, impl: str = "local", fp8: dict | None = None,
+                        packing: str | None = None):
     """On this rank: build the layout, load the HF checkpoint, compute log-probs and entropy
     of `batch`, and export the HF tensors. Returns (log_probs, entropy, {name: tensor} of
     this stage when TP rank 0 else {})."""
@@ -20,17 +21,17 @@ def logprobs_and_export(hf_dir: str, layout_kw: dict, batch, micro_batch_size: i
     layout = Layout(**layout_kw)
     layout.check(spec, torch.distributed.get_world_size())
     initialize(layout, seed=0)
-    chunks = build_model(spec, layout, dtype=dtype, impl=impl, fp8=fp8)
+    chunks = build_model(spec, layout, dtype=dtype, impl=impl, fp8=fp8, explicit_mask=packing == "mask")
     load_hf_weights(chunks, spec, hf_dir)
     log_probs, entropy = forward_log_probs(chunks, spec.vocab_size, batch, micro_batch_size=micro_batch_size,
-                                           max_tokens=max_tokens, with_entropy=True)
+                                           max_tokens=max_tokens, packing=packing, with_entropy=True)
     exported = dict(export_hf_tensors(chunks, spec))
     keep = parallel_state.get_tensor_model_parallel_rank() == 0
     return log_probs, entropy, (exported if keep else {})
 
 
 def actor_step(hf_dir: str, layout_kw: dict, batch, micro_batch_size: int, algo, optim, max_tokens=None,
-               recompute=None):
+               recompute=None, packing=None):
     """One megatron optimizer step on `batch` (each DP rank takes its contiguous share of the
     rows); returns this stage's updated HF tensors (on TP rank 0 of DP rank 0) and the metrics."""
     from megatron.core import parallel_state
@@ -43,15 +44,15 @@ def actor_step(hf_dir: str, layout_kw: dict, batch, micro_batch_size: int, algo,
     spec = ModelSpec.from_hf(hf_dir)
     layout = Layout(**layout_kw)
     initialize(layout, seed=0)
-    chunks = build_model(spec, layout, recompute=recompute)
+    chunks = build_model(spec, layout, recompute=recompute, explicit_mask=packing == "mask")
     load_hf_weights(chunks, spec, hf_dir)
     model, optimizer = wrap_for_training(chunks, optim)
     dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     rows = len(batch) // dp
     counts = {"num_tokens": int(batch.loss_mask.sum()), "num_seqs": len(batch), "norm_length": None}
     metrics = actor_step(model, optimizer, spec.vocab_size, batch.select(slice(dp_rank * rows, (dp_rank + 1) * rows)),
-                             micro_batch_size=micro_batch_size, max_tokens=max_tokens, algo=algo, counts=counts, lr=optim.lr,
-                             weight_decay=optim.weight_decay)
+                             micro_batch_size=micro_batch_size, max_tokens=max_tokens, packing=packing, algo=algo,
+                             counts=counts, lr=optim.lr, weight_decay=optim.weight_decay)
     exported = dict(export_hf_tensors(chunks, spec))
     keep = parallel_state.get_tensor_model_parallel_rank() == 0 and dp_rank == 0
     return (exported if keep else {}), metrics

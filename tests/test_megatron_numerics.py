@@ -27,13 +27,16 @@ def a_batch(vocab: int, seed: int = 0) -> TrainBatch:
 
 # max_tokens: dynamic micro-batches by a token budget; with the batch below (rows of 14, 7,
 # 19 and 5 tokens) a budget of 24 gives micro-batches of rows [2], [0], [1, 3] and shapes
-# (1, 19), (1, 14), (2, 7): different shapes through the pipeline
-@pytest.mark.parametrize("family, tied, layout, max_tokens", [
-    ("qwen2", True, "tp1", None), ("qwen2", False, "tp2", None), ("llama", False, "pp2", 24),
-    ("qwen3", True, "tp2pp2", 32), ("qwen3", False, "tp2", None), ("llama", True, "tp2pp2", None),
-    ("qwen2", True, "pp2vpp2", None),
+# (1, 19), (1, 14), (2, 7): different shapes through the pipeline. Packed ("mask": megatron's
+# local layers with a block-diagonal mask) the same budget counts real tokens: rows [2, 3]
+# (24 tokens) and [0, 1] (21, a 22-token row at TP=2 with a one-token padding segment)
+@pytest.mark.parametrize("family, tied, layout, max_tokens, packing", [
+    ("qwen2", True, "tp1", None, None), ("qwen2", False, "tp2", None, None), ("llama", False, "pp2", 24, None),
+    ("qwen3", True, "tp2pp2", 32, None), ("qwen3", False, "tp2", None, None), ("llama", True, "tp2pp2", None, None),
+    ("qwen2", True, "pp2vpp2", None, None),
+    ("qwen2", False, "tp1", None, "mask"), ("llama", True, "tp2", 24, "mask"), ("qwen3", False, "tp2pp2", 24, "mask"),
 ])
-def test_log_probs_match_hf_and_export_is_exact(tmp_path, family, tied, layout, max_tokens):
+def test_log_probs_match_hf_and_export_is_exact(tmp_path, family, tied, layout, max_tokens, packing):
     model = tiny_hf_model(family, tie_word_embeddings=tied)
     model.save_pretrained(tmp_path)
     batch = a_batch(model.config.vocab_size)
@@ -41,7 +44,8 @@ def test_log_probs_match_hf_and_export_is_exact(tmp_path, family, tied, layout, 
         want_lp, want_ent = token_log_probs(model, batch.input_ids, batch.attention_mask, with_entropy=True)
     kw = LAYOUTS[layout]
     world = kw.get("tp", 1) * kw.get("pp", 1)
-    results = run_distributed(world, logprobs_and_export, str(tmp_path), kw, batch, 2, "float32", max_tokens)
+    results = run_distributed(world, logprobs_and_export, str(tmp_path), kw, batch, 2, "float32", max_tokens, "local",
+                              None, packing)
     real = batch.attention_mask.bool().clone()
     real[:, 0] = False
     exported = {}
@@ -55,10 +59,11 @@ def test_log_probs_match_hf_and_export_is_exact(tmp_path, family, tied, layout, 
         assert torch.equal(exported[name], tensor), name
 
 
-@pytest.mark.parametrize("family, tied, layout, max_tokens, recompute", [
-    ("qwen2", False, dict(tp=2), None, None), ("llama", True, dict(pp=2), 24, None),
-    ("qwen3", False, dict(tp=1, world=2), None, "full")])  # DP=2 with full activation recomputation
-def test_one_optimizer_step_equals_the_torch_backend(tmp_path, family, tied, layout, max_tokens, recompute):
+@pytest.mark.parametrize("family, tied, layout, max_tokens, recompute, packing", [
+    ("qwen2", False, dict(tp=2), None, None, None), ("llama", True, dict(pp=2), 24, None, None),
+    ("qwen3", False, dict(tp=1, world=2), None, "full", None),  # DP=2 with full activation recomputation
+    ("qwen2", True, dict(tp=2), 24, None, "mask")])  # packed micro-batches
+def test_one_optimizer_step_equals_the_torch_backend(tmp_path, family, tied, layout, max_tokens, recompute, packing):
     from megarl.backends.torch.actor import TorchActor
     from megarl.config import AlgorithmConfig, OptimConfig
     from megatron_cases import actor_step
@@ -78,7 +83,8 @@ def test_one_optimizer_step_equals_the_torch_backend(tmp_path, family, tied, lay
     # the gradient error)
     optim = OptimConfig(lr=1e-3, eps=1e-3, lr_warmup_steps=0, weight_decay=0.1, grad_clip=1.0)
     world = layout.pop("world", layout.get("tp", 1) * layout.get("pp", 1))
-    results = run_distributed(world, actor_step, str(tmp_path), layout, batch, 1, algo, optim, max_tokens, recompute)
+    results = run_distributed(world, actor_step, str(tmp_path), layout, batch, 1, algo, optim, max_tokens, recompute,
+                              packing)
 
     actor = TorchActor(model, algo, optim, mini_batch_samples=len(batch), micro_batch_samples=2)
     want = actor.update_actor(batch)

@@ -16,16 +16,56 @@ from tiny_models import tiny_hf_model
 pytest.importorskip("megatron.core")
 
 
-@pytest.mark.parametrize("lengths, size, budget, multiple, want", [
-    ([5, 3, 8, 2], 2, None, 1, [[0, 1], [2, 3]]),  # fixed: consecutive rows
-    ([5, 3, 8], 2, None, 1, [[0, 1], [2]]),  # the last micro-batch is short
-    ([14, 7, 19, 5], 1, 24, 1, [[2], [0], [1, 3]]),  # longest first; 2 x 14 > 24; 2 x 7 <= 24
-    ([4, 4, 4, 4, 4], 1, 12, 1, [[0, 1, 2], [3, 4]]),  # 3 x 4 fits 12
-    ([5, 5, 5], 1, 12, 4, [[0], [1], [2]]),  # rounded up to 8: 2 x 8 > 12
-    ([30, 2], 1, 10, 1, [[0], [1]]),  # a row over the budget travels alone
+@pytest.mark.parametrize("lengths, size, budget, multiple, packed, want", [
+    ([5, 3, 8, 2], 2, None, 1, False, [[0, 1], [2, 3]]),  # fixed: consecutive rows
+    ([5, 3, 8], 2, None, 1, False, [[0, 1], [2]]),  # the last micro-batch is short
+    ([5, 3, 8], 2, None, 1, True, [[0, 1], [2]]),  # packed too
+    ([14, 7, 19, 5], 1, 24, 1, False, [[2], [0], [1, 3]]),  # longest first; 2 x 14 > 24; 2 x 7 <= 24
+    ([4, 4, 4, 4, 4], 1, 12, 1, False, [[0, 1, 2], [3, 4]]),  # 3 x 4 fits 12
+    ([5, 5, 5], 1, 12, 4, False, [[0], [1], [2]]),  # rounded up to 8: 2 x 8 > 12
+    ([30, 2], 1, 10, 1, False, [[0], [1]]),  # a row over the budget travels alone
+    # packed, real tokens counted, first fit: 19 | 14 (33 > 24) | 7 joins 14 (21; 26 > 24 with 19) | 5 joins 19 (24)
+    ([14, 7, 19, 5], 1, 24, 1, True, [[2, 3], [0, 1]]),
+    ([5, 5, 5], 1, 12, 1, True, [[0, 1], [2]]),  # 10 <= 12
+    ([5, 5, 5], 1, 12, 8, True, [[0], [1], [2]]),  # 10 rounds up to 16 > 12
+    ([30, 2], 1, 10, 1, True, [[0], [1]]),
 ])
-def test_plan_micro_batches(lengths, size, budget, multiple, want):
-    assert plan_micro_batches(lengths, micro_batch_size=size, max_tokens=budget, multiple=multiple) == want
+def test_plan_micro_batches(lengths, size, budget, multiple, packed, want):
+    assert plan_micro_batches(lengths, micro_batch_size=size, max_tokens=budget, multiple=multiple,
+                              packed=packed) == want
+
+
+def test_packed_micro_batch_layout_by_hand():
+    """Rows of 3 and 2 tokens packed at TP=2: [a0 a1 a2 b0 b1 pad], boundaries 0, 3, 5, 6."""
+    from megarl.backends.batch import TrainBatch
+    from megarl.backends.megatron.forward import block_causal_mask, make_micro_batches
+
+    batch = TrainBatch.from_sequences([[11, 12], [21]], [[13], [22]], [[1], [1]])
+    (micro,) = make_micro_batches(batch, [[0, 1]], multiple=2, packing="mask")
+    assert micro.input_ids.tolist() == [[11, 12, 13, 21, 22, 0]]
+    assert micro.position_ids.tolist() == [[0, 1, 2, 0, 1, 0]]
+    assert micro.targets.tolist() == [[12, 13, 0, 22, 0, 0]]
+    assert micro.cu_seqlens.tolist() == [0, 3, 5, 6]
+    allowed = ~block_causal_mask(micro.cu_seqlens)[0, 0]
+    assert allowed.int().tolist() == [[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0],
+                                      [0, 0, 0, 1, 0, 0], [0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 0, 1]]
+    # output at each position -> token layout: entry t is the output at token t - 1
+    per_position = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]])
+    assert micro.by_token(per_position).tolist() == [[0.0, 1.0, 2.0], [0.0, 4.0, 0.0]]
+    (padded,) = make_micro_batches(batch, [[0, 1]], multiple=2, packing=None)
+    assert padded.input_ids.tolist() == [[11, 12, 13, 0], [21, 22, 0, 0]]
+    assert padded.targets.tolist() == [[12, 13, 0, 0], [22, 0, 0, 0]]
+    assert padded.by_token(torch.tensor([[1.0, 2.0, 3.0, 0.0], [4.0, 5.0, 0.0, 0.0]])).tolist() == \
+        [[0.0, 1.0, 2.0], [0.0, 4.0, 5.0]]  # (padding beyond a row is masked by the callers)
+
+
+@pytest.mark.parametrize("pack_sequences, impl, want", [
+    (None, "transformer_engine", "thd"), (None, "local", None), (True, "local", "mask"),
+    (True, "transformer_engine", "thd"), (False, "transformer_engine", None), (False, "local", None)])
+def test_packing_follows_the_attention(pack_sequences, impl, want):
+    from megarl.backends.megatron.forward import packing_for
+
+    assert packing_for(pack_sequences, impl) == want
 
 
 def returns_batch(vocab: int):
@@ -38,6 +78,8 @@ def returns_batch(vocab: int):
 @pytest.mark.parametrize("family, tied, parallel", [
     ("qwen2", False, ["actor.parallel.tensor_model_parallel_size=2"]),
     ("llama", True, ["actor.parallel.pipeline_model_parallel_size=2"]),
+    ("qwen3", False, ["actor.parallel.tensor_model_parallel_size=2", "actor.pack_sequences=true",
+                      "actor.max_tokens_per_gpu=24"]),  # packed micro-batches
 ])
 def test_critic_update_equals_the_torch_backend(tmp_path, family, tied, parallel):
     from megarl.backends.torch.critic import TorchCritic

@@ -81,7 +81,7 @@ def bench_torch(model_dir: str, ids: torch.Tensor, dtype, device, iters: int) ->
 
 def bench_megatron(model_dir: str, ids: torch.Tensor, dtype_name: str, device, iters: int) -> tuple[float, str]:
     from megarl.backends.batch import TrainBatch
-    from megarl.backends.megatron.forward import make_micro_batches, run_schedule, shift_right
+    from megarl.backends.megatron.forward import make_micro_batches, run_schedule
     from megarl.backends.megatron.logprobs import vocab_parallel_log_probs
     from megarl.backends.megatron.model import Layout, build_model, initialize, load_hf_weights, resolve_impl
     from megarl.models import ModelSpec
@@ -99,8 +99,8 @@ def bench_megatron(model_dir: str, ids: torch.Tensor, dtype_name: str, device, i
     micros = make_micro_batches(batch, [list(range(len(rows)))], 1)
 
     def head(output, micro):
-        lp, _ = vocab_parallel_log_probs(output[:, :-1], micro.input_ids.to(output.device)[:, 1:], spec.vocab_size)
-        lp = shift_right(lp, micro.width)
+        lp, _ = vocab_parallel_log_probs(output, micro.targets.to(output.device), spec.vocab_size)
+        lp = micro.by_token(lp)
         return -lp.sum() / lp.numel(), {}
 
     def step():

@@ -11,44 +11,45 @@ import torch
 
 from megarl.backends.batch import TrainBatch
 from megarl.backends.loss import actor_loss
-from megarl.backends.megatron.forward import forward_per_token, shift_right, split_batch
+from megarl.backends.megatron.forward import MicroBatch, forward_per_token, split_batch
 from megarl.backends.megatron.logprobs import vocab_parallel_log_probs
 from megarl.backends.megatron.step import loss_scale, optimizer_step
 from megarl.config import AlgorithmConfig
 
 
-def _token_log_probs(output: torch.Tensor, input_ids: torch.Tensor, width: int, vocab_size: int, temperature: float,
+def _token_log_probs(output: torch.Tensor, micro: MicroBatch, vocab_size: int, temperature: float,
                      with_entropy: bool):
-    ids = input_ids.to(output.device)
-    lp, ent = vocab_parallel_log_probs(output[:, :-1], ids[:, 1:], vocab_size, temperature=temperature,
+    lp, ent = vocab_parallel_log_probs(output, micro.targets.to(output.device), vocab_size, temperature=temperature,
                                        with_entropy=with_entropy)
-    return shift_right(lp, width), (shift_right(ent, width) if with_entropy else None)
+    return micro.by_token(lp), (micro.by_token(ent) if with_entropy else None)
 
 
 def forward_log_probs(chunks: list[torch.nn.Module], vocab_size: int, batch: TrainBatch, *, micro_batch_size: int,
-                      max_tokens: int | None = None, temperature: float = 1.0, with_entropy: bool = False):
+                      max_tokens: int | None = None, packing: str | None = None, temperature: float = 1.0,
+                      with_entropy: bool = False):
     """(log_probs, entropy or None), each (B, L) as the torch backend's `token_log_probs`:
     entry t is for token t given tokens < t, entry 0 is 0."""
     names = ("log_probs", "entropy") if with_entropy else ("log_probs",)
 
     def per_token(output, micro):
-        lp, ent = _token_log_probs(output, micro.input_ids, micro.width, vocab_size, temperature, with_entropy)
+        lp, ent = _token_log_probs(output, micro, vocab_size, temperature, with_entropy)
         return {"log_probs": lp, "entropy": ent} if with_entropy else {"log_probs": lp}
 
-    out = forward_per_token(chunks, batch, per_token, names, micro_batch_size=micro_batch_size, max_tokens=max_tokens)
+    out = forward_per_token(chunks, batch, per_token, names, micro_batch_size=micro_batch_size, max_tokens=max_tokens,
+                            packing=packing)
     return out["log_probs"], out.get("entropy")
 
 
 def actor_step(model: list[torch.nn.Module], optimizer, vocab_size: int, mini: TrainBatch, *, micro_batch_size: int,
-               max_tokens: int | None = None, algo: AlgorithmConfig, counts: dict, lr: float, weight_decay: float,
-               temperature: float = 1.0) -> dict[str, float]:
+               max_tokens: int | None = None, packing: str | None = None, algo: AlgorithmConfig, counts: dict,
+               lr: float, weight_decay: float, temperature: float = 1.0) -> dict[str, float]:
     """One optimizer step on `mini` (this DP rank's rows); `counts` (num_tokens, num_seqs,
     norm_length) are those of the whole mini-batch over all DP ranks."""
-    micros = split_batch(mini, micro_batch_size=micro_batch_size, max_tokens=max_tokens)
+    micros = split_batch(mini, micro_batch_size=micro_batch_size, max_tokens=max_tokens, packing=packing)
     scale = loss_scale(len(micros))
 
     def head(output, micro):
-        lp, ent = _token_log_probs(output, micro.input_ids, micro.width, vocab_size, temperature, True)
+        lp, ent = _token_log_probs(output, micro, vocab_size, temperature, True)
         loss, metrics = actor_loss(lp, ent, micro.data, algo, counts)
         return loss * scale, metrics
 

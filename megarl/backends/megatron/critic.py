@@ -14,7 +14,7 @@ import torch
 
 from megarl.algo import value_loss
 from megarl.backends.batch import TrainBatch
-from megarl.backends.megatron.forward import forward_per_token, shift_right, split_batch
+from megarl.backends.megatron.forward import forward_per_token, split_batch
 from megarl.backends.megatron.step import loss_scale, optimizer_step
 
 VALUE_HEAD = ("output_layer.weight", "output_layer.bias")
@@ -56,25 +56,25 @@ def build_critic(spec, layout, **build_kw) -> list[torch.nn.Module]:
 
 
 def forward_values(chunks: list[torch.nn.Module], batch: TrainBatch, *, micro_batch_size: int,
-                   max_tokens: int | None = None) -> torch.Tensor:
+                   max_tokens: int | None = None, packing: str | None = None) -> torch.Tensor:
     """(B, L) values, entry 0 and padding zero."""
     def per_token(output, micro):
-        return {"values": shift_right(output[:, :-1, 0].float(), micro.width)}
+        return {"values": micro.by_token(output[..., 0].float())}
 
     return forward_per_token(chunks, batch, per_token, ("values",), micro_batch_size=micro_batch_size,
-                             max_tokens=max_tokens)["values"]
+                             max_tokens=max_tokens, packing=packing)["values"]
 
 
 def critic_step(model: list[torch.nn.Module], optimizer, mini: TrainBatch, *, micro_batch_size: int,
-                max_tokens: int | None = None, cliprange_value: float, loss_agg_mode: str, counts: dict, lr: float,
+                max_tokens: int | None = None, packing: str | None = None, cliprange_value: float, loss_agg_mode: str, counts: dict, lr: float,
                 weight_decay: float) -> dict[str, float]:
     """One optimizer step of the clipped value loss towards mini.returns around mini.values."""
-    micros = split_batch(mini, micro_batch_size=micro_batch_size, max_tokens=max_tokens)
+    micros = split_batch(mini, micro_batch_size=micro_batch_size, max_tokens=max_tokens, packing=packing)
     scale = loss_scale(len(micros))
 
     def head(output, micro):
         d = micro.data
-        values = shift_right(output[:, :-1, 0].float(), micro.width)
+        values = micro.by_token(output[..., 0].float())
         loss, metrics = value_loss(values, d.values.to(values.device), d.returns.to(values.device),
                                    d.loss_mask.to(values.device), cliprange_value, loss_agg_mode, **counts)
         return loss * scale, metrics

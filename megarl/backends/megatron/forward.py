@@ -2,13 +2,22 @@
 
 Rows of a `TrainBatch` are grouped into micro-batches either by a fixed number of rows or,
 with a token budget (`max_tokens`), dynamically: rows sorted by length, each micro-batch as
-many rows as fit in the budget (rows x padded length). Every micro-batch is cut to its own
-longest row, rounded up to a multiple of TP so sequence parallelism can split it, so short
-rows are not padded to the longest row of the whole batch (the padded fallback of packing:
-right padding and causal attention, so real tokens never see padding). With pipeline
-parallelism and micro-batches of different shapes, megatron exchanges each activation's
-shape before it (`variable_seq_lengths`).
+many rows as fit in the budget. A micro-batch reaches the model in one of two forms:
 
+- padded (the fallback): rows x width, cut to the micro-batch's own longest row (rounded up
+  to a multiple of TP so sequence parallelism can split it), right padding and causal
+  attention, so real tokens never see padding; the budget counts rows x width.
+- packed (`packing`): the rows' real tokens end to end in one row of `total` tokens (rounded
+  up to the TP multiple with a padding segment), sequence boundaries in `cu_seqlens`, so no
+  compute is spent on padding and the budget counts real tokens. "thd" hands the boundaries
+  to Transformer Engine's attention (megatron's THD format: positions restart per sequence);
+  "mask" is for megatron's local layers, which have no THD path: one block-diagonal causal
+  mask keeps each sequence to itself (a total x total mask, for CPU and small runs; rotary
+  position embeddings depend only on the distance between two tokens of one sequence, so
+  the continuing positions give the padded form's results).
+
+Per-position outputs (the quantity of the next token given the tokens so far) go back to
+the batch's (rows, width) token layout with `MicroBatch.by_token`, the same for both forms.
 Per-token results (log-probs, entropy, values) live on the last pipeline stage and are
 broadcast to every rank of the pipeline group, so any rank can answer for the worker.
 Main entry points: `plan_micro_batches`, `split_batch`, `run_schedule`, `forward_per_token`.
@@ -23,25 +32,50 @@ import torch
 
 from megarl.backends.batch import TrainBatch
 
+PACKING = (None, "thd", "mask")
+
+
+def packing_for(pack_sequences: bool | None, impl: str) -> str | None:
+    """The packing of a worker (`pack_sequences` None: wherever the attention has a packed
+    path of its own, i.e. Transformer Engine's THD; True: also on megatron's local layers,
+    through a mask; False: never)."""
+    if pack_sequences is False:
+        return None
+    if impl == "transformer_engine":
+        return "thd"
+    return "mask" if pack_sequences else None
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
 
 def plan_micro_batches(lengths: list[int], *, micro_batch_size: int, max_tokens: int | None = None,
-                       multiple: int = 1) -> list[list[int]]:
+                       multiple: int = 1, packed: bool = False) -> list[list[int]]:
     """Row indices of each micro-batch. Without `max_tokens`: consecutive groups of
-    `micro_batch_size` rows. With it: rows sorted by length (longest first), each group grown
-    while rows x (its longest row rounded up to `multiple`) stays within `max_tokens`; a row
-    longer than the budget travels alone."""
+    `micro_batch_size` rows. With it: rows sorted by length (longest first), each placed in
+    the first micro-batch it fits (padded: rows x its longest row rounded up to `multiple`;
+    packed: the sum of the rows' lengths rounded up to `multiple`) within `max_tokens`; a
+    row longer than the budget travels alone."""
     if not max_tokens:
         return [list(range(i, min(i + micro_batch_size, len(lengths)))) for i in range(0, len(lengths), micro_batch_size)]
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     groups: list[list[int]] = []
+    used: list[int] = []  # packed: the real tokens of each group
     for i in order:
-        if groups:
-            group = groups[-1]
-            width = -(-max(lengths[group[0]], 1) // multiple) * multiple  # sorted: the first row is the longest
-            if (len(group) + 1) * width <= max_tokens:
+        n = max(lengths[i], 1)
+        for g, group in enumerate(groups):
+            if packed:
+                fits = round_up(used[g] + n, multiple) <= max_tokens
+            else:  # sorted: the group's first row is its longest
+                fits = (len(group) + 1) * round_up(max(lengths[group[0]], 1), multiple) <= max_tokens
+            if fits:
                 group.append(i)
-                continue
-        groups.append([i])
+                used[g] += n
+                break
+        else:
+            groups.append([i])
+            used.append(n)
     return groups
 
 
@@ -49,36 +83,100 @@ def plan_micro_batches(lengths: list[int], *, micro_batch_size: int, max_tokens:
 class MicroBatch:
     rows: list[int]  # rows of the source batch, in this micro-batch's order
     data: TrainBatch  # those rows, columns cut to `width`
-    input_ids: torch.Tensor  # (rows, padded): width rounded up to the TP multiple
-    position_ids: torch.Tensor
+    input_ids: torch.Tensor  # what the model reads: (rows, padded width), or packed (1, total)
+    position_ids: torch.Tensor  # as input_ids; packed: restarting at every sequence
+    targets: torch.Tensor  # as input_ids: the token after each position (0 where there is none)
+    packing: str | None = None
+    cu_seqlens: torch.Tensor | None = None  # packed: (sequences + 1,) int32 starts in input_ids, then the end
 
     @property
     def width(self) -> int:
         return self.data.input_ids.shape[1]
 
+    def by_token(self, per_position: torch.Tensor) -> torch.Tensor:
+        """(rows, width) entry t = the model's output at the position of token t - 1 (the
+        quantity of token t given tokens < t) from `per_position` shaped as input_ids (plus
+        trailing dimensions); entry 0, and entries past a row's end, are 0. Differentiable."""
+        if self.cu_seqlens is None:
+            zero = per_position.new_zeros((per_position.shape[0], 1, *per_position.shape[2:]))
+            return torch.cat([zero, per_position[:, :-1]], 1)[:, : self.width]
+        starts = self.cu_seqlens[: len(self.rows)].to(per_position.device, torch.long)
+        t = torch.arange(self.width, device=per_position.device)
+        lengths = self.data.attention_mask.sum(1).to(per_position.device)
+        keep = (t > 0) & (t < lengths[:, None])
+        index = (starts[:, None] + t - 1).clamp(0, per_position.shape[1] - 1)
+        picked = per_position[0][index]
+        keep = keep.reshape(*keep.shape, *([1] * (picked.dim() - 2)))
+        return torch.where(keep, picked, torch.zeros((), dtype=picked.dtype, device=picked.device))
 
-def make_micro_batches(batch: TrainBatch, plan: list[list[int]], multiple: int) -> list[MicroBatch]:
+    def model_inputs(self, device) -> dict:
+        """GPTModel.forward's keyword arguments for this micro-batch."""
+        kw = {"input_ids": self.input_ids.to(device), "position_ids": self.position_ids.to(device),
+              "attention_mask": None}
+        if self.packing == "mask":
+            kw["attention_mask"] = block_causal_mask(self.cu_seqlens).to(device)
+        elif self.packing == "thd":
+            from megatron.core.packed_seq_params import PackedSeqParams
+
+            cu = self.cu_seqlens.to(device)
+            longest = int((self.cu_seqlens[1:] - self.cu_seqlens[:-1]).max())
+            kw["packed_seq_params"] = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                                      max_seqlen_q=longest, max_seqlen_kv=longest)
+        return kw
+
+
+def block_causal_mask(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """(1, 1, total, total) bool, True where attention is masked out: a query sees only
+    keys of its own sequence at or before it (megatron's local attention mask convention)."""
+    total = int(cu_seqlens[-1])
+    segment = torch.repeat_interleave(torch.arange(len(cu_seqlens) - 1), (cu_seqlens[1:] - cu_seqlens[:-1]).long())
+    position = torch.arange(total)
+    allowed = (segment[:, None] == segment[None, :]) & (position[None, :] <= position[:, None])
+    return (~allowed)[None, None]
+
+
+def next_tokens(ids: torch.Tensor) -> torch.Tensor:
+    """ids shifted left by one along the last dimension, 0 at the end."""
+    return torch.nn.functional.pad(ids[..., 1:], (0, 1))
+
+
+def make_micro_batches(batch: TrainBatch, plan: list[list[int]], multiple: int,
+                       packing: str | None = None) -> list[MicroBatch]:
+    if packing not in PACKING:
+        raise ValueError(f"packing {packing!r}: use one of {PACKING}")
     lengths = batch.attention_mask.sum(1)
     out = []
     for rows in plan:
         index = torch.tensor(rows, dtype=torch.long)
         width = max(int(lengths[index].max()), 1)
-        data = batch.select(index)
-        data = data.cut(width)
-        padded = -(-width // multiple) * multiple
-        ids = torch.nn.functional.pad(data.input_ids, (0, padded - width))
-        out.append(MicroBatch(rows, data, ids, torch.arange(padded).expand_as(ids)))
+        data = batch.select(index).cut(width)
+        if packing is None:
+            ids = torch.nn.functional.pad(data.input_ids, (0, round_up(width, multiple) - width))
+            out.append(MicroBatch(rows, data, ids, torch.arange(ids.shape[1]).expand_as(ids), next_tokens(ids)))
+            continue
+        row_lengths = [max(int(n), 1) for n in lengths[index]]
+        sequences = [data.input_ids[r, :n] for r, n in enumerate(row_lengths)]
+        real = sum(row_lengths)
+        total = round_up(real, multiple)
+        if total > real:  # a padding segment of its own, so the last sequence never sees it
+            sequences.append(data.input_ids.new_zeros(total - real))
+        bounds = torch.tensor([0] + [len(s) for s in sequences]).cumsum(0).to(torch.int32)
+        ids = torch.cat(sequences)[None]
+        positions = torch.cat([torch.arange(len(s)) for s in sequences])[None]
+        targets = torch.cat([next_tokens(s) for s in sequences])[None]
+        out.append(MicroBatch(rows, data, ids, positions, targets, packing, bounds))
     return out
 
 
-def split_batch(batch: TrainBatch, *, micro_batch_size: int, max_tokens: int | None = None) -> list[MicroBatch]:
-    """`batch` as micro-batches for this rank's layout (widths a multiple of TP)."""
+def split_batch(batch: TrainBatch, *, micro_batch_size: int, max_tokens: int | None = None,
+                packing: str | None = None) -> list[MicroBatch]:
+    """`batch` as micro-batches for this rank's layout (sizes a multiple of TP)."""
     from megatron.core import parallel_state
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     plan = plan_micro_batches(batch.attention_mask.sum(1).tolist(), micro_batch_size=micro_batch_size,
-                              max_tokens=max_tokens, multiple=tp)
-    return make_micro_batches(batch, plan, tp)
+                              max_tokens=max_tokens, multiple=tp, packed=packing is not None)
+    return make_micro_batches(batch, plan, tp, packing)
 
 
 # head(output of the last stage, micro-batch) -> (loss, dict of results); called on the last stage only
@@ -98,7 +196,7 @@ def run_schedule(chunks: list[torch.nn.Module], micros: list[MicroBatch], head: 
 
     def step(data_iterator, model):
         micro = next(data_iterator)
-        output = model(micro.input_ids.to(device), micro.position_ids.to(device), attention_mask=None)
+        output = model(**micro.model_inputs(device))
         return output, lambda output_tensor: head(output_tensor, micro)
 
     shapes = {tuple(m.input_ids.shape) for m in micros}
@@ -112,13 +210,14 @@ def run_schedule(chunks: list[torch.nn.Module], micros: list[MicroBatch], head: 
 
 
 def forward_per_token(chunks: list[torch.nn.Module], batch: TrainBatch, per_token: Callable, names: tuple[str, ...], *,
-                      micro_batch_size: int, max_tokens: int | None = None) -> dict[str, torch.Tensor]:
+                      micro_batch_size: int, max_tokens: int | None = None,
+                      packing: str | None = None) -> dict[str, torch.Tensor]:
     """{name: (B, L) tensor} on every rank of the pipeline group, without gradients.
-    per_token(output_tensor, micro) -> {name: (rows, width) tensor}, entry t for token t;
-    entries outside the real tokens and at t = 0 (no context) are zeroed."""
+    per_token(output_tensor, micro) -> {name: (rows, width) tensor}, entry t for token t
+    (see MicroBatch.by_token); entries outside the real tokens and at t = 0 (no context) are zeroed."""
     from megatron.core import parallel_state
 
-    micros = split_batch(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens)
+    micros = split_batch(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens, packing=packing)
     device = next(chunks[0].parameters()).device
 
     def collect(output_tensor, micro):
@@ -138,13 +237,6 @@ def forward_per_token(chunks: list[torch.nn.Module], batch: TrainBatch, per_toke
         from_last_stage(out[name])
         out[name] *= real
     return out
-
-
-def shift_right(per_position: torch.Tensor, width: int) -> torch.Tensor:
-    """(rows, S - 1) quantities of token t + 1 given tokens <= t → (rows, width) indexed by
-    token, entry 0 zero."""
-    zero = per_position.new_zeros((per_position.shape[0], 1))
-    return torch.cat([zero, per_position], 1)[:, :width]
 
 
 def from_last_stage(tensor: torch.Tensor) -> None:

@@ -108,9 +108,11 @@ def resolve_impl(requested: str, fp8: str | None = None) -> str:
 
 
 def transformer_config(spec: ModelSpec, layout: Layout, dtype: str = "float32", recompute: str | None = None,
-                       fp8: dict | None = None):
+                       fp8: dict | None = None, explicit_mask: bool = False):
     """megatron's TransformerConfig for `spec`; `fp8` holds TransformerConfig's FP8 fields
-    (fp8, fp8_recipe, fp8_param), passed through to Transformer Engine."""
+    (fp8, fp8_recipe, fp8_param), passed through to Transformer Engine. `explicit_mask`:
+    the local layers get attention masks of their own (packed sequences), which megatron's
+    fused causal softmax kernel would ignore, so it is not used."""
     from megatron.core.transformer import TransformerConfig
 
     torch_dtype = DTYPES[dtype]
@@ -130,7 +132,7 @@ def transformer_config(spec: ModelSpec, layout: Layout, dtype: str = "float32", 
         # overwritten by load_hf_weights anyway)
         use_cpu_initialization=cpu, perform_initialization=True,
         bias_activation_fusion=not cpu, bias_dropout_fusion=not cpu, apply_rope_fusion=False,
-        masked_softmax_fusion=not cpu, persist_layer_norm=not cpu, gradient_accumulation_fusion=False,
+        masked_softmax_fusion=not cpu and not explicit_mask, persist_layer_norm=not cpu, gradient_accumulation_fusion=False,
         recompute_granularity=recompute, recompute_method="uniform" if recompute == "full" else None,
         recompute_num_layers=1 if recompute == "full" else None, **(fp8 or {}),
     )
@@ -147,12 +149,14 @@ def layer_spec(spec: ModelSpec, impl: str = "local"):
 
 
 def build_model(spec: ModelSpec, layout: Layout, dtype: str = "float32", impl: str = "local",
-                recompute: str | None = None, fp8: dict | None = None) -> list[torch.nn.Module]:
-    """This rank's GPTModel chunks (one per virtual stage; one without vpp), weights uninitialised."""
+                recompute: str | None = None, fp8: dict | None = None,
+                explicit_mask: bool = False) -> list[torch.nn.Module]:
+    """This rank's GPTModel chunks (one per virtual stage; one without vpp), weights
+    uninitialised; `explicit_mask` as in `transformer_config`."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    config = transformer_config(spec, layout, dtype, recompute, fp8)
+    config = transformer_config(spec, layout, dtype, recompute, fp8, explicit_mask)
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     chunks = []
     for vp in range(layout.vpp or 1):

@@ -52,14 +52,25 @@ def layout_of(worker: TrainWorkerConfig, impl: str):
 
 def build_options(worker: TrainWorkerConfig, dtype: str) -> dict:
     """build_model's keyword arguments for a worker config: dtype, layer implementation,
-    recomputation, FP8 fields passed through to Transformer Engine."""
+    recomputation, FP8 fields passed through to Transformer Engine, and whether attention
+    gets masks of its own (sequences packed on the local layers)."""
+    from megarl.backends.megatron.forward import packing_for
     from megarl.backends.megatron.model import resolve_impl
 
     fp8 = None
     if worker.fp8:
         fp8 = {"fp8": worker.fp8, "fp8_recipe": worker.fp8_recipe, "fp8_param": worker.fp8_param_gather}
-    return {"dtype": dtype, "impl": resolve_impl(worker.transformer_impl, worker.fp8),
-            "recompute": "full" if worker.gradient_checkpointing else None, "fp8": fp8}
+    impl = resolve_impl(worker.transformer_impl, worker.fp8)
+    return {"dtype": dtype, "impl": impl, "recompute": "full" if worker.gradient_checkpointing else None, "fp8": fp8,
+            "explicit_mask": packing_for(worker.pack_sequences, impl) == "mask"}
+
+
+def micro_batching(worker: TrainWorkerConfig, impl: str) -> dict:
+    """How a worker cuts its batches: the keyword arguments of `split_batch`."""
+    from megarl.backends.megatron.forward import packing_for
+
+    return {"micro_batch_size": worker.ppo_micro_batch_size, "max_tokens": worker.max_tokens_per_gpu,
+            "packing": packing_for(worker.pack_sequences, impl)}
 
 
 @dataclass
@@ -69,6 +80,7 @@ class _Part:
     model: list[torch.nn.Module]  # the same, DDP-wrapped
     optimizer: object
     cfg: TrainWorkerConfig
+    batching: dict  # split_batch's keyword arguments
     steps: int = 0  # optimizer steps taken (the LR schedule's position)
 
     def lr(self, total_steps: int) -> float:
@@ -92,15 +104,15 @@ class MegatronTrainWorker:
         a, samples = cfg.algorithm, cfg.rollout.n
         self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
 
-        def trained(chunks, worker_cfg):
+        def trained(chunks, worker_cfg, impl):
             distributed = worker_cfg.parallel.use_distributed_optimizer
             model, optimizer = wrap_for_training(chunks, worker_cfg.optim, distributed_optimizer=distributed,
                                                  fp8_param_gather=bool(worker_cfg.fp8 and worker_cfg.fp8_param_gather))
-            return _Part(chunks, model, optimizer, worker_cfg)
+            return _Part(chunks, model, optimizer, worker_cfg, micro_batching(worker_cfg, impl))
 
         chunks = build_model(self.spec, self.layout, **options)
         load_hf_weights(chunks, self.spec, cfg.model.path)
-        self.actor = trained(chunks, cfg.actor)
+        self.actor = trained(chunks, cfg.actor, options["impl"])
         self.reference = None
         if a.use_kl_loss or a.use_kl_in_reward:
             self.reference = build_model(self.spec, self.layout, **options)
@@ -112,9 +124,10 @@ class MegatronTrainWorker:
             critic_path = cfg.critic.model_path or cfg.model.path
             critic_spec = ModelSpec.from_hf(critic_path)
             self.layout.check(critic_spec, torch.distributed.get_world_size())
-            critic_chunks = build_critic(critic_spec, self.layout, **build_options(cfg.critic, cfg.model.dtype))
+            critic_options = build_options(cfg.critic, cfg.model.dtype)
+            critic_chunks = build_critic(critic_spec, self.layout, **critic_options)
             load_hf_weights(critic_chunks, critic_spec, critic_path, skip=VALUE_HEAD)
-            self.critic = trained(critic_chunks, cfg.critic)
+            self.critic = trained(critic_chunks, cfg.critic, critic_options["impl"])
         self.mini = {"actor": cfg.actor.ppo_mini_batch_size * samples, "critic": cfg.critic.ppo_mini_batch_size * samples}
 
     # -- where this rank stands ------------------------------------------------------------
@@ -158,9 +171,8 @@ class MegatronTrainWorker:
         from megarl.backends.megatron.actor import forward_log_probs
 
         def fn(rows):
-            lp, ent = forward_log_probs(chunks, self.spec.vocab_size, rows, micro_batch_size=self.cfg.actor.ppo_micro_batch_size,
-                                        max_tokens=self.cfg.actor.max_tokens_per_gpu, temperature=self.temperature,
-                                        with_entropy=with_entropy)
+            lp, ent = forward_log_probs(chunks, self.spec.vocab_size, rows, **self.actor.batching,
+                                        temperature=self.temperature, with_entropy=with_entropy)
             return [lp, ent] if with_entropy else [lp]
 
         with torch.no_grad():
@@ -182,12 +194,11 @@ class MegatronTrainWorker:
 
         if self.critic is None:
             raise RuntimeError("no critic: set critic.enable=true")
-        c = self.cfg.critic
         with torch.no_grad():
             for chunk in self.critic.chunks:
                 chunk.eval()
             return self._over_data_parallel(batch, lambda rows: [forward_values(
-                self.critic.chunks, rows, micro_batch_size=c.ppo_micro_batch_size, max_tokens=c.max_tokens_per_gpu)])[0]
+                self.critic.chunks, rows, **self.critic.batching)])[0]
 
     # -- updates --------------------------------------------------------------------------------
     def _update(self, part: _Part, name: str, batch: TrainBatch, step_fn) -> dict[str, float]:
@@ -217,11 +228,10 @@ class MegatronTrainWorker:
             raise ValueError("update_actor needs batch.old_log_probs and batch.advantages")
         if self.cfg.algorithm.use_kl_loss and batch.ref_log_probs is None:
             raise ValueError("algorithm.use_kl_loss needs batch.ref_log_probs")
-        a = self.cfg.actor
         return self._update(self.actor, "actor", batch, lambda rows, counts, lr: actor_step(
-            self.actor.model, self.actor.optimizer, self.spec.vocab_size, rows, micro_batch_size=a.ppo_micro_batch_size,
-            max_tokens=a.max_tokens_per_gpu, algo=self.cfg.algorithm, counts=counts, lr=lr,
-            weight_decay=a.optim.weight_decay, temperature=self.temperature))
+            self.actor.model, self.actor.optimizer, self.spec.vocab_size, rows, **self.actor.batching,
+            algo=self.cfg.algorithm, counts=counts, lr=lr, weight_decay=self.cfg.actor.optim.weight_decay,
+            temperature=self.temperature))
 
     def update_critic(self, batch: TrainBatch) -> dict[str, float]:
         from megarl.backends.megatron.critic import critic_step
@@ -232,8 +242,7 @@ class MegatronTrainWorker:
             raise ValueError("update_critic needs batch.values and batch.returns")
         c = self.cfg.critic
         return self._update(self.critic, "critic", batch, lambda rows, counts, lr: critic_step(
-            self.critic.model, self.critic.optimizer, rows, micro_batch_size=c.ppo_micro_batch_size,
-            max_tokens=c.max_tokens_per_gpu, cliprange_value=c.cliprange_value,
+            self.critic.model, self.critic.optimizer, rows, **self.critic.batching, cliprange_value=c.cliprange_value,
             loss_agg_mode=self.cfg.algorithm.loss_agg_mode, counts=counts, lr=lr, weight_decay=c.optim.weight_decay))
 
     # -- weights out ------------------------------------------------------------------------------
