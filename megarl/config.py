@@ -182,7 +182,9 @@ class ParallelConfig:
     tensor_model_parallel_size: int = param(1, "Tensor-parallel size (megatron).", gt=0)
     pipeline_model_parallel_size: int = param(1, "Pipeline-parallel stages (megatron).", gt=0)
     virtual_pipeline_model_parallel_size: int | None = param(None, "Virtual stages per pipeline rank (interleaved schedule).", gt=0)
-    context_parallel_size: int = param(1, "Context-parallel size (megatron).", gt=0)
+    context_parallel_size: int = param(
+        1, "Context-parallel size (megatron): every sequence split over this many ranks (padded rows; "
+        "Transformer Engine's ring attention on GPUs, all-gathered keys and values on the local layers).", gt=0)
     sequence_parallel: bool = param(True, "Sequence parallelism with TP > 1 (megatron).")
     use_distributed_optimizer: bool = param(True, "Shard optimizer state over data-parallel ranks (megatron).")
     data_parallel_size: int | None = param(
@@ -484,10 +486,6 @@ class RunConfig:
             problems.add("actor.parallel", f"TP x PP x CP = {p.model_parallel_size} does not divide the "
                          f"{world} train ranks (cluster.nnodes x cluster.gpus_per_node)",
                          "choose parallel sizes whose product divides the number of GPUs")
-        if p.context_parallel_size > 1:
-            problems.add("actor.parallel.context_parallel_size", "context parallelism is not wired into megarl's "
-                         "micro-batches yet (each CP rank must get its share of every sequence)",
-                         "set it to 1; for long responses use tensor parallelism with recomputation")
         dp = max(world // p.model_parallel_size, 1)
         for name, worker in (("actor", self.actor), ("critic", self.critic)):
             if name == "critic" and not self.critic.enable:

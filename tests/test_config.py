@@ -143,8 +143,6 @@ def test_out_of_range(override, bound):
      "agent.max_turn_length", "exceeds rollout.max_response_length"),
     (["agent.max_turns=2"], "agent.retrieval", "nothing serves the searches"),
     (["actor.backend=megatron", "cluster.launcher=inprocess"], "cluster.launcher", "one process per rank"),
-    (["actor.backend=megatron", "actor.parallel.context_parallel_size=2"], "actor.parallel.context_parallel_size",
-     "not wired"),
     # 8 GPUs at TP=2: DP=4 does not split a mini batch of 1 prompt x rollout.n=2 samples
     (["actor.backend=megatron", "cluster.gpus_per_node=8", "actor.parallel.tensor_model_parallel_size=2",
       "rollout.n=2", "actor.ppo_mini_batch_size=1", "actor.ppo_micro_batch_size=1"], "actor.ppo_mini_batch_size",

@@ -1,6 +1,8 @@
 """The megatron backend against the HF model holding the same weights, on CPU (gloo, fp32),
 as multi-process runs on localhost: log-probs and entropy within 1e-5, and HF → megatron
-shards → HF export bit-exact, for TP=1, TP=2, PP=2 and TP=2 x PP=2."""
+shards → HF export bit-exact, for TP=1, TP=2, PP=2, TP=2 x PP=2, PP=2 x VPP=2 and context
+parallel CP=2 (also with TP=2 or PP=2), padded or packed; one optimizer step equals the torch
+backend's."""
 
 import pytest
 import torch
@@ -14,7 +16,7 @@ from tiny_models import tiny_hf_model
 pytest.importorskip("megatron.core")
 
 LAYOUTS = {"tp1": dict(tp=1), "tp2": dict(tp=2), "pp2": dict(pp=2), "tp2pp2": dict(tp=2, pp=2),
-           "pp2vpp2": dict(pp=2, vpp=2)}
+           "pp2vpp2": dict(pp=2, vpp=2), "cp2": dict(cp=2), "tp2cp2": dict(tp=2, cp=2), "cp2pp2": dict(cp=2, pp=2)}
 
 
 def a_batch(vocab: int, seed: int = 0) -> TrainBatch:
@@ -35,6 +37,8 @@ def a_batch(vocab: int, seed: int = 0) -> TrainBatch:
     ("qwen3", True, "tp2pp2", 32, None), ("qwen3", False, "tp2", None, None), ("llama", True, "tp2pp2", None, None),
     ("qwen2", True, "pp2vpp2", None, None),
     ("qwen2", False, "tp1", None, "mask"), ("llama", True, "tp2", 24, "mask"), ("qwen3", False, "tp2pp2", 24, "mask"),
+    # context parallel: each sequence split over two ranks (load-balanced chunks)
+    ("qwen2", True, "cp2", None, None), ("llama", False, "tp2cp2", 24, None), ("qwen3", True, "cp2pp2", None, None),
 ])
 def test_log_probs_match_hf_and_export_is_exact(tmp_path, family, tied, layout, max_tokens, packing):
     model = tiny_hf_model(family, tie_word_embeddings=tied)
@@ -43,7 +47,7 @@ def test_log_probs_match_hf_and_export_is_exact(tmp_path, family, tied, layout, 
     with torch.no_grad():
         want_lp, want_ent = token_log_probs(model, batch.input_ids, batch.attention_mask, with_entropy=True)
     kw = LAYOUTS[layout]
-    world = kw.get("tp", 1) * kw.get("pp", 1)
+    world = kw.get("tp", 1) * kw.get("pp", 1) * kw.get("cp", 1)
     results = run_distributed(world, logprobs_and_export, str(tmp_path), kw, batch, 2, "float32", max_tokens, "local",
                               None, packing)
     real = batch.attention_mask.bool().clone()
@@ -62,7 +66,8 @@ def test_log_probs_match_hf_and_export_is_exact(tmp_path, family, tied, layout, 
 @pytest.mark.parametrize("family, tied, layout, max_tokens, recompute, packing", [
     ("qwen2", False, dict(tp=2), None, None, None), ("llama", True, dict(pp=2), 24, None, None),
     ("qwen3", False, dict(tp=1, world=2), None, "full", None),  # DP=2 with full activation recomputation
-    ("qwen2", True, dict(tp=2), 24, None, "mask")])  # packed micro-batches
+    ("qwen2", True, dict(tp=2), 24, None, "mask"),  # packed micro-batches
+    ("llama", False, dict(cp=2), None, None, None)])  # context parallel: keys' and values' gradients summed over CP
 def test_one_optimizer_step_equals_the_torch_backend(tmp_path, family, tied, layout, max_tokens, recompute, packing):
     from megarl.backends.torch.actor import TorchActor
     from megarl.config import AlgorithmConfig, OptimConfig
@@ -82,7 +87,7 @@ def test_one_optimizer_step_equals_the_torch_backend(tmp_path, family, tied, lay
     # makes the comparison well conditioned (an update error is then at most lr / eps times
     # the gradient error)
     optim = OptimConfig(lr=1e-3, eps=1e-3, lr_warmup_steps=0, weight_decay=0.1, grad_clip=1.0)
-    world = layout.pop("world", layout.get("tp", 1) * layout.get("pp", 1))
+    world = layout.pop("world", layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1))
     results = run_distributed(world, actor_step, str(tmp_path), layout, batch, 1, algo, optim, max_tokens, recompute,
                               packing)
 

@@ -80,6 +80,7 @@ def returns_batch(vocab: int):
     ("llama", True, ["actor.parallel.pipeline_model_parallel_size=2"]),
     ("qwen3", False, ["actor.parallel.tensor_model_parallel_size=2", "actor.pack_sequences=true",
                       "actor.max_tokens_per_gpu=24"]),  # packed micro-batches
+    ("qwen2", True, ["actor.parallel.context_parallel_size=2"]),
 ])
 def test_critic_update_equals_the_torch_backend(tmp_path, family, tied, parallel):
     from megarl.backends.torch.critic import TorchCritic
@@ -119,13 +120,14 @@ def update_batch(model, seed: int):
                              advantages=torch.randn(len(batch), 1, generator=g).expand_as(now).clone())
 
 
-TP2, PP2, DP2 = (["actor.parallel.tensor_model_parallel_size=2"], ["actor.parallel.pipeline_model_parallel_size=2"],
-                 ["actor.parallel.data_parallel_size=2"])
+TP2, PP2, DP2, CP2 = (["actor.parallel.tensor_model_parallel_size=2"], ["actor.parallel.pipeline_model_parallel_size=2"],
+                      ["actor.parallel.data_parallel_size=2"], ["actor.parallel.context_parallel_size=2"])
 PLAIN_ADAM = ["actor.parallel.use_distributed_optimizer=false"]
 
 
 @pytest.mark.parametrize("family, tied, saved_as, loaded_as", [
-    ("qwen2", False, TP2, PP2), ("qwen3", True, DP2, TP2), ("llama", False, TP2 + PLAIN_ADAM, PP2 + PLAIN_ADAM)])
+    ("qwen2", False, TP2, PP2), ("qwen3", True, DP2, TP2), ("llama", False, TP2 + PLAIN_ADAM, PP2 + PLAIN_ADAM),
+    ("qwen2", True, CP2, DP2)])
 def test_checkpoint_resumes_on_another_layout_and_converts_to_hf(tmp_path, family, tied, saved_as, loaded_as):
     """Saved after one update, loaded in another layout: the same log-probs, and the next
     update (which needs Adam's moments and the step count back) lands on the same weights.

@@ -2,8 +2,8 @@
 
 megatron-core assumes CUDA in a few places that have nothing to do with the numerics:
 the device of the current rank, the CUDA RNG state its RNG tracker forks, `synchronize`,
-and factory calls that pass `device="cuda"` (the pipeline schedules' buffers, the default
-causal mask, rotary frequencies), and type checks that compare `tensor.type()` with
+and factory calls that pass `device="cuda"` or `pin_memory=True` (the pipeline schedules'
+buffers, the default causal mask, rotary frequencies), and type checks that compare `tensor.type()` with
 "torch.cuda.FloatTensor" (the optimizers). `enable_cpu_mode()` redirects exactly those to the CPU
 and leaves everything else alone. It does nothing when CUDA is available, so the same code
 runs unchanged on GPUs. Call it before building models (the backend does).
@@ -89,6 +89,8 @@ class _CudaToCpu(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if _is_cuda(kwargs.get("device")):
             kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory"):  # pinned memory needs an accelerator (rotary embeddings under CP)
+            kwargs["pin_memory"] = False
         if func is torch.Tensor.cuda:
             return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:

@@ -26,7 +26,7 @@ Main entry points: `plan_micro_batches`, `split_batch`, `run_schedule`, `forward
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -88,15 +88,25 @@ class MicroBatch:
     targets: torch.Tensor  # as input_ids: the token after each position (0 where there is none)
     packing: str | None = None
     cu_seqlens: torch.Tensor | None = None  # packed: (sequences + 1,) int32 starts in input_ids, then the end
+    owned: torch.Tensor | None = None  # context parallel: the positions of the padded rows this rank holds
+    cp: int = 1
 
     @property
     def width(self) -> int:
         return self.data.input_ids.shape[1]
 
+    @property
+    def seq_length(self) -> int:
+        """Positions of a whole (padded or packed) sequence, over all CP ranks."""
+        return self.input_ids.shape[1] * self.cp
+
     def by_token(self, per_position: torch.Tensor) -> torch.Tensor:
         """(rows, width) entry t = the model's output at the position of token t - 1 (the
         quantity of token t given tokens < t) from `per_position` shaped as input_ids (plus
         trailing dimensions); entry 0, and entries past a row's end, are 0. Differentiable."""
+        if self.owned is not None:  # this rank's positions into the whole rows (zeros elsewhere)
+            whole = per_position.new_zeros((per_position.shape[0], self.seq_length, *per_position.shape[2:]))
+            per_position = whole.index_copy(1, self.owned.to(per_position.device), per_position)
         if self.cu_seqlens is None:
             zero = per_position.new_zeros((per_position.shape[0], 1, *per_position.shape[2:]))
             return torch.cat([zero, per_position[:, :-1]], 1)[:, : self.width]
@@ -140,10 +150,17 @@ def next_tokens(ids: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(ids[..., 1:], (0, 1))
 
 
-def make_micro_batches(batch: TrainBatch, plan: list[list[int]], multiple: int,
-                       packing: str | None = None) -> list[MicroBatch]:
+def make_micro_batches(batch: TrainBatch, plan: list[list[int]], multiple: int, packing: str | None = None,
+                       cp: int = 1, cp_rank: int = 0) -> list[MicroBatch]:
+    """The micro-batches of `plan`, sequences padded to a multiple of `multiple` (TP); with
+    context parallelism (cp > 1, padded rows only) this CP rank's share of each, padded to a
+    multiple of 2 x cp x multiple, and a loss mask kept to the tokens whose outputs it holds."""
+    from megarl.backends.megatron.context import owned_positions
+
     if packing not in PACKING:
         raise ValueError(f"packing {packing!r}: use one of {PACKING}")
+    if cp > 1 and packing is not None:
+        raise ValueError("packed sequences with context parallelism are not supported: use padded rows")
     lengths = batch.attention_mask.sum(1)
     out = []
     for rows in plan:
@@ -151,8 +168,16 @@ def make_micro_batches(batch: TrainBatch, plan: list[list[int]], multiple: int,
         width = max(int(lengths[index].max()), 1)
         data = batch.select(index).cut(width)
         if packing is None:
-            ids = torch.nn.functional.pad(data.input_ids, (0, round_up(width, multiple) - width))
-            out.append(MicroBatch(rows, data, ids, torch.arange(ids.shape[1]).expand_as(ids), next_tokens(ids)))
+            ids = torch.nn.functional.pad(data.input_ids, (0, round_up(width, multiple * (2 * cp if cp > 1 else 1)) - width))
+            positions, targets = torch.arange(ids.shape[1]).expand_as(ids), next_tokens(ids)
+            if cp == 1:
+                out.append(MicroBatch(rows, data, ids, positions, targets))
+                continue
+            owned = owned_positions(ids.shape[1], cp, cp_rank)
+            held = torch.zeros(ids.shape[1] + 1, dtype=data.loss_mask.dtype)
+            held[owned + 1] = 1  # token t is predicted at position t - 1
+            data = replace(data, loss_mask=data.loss_mask * held[:width])
+            out.append(MicroBatch(rows, data, ids[:, owned], positions[:, owned], targets[:, owned], owned=owned, cp=cp))
             continue
         row_lengths = [max(int(n), 1) for n in lengths[index]]
         sequences = [data.input_ids[r, :n] for r, n in enumerate(row_lengths)]
@@ -176,7 +201,8 @@ def split_batch(batch: TrainBatch, *, micro_batch_size: int, max_tokens: int | N
     tp = parallel_state.get_tensor_model_parallel_world_size()
     plan = plan_micro_batches(batch.attention_mask.sum(1).tolist(), micro_batch_size=micro_batch_size,
                               max_tokens=max_tokens, multiple=tp, packed=packing is not None)
-    return make_micro_batches(batch, plan, tp, packing)
+    return make_micro_batches(batch, plan, tp, packing, parallel_state.get_context_parallel_world_size(),
+                              parallel_state.get_context_parallel_rank())
 
 
 # head(output of the last stage, micro-batch) -> (loss, dict of results); called on the last stage only
@@ -205,7 +231,7 @@ def run_schedule(chunks: list[torch.nn.Module], micros: list[MicroBatch], head: 
     iterators = [iter(micros) for _ in chunks] if len(chunks) > 1 else iter(micros)
     return get_forward_backward_func()(
         forward_step_func=step, data_iterator=iterators, model=chunks if len(chunks) > 1 else chunks[0],
-        num_microbatches=len(micros), seq_length=max(s[1] for s in shapes), micro_batch_size=max(s[0] for s in shapes),
+        num_microbatches=len(micros), seq_length=max(m.seq_length for m in micros), micro_batch_size=max(s[0] for s in shapes),
         forward_only=forward_only)
 
 
@@ -231,6 +257,9 @@ def forward_per_token(chunks: list[torch.nn.Module], batch: TrainBatch, per_toke
             rows = torch.tensor(micro.rows, device=device)
             for name in names:
                 out[name][rows, : micro.width] = item[name].float()
+    if parallel_state.get_context_parallel_world_size() > 1:  # each token's result is on one CP rank
+        for name in names:
+            torch.distributed.all_reduce(out[name], group=parallel_state.get_context_parallel_group())
     real = batch.attention_mask.to(device).clone()
     real[:, 0] = 0
     for name in names:

@@ -111,8 +111,8 @@ def transformer_config(spec: ModelSpec, layout: Layout, dtype: str = "float32", 
                        fp8: dict | None = None, explicit_mask: bool = False):
     """megatron's TransformerConfig for `spec`; `fp8` holds TransformerConfig's FP8 fields
     (fp8, fp8_recipe, fp8_param), passed through to Transformer Engine. `explicit_mask`:
-    the local layers get attention masks of their own (packed sequences), which megatron's
-    fused causal softmax kernel would ignore, so it is not used."""
+    the local layers get attention masks of their own (packed sequences, context
+    parallelism), which megatron's fused causal softmax kernel would ignore, so it is not used."""
     from megatron.core.transformer import TransformerConfig
 
     torch_dtype = DTYPES[dtype]
@@ -132,20 +132,27 @@ def transformer_config(spec: ModelSpec, layout: Layout, dtype: str = "float32", 
         # overwritten by load_hf_weights anyway)
         use_cpu_initialization=cpu, perform_initialization=True,
         bias_activation_fusion=not cpu, bias_dropout_fusion=not cpu, apply_rope_fusion=False,
-        masked_softmax_fusion=not cpu and not explicit_mask, persist_layer_norm=not cpu, gradient_accumulation_fusion=False,
+        masked_softmax_fusion=not cpu and not explicit_mask and layout.cp == 1, persist_layer_norm=not cpu, gradient_accumulation_fusion=False,
         recompute_granularity=recompute, recompute_method="uniform" if recompute == "full" else None,
         recompute_num_layers=1 if recompute == "full" else None, **(fp8 or {}),
     )
 
 
-def layer_spec(spec: ModelSpec, impl: str = "local"):
+def layer_spec(spec: ModelSpec, impl: str = "local", cp: int = 1):
+    """megatron's layer spec for `impl`; under context parallelism the local layers' core
+    attention is megarl's all-gathering one (megatron's local attention has no CP path)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if impl == "transformer_engine":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
     if impl != "local":
         raise ValueError(f"transformer_impl {impl!r}: use local or transformer_engine")
-    return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+    layer = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+    if cp > 1:
+        from megarl.backends.megatron.context import ContextParallelAttention
+
+        layer.submodules.self_attention.submodules.core_attention = ContextParallelAttention
+    return layer
 
 
 def build_model(spec: ModelSpec, layout: Layout, dtype: str = "float32", impl: str = "local",
@@ -162,7 +169,7 @@ def build_model(spec: ModelSpec, layout: Layout, dtype: str = "float32", impl: s
     for vp in range(layout.vpp or 1):
         vp_stage = vp if layout.vpp else None
         model = GPTModel(
-            config, layer_spec(spec, impl), vocab_size=spec.padded_vocab_size(layout.tp),
+            config, layer_spec(spec, impl, layout.cp), vocab_size=spec.padded_vocab_size(layout.tp),
             max_sequence_length=spec.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),

@@ -4,7 +4,8 @@ distributed optimizer, megatron's forward-backward schedules, global-norm clippi
 Every micro-batch's loss is already normalised by the counts of the whole mini-batch across
 all data-parallel ranks (megarl.algo.aggregation). megatron divides each micro-batch's loss
 by the number of micro-batches and DDP averages gradients over DP, so the head's loss is
-scaled by (micro-batches x DP) to leave the plain sum: the gradient is the torch backend's,
+scaled by (micro-batches x DP) to leave the plain sum (under context parallelism each CP
+rank's loss covers its own tokens, and megatron's CP factor and averaging cancel): the gradient is the torch backend's,
 however the mini-batch is split. Main entry points: `wrap_for_training`, `optimizer_step`.
 """
 
@@ -42,7 +43,9 @@ def wrap_for_training(chunks: list[torch.nn.Module], optim: OptimConfig, *, dist
 
 
 def loss_scale(num_micro_batches: int) -> int:
-    """What a micro-batch's loss is multiplied by so megatron's averaging leaves the sum."""
+    """What a micro-batch's loss is multiplied by so megatron's averaging leaves the sum.
+    (Gradients are averaged over the data- and context-parallel ranks together, and the
+    schedule itself multiplies every loss by the CP size, so CP needs nothing here.)"""
     from megatron.core import parallel_state
 
     return num_micro_batches * parallel_state.get_data_parallel_world_size()
@@ -52,7 +55,7 @@ def optimizer_step(model: list[torch.nn.Module], optimizer, micros: list[MicroBa
                    weight_decay: float, num_tokens: int) -> dict[str, float]:
     """Forward/backward over `micros` (this DP rank's rows) and one step at `lr` and
     `weight_decay`. `head` returns (scaled loss, metrics); metrics are averaged by each
-    micro-batch's share of the mini-batch's `num_tokens` loss tokens over all DP ranks, and
+    micro-batch's share of the mini-batch's `num_tokens` loss tokens over all DP (and CP) ranks, and
     every rank returns the same dict (lr, grad_norm, and skipped_steps = 1 when the
     gradient norm was NaN/inf and the weights stayed as they were)."""
     from megatron.core import parallel_state
@@ -80,14 +83,15 @@ def optimizer_step(model: list[torch.nn.Module], optimizer, micros: list[MicroBa
 
 
 def _sum_over_data_parallel(metrics: dict[str, float]) -> dict[str, float]:
-    """Each DP rank weighted its rows by their share of the global tokens: the sum is the mean."""
+    """Each DP (and CP) rank weighted its rows (its tokens) by their share of the global
+    tokens: the sum is the mean."""
     from megatron.core import parallel_state
 
-    if parallel_state.get_data_parallel_world_size() == 1 or not metrics:
+    if parallel_state.get_data_parallel_world_size(with_context_parallel=True) == 1 or not metrics:
         return metrics
     keys = sorted(metrics)
     summed = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)
-    torch.distributed.all_reduce(summed, group=parallel_state.get_data_parallel_group())
+    torch.distributed.all_reduce(summed, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
     return dict(zip(keys, summed.tolist()))
 
 

@@ -54,7 +54,6 @@ def build_options(worker: TrainWorkerConfig, dtype: str) -> dict:
     """build_model's keyword arguments for a worker config: dtype, layer implementation,
     recomputation, FP8 fields passed through to Transformer Engine, and whether attention
     gets masks of its own (sequences packed on the local layers)."""
-    from megarl.backends.megatron.forward import packing_for
     from megarl.backends.megatron.model import resolve_impl
 
     fp8 = None
@@ -62,15 +61,20 @@ def build_options(worker: TrainWorkerConfig, dtype: str) -> dict:
         fp8 = {"fp8": worker.fp8, "fp8_recipe": worker.fp8_recipe, "fp8_param": worker.fp8_param_gather}
     impl = resolve_impl(worker.transformer_impl, worker.fp8)
     return {"dtype": dtype, "impl": impl, "recompute": "full" if worker.gradient_checkpointing else None, "fp8": fp8,
-            "explicit_mask": packing_for(worker.pack_sequences, impl) == "mask"}
+            "explicit_mask": micro_batching(worker, impl)["packing"] == "mask"}
 
 
 def micro_batching(worker: TrainWorkerConfig, impl: str) -> dict:
-    """How a worker cuts its batches: the keyword arguments of `split_batch`."""
+    """How a worker cuts its batches: the keyword arguments of `split_batch`. Context
+    parallelism splits padded rows (packed sequences are not split over CP ranks yet)."""
     from megarl.backends.megatron.forward import packing_for
 
+    packing = packing_for(worker.pack_sequences, impl)
+    if packing and worker.parallel.context_parallel_size > 1:
+        log.info("context parallelism: sequences are not packed (padded rows are split over the CP ranks)")
+        packing = None
     return {"micro_batch_size": worker.ppo_micro_batch_size, "max_tokens": worker.max_tokens_per_gpu,
-            "packing": packing_for(worker.pack_sequences, impl)}
+            "packing": packing}
 
 
 @dataclass
@@ -143,10 +147,12 @@ class MegatronTrainWorker:
 
     @property
     def is_export_source(self) -> bool:
-        """TP rank 0 of DP rank 0 in each pipeline stage: the ranks that send exported weights."""
+        """TP rank 0 of DP rank 0 (and CP rank 0) in each pipeline stage: the ranks that send
+        exported weights."""
         from megatron.core import parallel_state
 
-        return parallel_state.get_tensor_model_parallel_rank() == 0 and self._dp()[0] == 0
+        return (parallel_state.get_tensor_model_parallel_rank() == 0 and self._dp()[0] == 0
+                and parallel_state.get_context_parallel_rank() == 0)
 
     # -- forward passes ----------------------------------------------------------------------
     def _over_data_parallel(self, batch: TrainBatch, fn) -> list[torch.Tensor]:
