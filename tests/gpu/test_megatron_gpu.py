@@ -1,5 +1,6 @@
 """The megatron backend on a GPU (skipped where CUDA is absent): bf16 log-probs against HF's,
-with Transformer Engine layers where installed, and FP8.
+with Transformer Engine layers where installed, padded or packed (THD), context parallel on
+two GPUs, and FP8.
 
 Tolerances (documented, not tuned to a run): bf16 keeps 8 bits of mantissa, so a log-prob of
 magnitude ~6 (a 300-token vocabulary) carries rounding of ~0.03 per operation; two
@@ -34,8 +35,9 @@ def close_in_bf16(got: torch.Tensor, want: torch.Tensor, worst: float, mean: flo
 
 
 @pytest.mark.parametrize("family, tied", [("qwen2", False), ("llama", True), ("qwen3", False)])
-@pytest.mark.parametrize("impl", ["local", "transformer_engine"])
-def test_bf16_log_probs_match_hf(tmp_path, family, tied, impl):
+@pytest.mark.parametrize("impl, packing", [("local", None), ("transformer_engine", None), ("local", "mask"),
+                                           ("transformer_engine", "thd")])  # thd: packed, TE's cu_seqlens attention
+def test_bf16_log_probs_match_hf(tmp_path, family, tied, impl, packing):
     if impl == "transformer_engine" and not te_available():
         pytest.skip("Transformer Engine is not installed")
     model = tiny_hf_model(family, tie_word_embeddings=tied)
@@ -44,7 +46,8 @@ def test_bf16_log_probs_match_hf(tmp_path, family, tied, impl):
     hf = model.to(device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         want, _ = token_log_probs(hf, batch.input_ids.cuda(), batch.attention_mask.cuda())
-    (got, _, exported), = run_distributed(1, logprobs_and_export, str(tmp_path), {}, batch, 2, "bfloat16", None, impl)
+    (got, _, exported), = run_distributed(1, logprobs_and_export, str(tmp_path), {}, batch, 2, "bfloat16", None, impl,
+                                          None, packing)
     real = batch.attention_mask.bool().clone()
     real[:, 0] = False
     close_in_bf16(got[real], want.cpu()[real], worst=0.15, mean=0.02)
@@ -70,3 +73,23 @@ def test_fp8_log_probs_stay_close_to_bf16(tmp_path, recipe):
     real = batch.attention_mask.bool().clone()
     real[:, 0] = False
     close_in_bf16(got[real], bf16[real], worst=0.5, mean=0.1)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="context parallelism needs two GPUs")
+@pytest.mark.parametrize("impl", ["local", "transformer_engine"])
+def test_context_parallel_log_probs_match_hf(tmp_path, impl):
+    """CP=2 over two GPUs: Transformer Engine's ring attention, or megarl's all-gathered keys
+    and values on the local layers, against HF's bf16 log-probs."""
+    if impl == "transformer_engine" and not te_available():
+        pytest.skip("Transformer Engine is not installed")
+    model = tiny_hf_model("qwen2")
+    model.save_pretrained(tmp_path)
+    batch = a_batch(model.config.vocab_size)
+    hf = model.to(device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        want, _ = token_log_probs(hf, batch.input_ids.cuda(), batch.attention_mask.cuda())
+    results = run_distributed(2, logprobs_and_export, str(tmp_path), {"cp": 2}, batch, 2, "bfloat16", None, impl)
+    real = batch.attention_mask.bool().clone()
+    real[:, 0] = False
+    for got, _, _ in results:
+        close_in_bf16(got[real], want.cpu()[real], worst=0.15, mean=0.02)
