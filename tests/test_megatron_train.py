@@ -1,6 +1,6 @@
-"""`megarl train` with actor.backend=megatron at TP=2 (two CPU ranks as Ray actors) against the
-torch backend on the same run: the same rollouts, rewards and weights; megatron checkpoints
-resume; a dead rank is named."""
+"""`megarl train` with actor.backend=megatron at TP=2 (two CPU ranks as Ray actors), at CP=2, and
+packed at TP=2, against the torch backend on the same run: the same rollouts, rewards and
+weights; megatron checkpoints resume; a dead rank is named."""
 
 from __future__ import annotations
 
@@ -39,9 +39,18 @@ def run(inputs, out: Path, steps: int, extra: list[str]) -> dict:
 
 
 
-def test_megatron_tp2_trains_like_the_torch_backend_and_resumes(inputs, tmp_path):
-    torch_out, mg_out, resumed = tmp_path / "torch", tmp_path / "megatron", tmp_path / "resumed"
-    run(inputs, torch_out, 2, [])
+@pytest.fixture(scope="module")
+def torch_run(inputs, tmp_path_factory):
+    """The same run on the torch backend (the reference of the megatron runs)."""
+    out = tmp_path_factory.mktemp("torch")
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("PYTHONPATH", str(Path(__file__).parent))
+        run(inputs, out, 2, [])
+    return out
+
+
+def test_megatron_tp2_trains_like_the_torch_backend_and_resumes(inputs, torch_run, tmp_path):
+    torch_out, mg_out, resumed = torch_run, tmp_path / "megatron", tmp_path / "resumed"
     run(inputs, mg_out, 2, MEGATRON)
     want, got, initial = weights(torch_out / "hf"), weights(mg_out / "hf"), weights(Path(inputs["model"]))
     assert got.keys() == want.keys()
@@ -65,6 +74,20 @@ def test_megatron_tp2_trains_like_the_torch_backend_and_resumes(inputs, tmp_path
         torch.testing.assert_close(again[name], got[name], rtol=0, atol=1e-6, msg=name)
     assert metric(resumed, "train/reward_mean") == metric(mg_out, "train/reward_mean")
     assert not ray.is_initialized()
+
+
+@pytest.mark.parametrize("layout", [
+    ["actor.parallel.context_parallel_size=2"],  # every sequence split over two ranks
+    MEGATRON[1:] + ["actor.pack_sequences=true", "actor.max_tokens_per_gpu=64"],  # packed micro-batches at TP=2
+], ids=["cp2", "tp2-packed"])
+def test_megatron_layouts_train_like_the_torch_backend(inputs, torch_run, tmp_path, layout):
+    run(inputs, tmp_path, 2, MEGATRON[:1] + layout)
+    want, got = weights(torch_run / "hf"), weights(tmp_path / "hf")
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-4, msg=name)
+    assert metric(tmp_path, "train/reward_mean") == metric(torch_run, "train/reward_mean")
+    assert metric(tmp_path, "actor/pg_loss") == pytest.approx(metric(torch_run, "actor/pg_loss"), abs=1e-5)
 
 
 def test_a_dead_rank_is_named_and_the_others_are_stopped(inputs, tmp_path):
