@@ -222,6 +222,10 @@ class TrainWorkerConfig:
         "on megatron's local layers, through a block-diagonal mask (tokens^2 memory: CPU and small runs); "
         "false = padded rows.")
     gradient_checkpointing: bool = param(False, "Recompute activations in backward to save memory.")
+    reference_offload: bool = param(
+        False, "Keep the frozen reference model's weights in host memory, on the device only while reference "
+        "log-probs are computed (saves one model's weights of GPU memory per rank for one host-to-device copy "
+        "per step; actor only).")
     transformer_impl: Literal["transformer_engine", "local"] = param("transformer_engine", "megatron layer implementation.")
     fp8: Literal["hybrid", "e4m3"] | None = param(None, "Transformer Engine FP8 format; None = off.")
     fp8_recipe: Literal["delayed", "tensorwise", "blockwise"] = param("delayed", "Transformer Engine FP8 scaling recipe.")

@@ -56,9 +56,11 @@ def test_exported_weights_sync_into_the_engine_exactly():
                                atol=1e-5, rtol=0)
 
 
-def test_reference_stays_frozen():
+@pytest.mark.parametrize("offload", [False, True])
+def test_reference_stays_frozen(offload):
     batch, g = random_batch()
-    worker = TorchTrainWorker(tiny_model("qwen2"), load_config(None, CFG + ["algorithm.use_kl_loss=true"]), 1)
+    worker = TorchTrainWorker(tiny_model("qwen2"), load_config(None, CFG + [
+        "algorithm.use_kl_loss=true", f"actor.reference_offload={str(offload).lower()}"]), 1)
     ref_before = worker.compute_ref_log_prob(batch)
     old, _ = worker.compute_log_prob(batch)
     torch.testing.assert_close(ref_before, old)
@@ -113,3 +115,18 @@ def test_checkpoint_of_another_architecture_is_refused(tmp_path):
     untied = TorchTrainWorker(tiny_model("qwen2", tie=False), cfg, total_steps=1)
     with pytest.raises(ValueError, match="does not match the model: missing \\['model.embed_tokens.weight'\\]"):
         untied.load_checkpoint(tmp_path / "ckpt")
+
+
+def test_an_offloaded_reference_is_on_the_device_only_while_it_computes():
+    from megarl.backends.offload import HostOffloaded
+
+    model = tiny_model("qwen2")
+    want = [t.clone() for t in model.parameters()]
+    offloaded = HostOffloaded([model], "cpu")
+    hosts = [t.data_ptr() for t in model.parameters()]
+    assert hosts == [h.data_ptr() for h in offloaded.host[: len(hosts)]]  # parameters are the host copies
+    with offloaded.on_device():
+        inside = [t.data_ptr() for t in model.parameters()]
+        assert not set(inside) & set(hosts)  # a device copy of every parameter (here: another CPU tensor)
+        assert all(torch.equal(t, w) for t, w in zip(model.parameters(), want))
+    assert [t.data_ptr() for t in model.parameters()] == hosts  # back to the host copies, the device copy freed

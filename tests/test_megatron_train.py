@@ -113,7 +113,8 @@ def test_ppo_with_critic_and_kl_reference_trains_like_the_torch_backend(inputs, 
            "algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=0.1"]
     megatron_critic = ["critic.backend=megatron", "critic.parallel.tensor_model_parallel_size=2"]
     run(inputs, tmp_path / "torch", 2, ppo)
-    run(inputs, tmp_path / "megatron", 2, ppo + MEGATRON + megatron_critic)
+    # the megatron run keeps its reference in host memory between uses (actor.reference_offload)
+    run(inputs, tmp_path / "megatron", 2, ppo + MEGATRON + megatron_critic + ["actor.reference_offload=true"])
     want, got = weights(tmp_path / "torch" / "hf"), weights(tmp_path / "megatron" / "hf")
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-4, msg=name)

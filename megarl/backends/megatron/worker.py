@@ -18,6 +18,7 @@ import json
 import logging
 import random
 from collections.abc import Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 
 from megarl.backends.batch import TrainBatch
+from megarl.backends.offload import HostOffloaded
 from megarl.backends.schedule import lr_factor
 from megarl.backends.torch.step import run_epochs
 from megarl.config import RunConfig, TrainWorkerConfig
@@ -118,11 +120,14 @@ class MegatronTrainWorker:
         load_hf_weights(chunks, self.spec, cfg.model.path)
         self.actor = trained(chunks, cfg.actor, options["impl"])
         self.reference = None
+        self.reference_weights = None  # HostOffloaded with actor.reference_offload
         if a.use_kl_loss or a.use_kl_in_reward:
             self.reference = build_model(self.spec, self.layout, **options)
             load_hf_weights(self.reference, self.spec, cfg.model.path)
             for chunk in self.reference:
                 chunk.eval().requires_grad_(False)
+            if cfg.actor.reference_offload:
+                self.reference_weights = HostOffloaded(self.reference, next(chunks[0].parameters()).device)
         self.critic = None
         if cfg.critic.enable:
             critic_path = cfg.critic.model_path or cfg.model.path
@@ -193,7 +198,8 @@ class MegatronTrainWorker:
     def compute_ref_log_prob(self, batch: TrainBatch) -> torch.Tensor:
         if self.reference is None:
             raise RuntimeError("no reference model: turn on algorithm.use_kl_loss or use_kl_in_reward")
-        return self._log_probs(self.reference, batch, False)[0]
+        with self.reference_weights.on_device() if self.reference_weights else nullcontext():
+            return self._log_probs(self.reference, batch, False)[0]
 
     def compute_values(self, batch: TrainBatch) -> torch.Tensor:
         from megarl.backends.megatron.critic import forward_values

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import random
 from collections.abc import Iterator
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,7 @@ import torch
 from safetensors.torch import load_model, save_model
 
 from megarl.backends.batch import TrainBatch
+from megarl.backends.offload import HostOffloaded
 from megarl.backends.torch.actor import TorchActor
 from megarl.backends.torch.critic import TorchCritic
 from megarl.config import RunConfig
@@ -34,6 +36,9 @@ class TorchTrainWorker:
             temperature=cfg.rollout.temperature, total_steps=total_steps, norm_length=cfg.rollout.max_response_length)
         needs_reference = a.use_kl_loss or a.use_kl_in_reward
         self.reference = copy.deepcopy(model).eval().requires_grad_(False) if needs_reference else None
+        self.reference_weights = None  # HostOffloaded with actor.reference_offload
+        if self.reference is not None and cfg.actor.reference_offload:
+            self.reference_weights = HostOffloaded([self.reference], next(model.parameters()).device)
         self.critic = None
         if cfg.critic.enable:
             self.critic = TorchCritic(
@@ -59,7 +64,8 @@ class TorchTrainWorker:
     def compute_ref_log_prob(self, batch: TrainBatch) -> torch.Tensor:
         if self.reference is None:
             raise RuntimeError("no reference model: turn on algorithm.use_kl_loss or use_kl_in_reward")
-        return self.actor.compute_log_prob(batch, model=self.reference)[0]
+        with self.reference_weights.on_device() if self.reference_weights else nullcontext():
+            return self.actor.compute_log_prob(batch, model=self.reference)[0]
 
     def compute_values(self, batch: TrainBatch) -> torch.Tensor:
         if self.critic is None:
