@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -108,12 +109,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hf-config", help="directory with the model's config.json and tokenizer")
     parser.add_argument("--max-shard-gb", type=float, default=2.0, help="largest safetensors file (GB)")
     args = parser.parse_args(argv)
+    start = time.perf_counter()
     try:
         out = convert(args.ckpt, args.out, args.hf_config, int(args.max_shard_gb * (1 << 30)))
     except (FileNotFoundError, KeyError, ValueError) as e:
         print(f"megatron_to_hf: {e}", file=sys.stderr)
         return 2
-    print(f"megatron_to_hf: wrote {out}", file=sys.stderr)
+    total = json.loads((out / "model.safetensors.index.json").read_text())["metadata"]["total_size"]
+    print(f"megatron_to_hf: wrote {out} ({total / 1e9:.3f} GB in {time.perf_counter() - start:.3f} s)", file=sys.stderr)
     return 0
 
 
