@@ -67,7 +67,8 @@ def test_log_probs_match_hf_and_export_is_exact(tmp_path, family, tied, layout, 
     ("qwen2", False, dict(tp=2), None, None, None), ("llama", True, dict(pp=2), 24, None, None),
     ("qwen3", False, dict(tp=1, world=2), None, "full", None),  # DP=2 with full activation recomputation
     ("qwen2", True, dict(tp=2), 24, None, "mask"),  # packed micro-batches
-    ("llama", False, dict(cp=2), None, None, None)])  # context parallel: keys' and values' gradients summed over CP
+    ("llama", False, dict(cp=2), None, None, None),  # context parallel: keys' and values' gradients summed over CP
+    ("qwen2", False, dict(tp=1, world=1, offload=True), None, None, None)])  # optimizer offload: a no-op on a CPU
 def test_one_optimizer_step_equals_the_torch_backend(tmp_path, family, tied, layout, max_tokens, recompute, packing):
     from megarl.backends.torch.actor import TorchActor
     from megarl.config import AlgorithmConfig, OptimConfig
@@ -86,7 +87,8 @@ def test_one_optimizer_step_equals_the_torch_backend(tmp_path, family, tied, lay
     # weight whose gradient is near eps amplifies rounding noise up to lr, so a larger eps
     # makes the comparison well conditioned (an update error is then at most lr / eps times
     # the gradient error)
-    optim = OptimConfig(lr=1e-3, eps=1e-3, lr_warmup_steps=0, weight_decay=0.1, grad_clip=1.0)
+    optim = OptimConfig(lr=1e-3, eps=1e-3, lr_warmup_steps=0, weight_decay=0.1, grad_clip=1.0,
+                        offload=layout.pop("offload", False))
     world = layout.pop("world", layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1))
     results = run_distributed(world, actor_step, str(tmp_path), layout, batch, 1, algo, optim, max_tokens, recompute,
                               packing)

@@ -93,3 +93,24 @@ def test_context_parallel_log_probs_match_hf(tmp_path, impl):
     real[:, 0] = False
     for got, _, _ in results:
         close_in_bf16(got[real], want.cpu()[real], worst=0.15, mean=0.02)
+
+
+def test_optimizer_offload_takes_the_same_step(tmp_path):
+    """actor.optim.offload (megatron's hybrid device optimizer: Adam's state and step on the
+    host) lands on the weights of the same step with the state on the GPU (fp32, one rank)."""
+    from megarl.config import AlgorithmConfig, OptimConfig
+    from megatron_cases import actor_step
+    from test_megatron_worker import update_batch
+
+    model = tiny_hf_model("qwen2")
+    model.save_pretrained(tmp_path)
+    batch = update_batch(model, 1)
+    steps = []
+    for offload in (False, True):
+        optim = OptimConfig(lr=1e-3, eps=1e-3, lr_warmup_steps=0, weight_decay=0.1, grad_clip=1.0, offload=offload)
+        (exported, metrics), = run_distributed(1, actor_step, str(tmp_path), {}, batch, 2, AlgorithmConfig(), optim)
+        steps.append(exported)
+    moved = max(float((steps[0][n] - model.state_dict()[n]).abs().max()) for n in steps[0])
+    assert moved > 1e-4
+    for name, tensor in steps[0].items():
+        torch.testing.assert_close(steps[1][name], tensor, rtol=0, atol=1e-6, msg=name)

@@ -11,12 +11,15 @@ however the mini-batch is split. Main entry points: `wrap_for_training`, `optimi
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 
 import torch
 
 from megarl.backends.megatron.forward import Head, MicroBatch, run_schedule
 from megarl.config import OptimConfig
+
+log = logging.getLogger(__name__)
 
 
 def wrap_for_training(chunks: list[torch.nn.Module], optim: OptimConfig, *, distributed_optimizer: bool = True,
@@ -33,7 +36,11 @@ def wrap_for_training(chunks: list[torch.nn.Module], optim: OptimConfig, *, dist
     wrapped = [DistributedDataParallel(c.config, ddp_config, c) for c in chunks]
     config = chunks[0].config
     config.finalize_model_grads_func = finalize_model_grads  # DP reduction, tied-embedding sync
-    offload = dict(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0) if optim.offload else {}
+    offload = {}
+    if optim.offload and torch.cuda.is_available():
+        offload = dict(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0)
+    elif optim.offload:  # megatron's hybrid optimizer needs CUDA streams; without a GPU all state is on the host
+        log.info("optimizer offload has nothing to do without a GPU: the optimizer state is in host memory already")
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=optim.lr, weight_decay=optim.weight_decay, adam_beta1=optim.betas[0],
         adam_beta2=optim.betas[1], adam_eps=optim.eps, clip_grad=optim.grad_clip,
