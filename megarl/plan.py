@@ -1,7 +1,7 @@
 """`megarl plan`: layouts for a model on a cluster, with the memory each needs per GPU.
 
-For every actor layout (TP in 1, 2, 4, 8 within a node, PP dividing the layers, DP the
-rest; CP 1) it estimates the memory of one GPU while training (megatron, bf16 weights, fp32
+For every actor layout (TP and CP in 1, 2, 4, 8 with TP x CP within a node, PP dividing the
+layers, DP the rest) it estimates the memory of one GPU while training (megatron, bf16 weights, fp32
 gradient buffers, Adam with the distributed optimizer), picks the cheapest settings that
 fit (no recompute, then full recompute, then optimizer offload), sizes SGLang engines
 colocated on the same GPUs, and reports the KV cache left to them. The formulas, in bytes,
@@ -33,8 +33,10 @@ and SGLang's --mem-fraction-static is budget / GPU. The engine TP is the smalles
 whose weights take at most half the budget.
 
 These are estimates for choosing a layout, not measurements; layouts are listed by
-preference (no offload, no recompute, fewer pipeline stages, smaller TP) after the
-problems that rule a layout out. Main entry points: `plan`, `estimate`, `ModelShape`.
+preference (no offload, no recompute, no context parallelism, fewer pipeline stages, smaller
+TP) after the problems that rule a layout out: context parallelism splits every sequence's
+activations over CP ranks at the price of exchanging keys and values, and is preferred over
+full recomputation for long sequences. Main entry points: `plan`, `estimate`, `ModelShape`.
 """
 
 from __future__ import annotations
@@ -196,6 +198,8 @@ def estimate(shape: ModelShape, world: int, gpus_per_node: int, gpu_bytes: int, 
         problems.append(f"PP={pp} does not divide the {s.num_layers} layers")
     if tp > gpus_per_node:
         problems.append(f"TP={tp} spans nodes ({gpus_per_node} GPUs per node)")
+    elif tp * cp > gpus_per_node:
+        problems.append(f"TP x CP = {tp * cp} spans nodes ({gpus_per_node} GPUs per node)")
     if not dp:
         problems.append(f"TP x PP x CP = {tp * pp * cp} does not divide the {world} GPUs")
     stage = shape.stage_params(tp, pp) / tp
@@ -247,22 +251,26 @@ def _size_engines(e: Estimate, shape: ModelShape, world: int, gpus_per_node: int
 
 
 def plan(shape: ModelShape, nodes: int, gpus_per_node: int, gpu_bytes: int, work: Workload) -> list[Estimate]:
-    """For each (TP, PP) the first settings that fit in the order no recompute, recompute,
-    recompute + offload (or the last tried, with its problems); feasible layouts first, by
-    preference."""
+    """For each (TP, CP, PP) the first settings that fit in the order no recompute,
+    recompute, recompute + offload (or the last tried, with its problems); feasible layouts
+    first, by preference."""
     world = nodes * gpus_per_node
     out = []
-    for tp in (1, 2, 4, 8):
+    for tp, cp in ((t, c) for t in (1, 2, 4, 8) for c in (1, 2, 4, 8)):
         for pp in (p for p in range(1, 17) if shape.spec.num_layers % p == 0):
-            if tp > gpus_per_node or world % (tp * pp):
+            if tp * cp > gpus_per_node or world % (tp * pp * cp):
                 continue
             for recompute, offload in ((False, False), (True, False), (True, True)):
-                e = estimate(shape, world, gpus_per_node, gpu_bytes, work, tp=tp, pp=pp, recompute=recompute,
+                e = estimate(shape, world, gpus_per_node, gpu_bytes, work, tp=tp, pp=pp, cp=cp, recompute=recompute,
                              offload=offload)
                 if not e.problems:
                     break
             out.append(e)
-    return sorted(out, key=lambda e: (bool(e.problems), e.offload, e.recompute, e.pp, e.tp))
+    return sorted(out, key=preference)
+
+
+def preference(e: Estimate) -> tuple:
+    return bool(e.problems), e.offload, e.recompute, e.cp, e.pp, e.tp
 
 
 def parse_bytes(text: str) -> int:
@@ -295,7 +303,8 @@ def render(shape: ModelShape, nodes: int, gpus_per_node: int, gpu_bytes: int, wo
     ruled_out = [e for e in estimates if e.problems]
     if ruled_out:
         lines += ["", "ruled out:"]
-        lines += [f"  TP={e.tp} PP={e.pp}{' recompute' if e.recompute else ''}{' offload' if e.offload else ''}: "
+        lines += [f"  TP={e.tp} PP={e.pp}{f' CP={e.cp}' if e.cp > 1 else ''}{' recompute' if e.recompute else ''}"
+                  f"{' offload' if e.offload else ''}: "
                   + "; ".join(e.problems) for e in ruled_out]
     if shown:
         lines += ["", "recommended (megarl train overrides): " + " ".join(overrides(shown[0]))]
@@ -309,7 +318,7 @@ def overrides(e: Estimate) -> list[str]:
     out = []
     for w in workers:
         out += [f"{w}.parallel.tensor_model_parallel_size={e.tp}", f"{w}.parallel.pipeline_model_parallel_size={e.pp}",
-                f"{w}.parallel.data_parallel_size={e.dp}", f"{w}.gradient_checkpointing={str(e.recompute).lower()}",
+                f"{w}.parallel.context_parallel_size={e.cp}", f"{w}.parallel.data_parallel_size={e.dp}", f"{w}.gradient_checkpointing={str(e.recompute).lower()}",
                 f"{w}.optim.offload={str(e.offload).lower()}"]
     return out + [f"rollout.tensor_parallel_size={e.engine_tp}", f"rollout.gpu_memory_utilization={e.mem_fraction_static}"]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from megarl.cli import main
-from megarl.plan import GiB, ModelShape, Workload, estimate, parse_bytes, plan
+from megarl.plan import GiB, ModelShape, Workload, estimate, overrides, parse_bytes, plan
 
 GPU = 80 * GiB
 
@@ -98,8 +98,36 @@ def test_plan_prefers_layouts_without_offload_or_recompute():
     assert (best.tp, best.pp, best.dp, best.recompute, best.offload) == (8, 2, 4, False, False)
     assert (best.engine_tp, best.engines) == (4, 16)
     feasible = [e for e in estimates if not e.problems]
-    keys = [(e.offload, e.recompute, e.pp, e.tp) for e in feasible]
+    keys = [(e.offload, e.recompute, e.cp, e.pp, e.tp) for e in feasible]
     assert keys == sorted(keys)
+
+
+def test_qwen2_5_7b_context_parallel_by_hand():
+    """TP=4 x CP=2 on one node: each rank holds half of every sequence, Adam's state is
+    sharded over DP x CP."""
+    shape = ModelShape.load("Qwen2.5-7B")
+    work = Workload(max_prompt_length=1024, max_response_length=7168, max_tokens_per_gpu=16384)
+    e = estimate(shape, 8, 8, GPU, work, tp=4, pp=1, cp=2)
+    assert e.dp == 1
+    stage = 7_615_616_512
+    assert e.optimizer == 12 * (stage // 4) // 2
+    per_layer = 2 * 8192 * (4 * 3584 + (28 + 8) * 128 + 28 * 128 + 3 * 18944) // 4  # 16384 / CP tokens
+    assert per_layer == 325_058_560
+    assert e.activations == 28 * per_layer
+    assert e.logits == 8 * 8192 * 152064 // 4
+    assert any("TP x CP = 16 spans nodes" in p for p in estimate(shape, 16, 8, GPU, work, tp=4, pp=1, cp=4).problems)
+
+
+def test_long_sequences_take_context_parallelism_before_recomputation():
+    """Qwen2.5-7B with 64k-token sequences on one node of 80 GB GPUs: no CP = 1 layout fits
+    without recomputing activations, a CP one does, and the plan prefers it."""
+    work = Workload(max_prompt_length=2048, max_response_length=63488)
+    estimates = plan(ModelShape.load("Qwen2.5-7B"), 1, 8, GPU, work)
+    feasible = [e for e in estimates if not e.problems]
+    assert all(e.recompute for e in feasible if e.cp == 1)
+    best = feasible[0]
+    assert best.cp > 1 and not best.recompute
+    assert f"actor.parallel.context_parallel_size={best.cp}" in overrides(best)
 
 
 def test_command_line(capsys, tmp_path):
@@ -109,8 +137,8 @@ def test_command_line(capsys, tmp_path):
     assert "actor.parallel.tensor_model_parallel_size=8 actor.parallel.pipeline_model_parallel_size=2" in out
     assert main(["plan", "--model", "Qwen2.5-32B", "--nodes", "8", "--overrides"]) == 0
     layout = capsys.readouterr().out.split()
-    assert layout[:3] == ["actor.parallel.tensor_model_parallel_size=8", "actor.parallel.pipeline_model_parallel_size=2",
-                          "actor.parallel.data_parallel_size=4"]
+    assert layout[:4] == ["actor.parallel.tensor_model_parallel_size=8", "actor.parallel.pipeline_model_parallel_size=2",
+                          "actor.parallel.context_parallel_size=1", "actor.parallel.data_parallel_size=4"]
     from megarl.config import load_config  # the overrides are valid keys of a run
     cfg = load_config(str(Path(__file__).parents[1] / "examples/dapo/dapo_qwen2.5_32b.yaml"), layout)
     assert cfg.rollout.tensor_parallel_size == 4
