@@ -215,7 +215,9 @@ class TrainWorkerConfig:
     ppo_mini_batch_size: int = param(32, "Prompts per optimizer step (x rollout.n samples).", gt=0)
     ppo_micro_batch_size: int = param(4, "Samples per forward/backward pass (gradient accumulation unit).", gt=0)
     ppo_epochs: int = param(1, "Passes over each training batch.", gt=0)
-    max_tokens_per_gpu: int | None = param(None, "Token budget of a dynamic micro-batch; None = fixed micro-batch size.", gt=0)
+    max_tokens_per_gpu: int | None = param(
+        None, "Token budget of a dynamic micro-batch (of whole sequences: under context parallelism each rank holds "
+        "1/CP of them); None = fixed micro-batch size.", gt=0)
     pack_sequences: bool | None = param(
         None, "Pack a micro-batch's sequences end to end, no compute on padding (megatron; max_tokens_per_gpu then "
         "counts real tokens): None = where the attention has a packed path (Transformer Engine's THD); true = also "

@@ -198,11 +198,10 @@ def split_batch(batch: TrainBatch, *, micro_batch_size: int, max_tokens: int | N
     """`batch` as micro-batches for this rank's layout (sizes a multiple of TP)."""
     from megatron.core import parallel_state
 
-    tp = parallel_state.get_tensor_model_parallel_world_size()
+    tp, cp = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_context_parallel_world_size()
     plan = plan_micro_batches(batch.attention_mask.sum(1).tolist(), micro_batch_size=micro_batch_size,
-                              max_tokens=max_tokens, multiple=tp, packed=packing is not None)
-    return make_micro_batches(batch, plan, tp, packing, parallel_state.get_context_parallel_world_size(),
-                              parallel_state.get_context_parallel_rank())
+                              max_tokens=max_tokens, multiple=tp * (2 * cp if cp > 1 else 1), packed=packing is not None)
+    return make_micro_batches(batch, plan, tp, packing, cp, parallel_state.get_context_parallel_rank())
 
 
 # head(output of the last stage, micro-batch) -> (loss, dict of results); called on the last stage only
