@@ -183,8 +183,8 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = param(1, "Pipeline-parallel stages (megatron).", gt=0)
     virtual_pipeline_model_parallel_size: int | None = param(None, "Virtual stages per pipeline rank (interleaved schedule).", gt=0)
     context_parallel_size: int = param(
-        1, "Context-parallel size (megatron): every sequence split over this many ranks (padded rows; "
-        "Transformer Engine's ring attention on GPUs, all-gathered keys and values on the local layers).", gt=0)
+        1, "Context-parallel size (megatron): every sequence split over this many ranks (Transformer Engine's "
+        "ring attention on GPUs, padded rows; all-gathered keys and values on the local layers).", gt=0)
     sequence_parallel: bool = param(True, "Sequence parallelism with TP > 1 (megatron).")
     use_distributed_optimizer: bool = param(True, "Shard optimizer state over data-parallel ranks (megatron).")
     data_parallel_size: int | None = param(

@@ -39,6 +39,7 @@ def a_batch(vocab: int, seed: int = 0) -> TrainBatch:
     ("qwen2", False, "tp1", None, "mask"), ("llama", True, "tp2", 24, "mask"), ("qwen3", False, "tp2pp2", 24, "mask"),
     # context parallel: each sequence split over two ranks (load-balanced chunks)
     ("qwen2", True, "cp2", None, None), ("llama", False, "tp2cp2", 24, None), ("qwen3", True, "cp2pp2", None, None),
+    ("qwen3", False, "cp2", None, "mask"), ("llama", True, "tp2cp2", 24, "mask"),  # packed rows split over CP
 ])
 def test_log_probs_match_hf_and_export_is_exact(tmp_path, family, tied, layout, max_tokens, packing):
     model = tiny_hf_model(family, tie_word_embeddings=tied)

@@ -59,6 +59,26 @@ def test_packed_micro_batch_layout_by_hand():
         [[0.0, 1.0, 2.0], [0.0, 4.0, 5.0]]  # (padding beyond a row is masked by the callers)
 
 
+def test_context_parallel_shares_of_a_packed_micro_batch_by_hand():
+    """The packed row of the example above at CP=2 (padded to a multiple of 2 x CP = 4:
+    [11 12 13 21 22 0 0 0]): rank 0 holds positions 0, 1, 6, 7 and rank 1 positions 2-5; each
+    keeps the loss on the tokens predicted at its positions (token t at position t - 1)."""
+    from megarl.backends.batch import TrainBatch
+    from megarl.backends.megatron.forward import make_micro_batches
+
+    batch = TrainBatch.from_sequences([[11, 12], [21]], [[13], [22]], [[1], [1]])
+    (r0,) = make_micro_batches(batch, [[0, 1]], multiple=1, packing="mask", cp=2, cp_rank=0)
+    (r1,) = make_micro_batches(batch, [[0, 1]], multiple=1, packing="mask", cp=2, cp_rank=1)
+    assert r0.cu_seqlens.tolist() == r1.cu_seqlens.tolist() == [0, 3, 5, 8] and r0.seq_length == 8
+    assert r0.owned.tolist() == [0, 1, 6, 7] and r1.owned.tolist() == [2, 3, 4, 5]
+    assert r0.input_ids.tolist() == [[11, 12, 0, 0]] and r1.input_ids.tolist() == [[13, 21, 22, 0]]
+    assert r0.targets.tolist() == [[12, 13, 0, 0]] and r1.targets.tolist() == [[0, 22, 0, 0]]
+    # the response tokens are 13 (row 0, t = 2, position 1: rank 0) and 22 (row 1, t = 1, position 3: rank 1)
+    assert r0.data.loss_mask.tolist() == [[0, 0, 1], [0, 0, 0]]
+    assert r1.data.loss_mask.tolist() == [[0, 0, 0], [0, 1, 0]]
+    assert r1.by_token(torch.tensor([[1.0, 2.0, 3.0, 4.0]])).tolist() == [[0.0, 0.0, 0.0], [0.0, 2.0, 0.0]]
+
+
 @pytest.mark.parametrize("pack_sequences, impl, want", [
     (None, "transformer_engine", "thd"), (None, "local", None), (True, "local", "mask"),
     (True, "transformer_engine", "thd"), (False, "transformer_engine", None), (False, "local", None)])

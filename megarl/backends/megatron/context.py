@@ -68,21 +68,29 @@ class ContextParallelAttention(DotProductAttention):
         self.cp_rank = torch.distributed.get_rank(self.cp_group)
         self._masks: dict[tuple[int, str], torch.Tensor] = {}
 
+    def _positions(self, local: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions of this rank's queries, positions of the gathered keys) in the whole row."""
+        length = local * self.cp
+        return (owned_positions(length, self.cp, self.cp_rank),
+                torch.cat([owned_positions(length, self.cp, r) for r in range(self.cp)]))
+
     def _mask(self, local: int, device) -> torch.Tensor:
-        """(1, 1, local, local x CP) bool, True where a query must not see a key."""
+        """(1, 1, local, local x CP) bool, True where a query must not see a key (causal)."""
         key = (local, str(device))
         if key not in self._masks:
-            length = local * self.cp
-            queries = owned_positions(length, self.cp, self.cp_rank)
-            keys = torch.cat([owned_positions(length, self.cp, r) for r in range(self.cp)])
+            queries, keys = self._positions(local)
             self._masks[key] = (keys[None, :] > queries[:, None])[None, None].to(device)
         return self._masks[key]
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        if attention_mask is not None or packed_seq_params is not None:
-            raise NotImplementedError("packed sequences with context parallelism need Transformer Engine's attention")
+        if packed_seq_params is not None:
+            raise NotImplementedError("THD-packed sequences with context parallelism need Transformer Engine")
+        if attention_mask is None:
+            mask = self._mask(query.shape[0], query.device)
+        else:  # the whole row's mask (packed sequences): this rank's queries against the gathered keys
+            queries, keys = (p.to(attention_mask.device) for p in self._positions(query.shape[0]))
+            mask = attention_mask[:, :, queries][:, :, :, keys]
         key = _GatherSequence.apply(key, self.cp_group)  # [s, b, groups, head dim], s = local x CP
         value = _GatherSequence.apply(value, self.cp_group)
-        return super().forward(query, key, value, self._mask(query.shape[0], query.device), attn_mask_type,
-                               attention_bias, None)
+        return super().forward(query, key, value, mask, attn_mask_type, attention_bias, None)

@@ -152,15 +152,15 @@ def next_tokens(ids: torch.Tensor) -> torch.Tensor:
 
 def make_micro_batches(batch: TrainBatch, plan: list[list[int]], multiple: int, packing: str | None = None,
                        cp: int = 1, cp_rank: int = 0) -> list[MicroBatch]:
-    """The micro-batches of `plan`, sequences padded to a multiple of `multiple` (TP); with
-    context parallelism (cp > 1, padded rows only) this CP rank's share of each, padded to a
-    multiple of 2 x cp x multiple, and a loss mask kept to the tokens whose outputs it holds."""
-    from megarl.backends.megatron.context import owned_positions
-
+    """The micro-batches of `plan`, sequences padded to a multiple of `multiple` (TP). With
+    context parallelism (cp > 1) every padded row, or the packed row of a "mask" micro-batch
+    (THD packing is not split over CP ranks), is padded to a multiple of 2 x cp x multiple and
+    this CP rank gets its share, with a loss mask kept to the tokens whose outputs it holds."""
     if packing not in PACKING:
         raise ValueError(f"packing {packing!r}: use one of {PACKING}")
-    if cp > 1 and packing is not None:
-        raise ValueError("packed sequences with context parallelism are not supported: use padded rows")
+    if cp > 1 and packing == "thd":
+        raise ValueError("THD-packed sequences are not split over context-parallel ranks: use padded rows")
+    multiple *= 2 * cp if cp > 1 else 1
     lengths = batch.attention_mask.sum(1)
     out = []
     for rows in plan:
@@ -168,29 +168,35 @@ def make_micro_batches(batch: TrainBatch, plan: list[list[int]], multiple: int, 
         width = max(int(lengths[index].max()), 1)
         data = batch.select(index).cut(width)
         if packing is None:
-            ids = torch.nn.functional.pad(data.input_ids, (0, round_up(width, multiple * (2 * cp if cp > 1 else 1)) - width))
-            positions, targets = torch.arange(ids.shape[1]).expand_as(ids), next_tokens(ids)
-            if cp == 1:
-                out.append(MicroBatch(rows, data, ids, positions, targets))
-                continue
-            owned = owned_positions(ids.shape[1], cp, cp_rank)
-            held = torch.zeros(ids.shape[1] + 1, dtype=data.loss_mask.dtype)
-            held[owned + 1] = 1  # token t is predicted at position t - 1
-            data = replace(data, loss_mask=data.loss_mask * held[:width])
-            out.append(MicroBatch(rows, data, ids[:, owned], positions[:, owned], targets[:, owned], owned=owned, cp=cp))
-            continue
-        row_lengths = [max(int(n), 1) for n in lengths[index]]
-        sequences = [data.input_ids[r, :n] for r, n in enumerate(row_lengths)]
-        real = sum(row_lengths)
-        total = round_up(real, multiple)
-        if total > real:  # a padding segment of its own, so the last sequence never sees it
-            sequences.append(data.input_ids.new_zeros(total - real))
-        bounds = torch.tensor([0] + [len(s) for s in sequences]).cumsum(0).to(torch.int32)
-        ids = torch.cat(sequences)[None]
-        positions = torch.cat([torch.arange(len(s)) for s in sequences])[None]
-        targets = torch.cat([next_tokens(s) for s in sequences])[None]
-        out.append(MicroBatch(rows, data, ids, positions, targets, packing, bounds))
+            ids = torch.nn.functional.pad(data.input_ids, (0, round_up(width, multiple) - width))
+            micro = MicroBatch(rows, data, ids, torch.arange(ids.shape[1]).expand_as(ids), next_tokens(ids))
+        else:
+            row_lengths = [max(int(n), 1) for n in lengths[index]]
+            sequences = [data.input_ids[r, :n] for r, n in enumerate(row_lengths)]
+            real = sum(row_lengths)
+            total = round_up(real, multiple)
+            if total > real:  # a padding segment of its own, so the last sequence never sees it
+                sequences.append(data.input_ids.new_zeros(total - real))
+            bounds = torch.tensor([0] + [len(s) for s in sequences]).cumsum(0).to(torch.int32)
+            micro = MicroBatch(rows, data, torch.cat(sequences)[None],
+                               torch.cat([torch.arange(len(s)) for s in sequences])[None],
+                               torch.cat([next_tokens(s) for s in sequences])[None], packing, bounds)
+        out.append(micro if cp == 1 else _context_share(micro, cp, cp_rank))
     return out
+
+
+def _context_share(micro: MicroBatch, cp: int, cp_rank: int) -> MicroBatch:
+    """This CP rank's positions of `micro` (whose model rows split into 2 x cp chunks), and
+    its loss mask kept to the tokens predicted at those positions."""
+    from megarl.backends.megatron.context import owned_positions
+
+    owned = owned_positions(micro.input_ids.shape[1], cp, cp_rank)
+    mine = torch.zeros(micro.input_ids.shape, dtype=micro.data.loss_mask.dtype)
+    mine[:, owned] = 1
+    held = micro.by_token(mine)  # 1 where token t's output (at position t - 1) is on this rank
+    data = replace(micro.data, loss_mask=micro.data.loss_mask * held)
+    return replace(micro, data=data, input_ids=micro.input_ids[:, owned], position_ids=micro.position_ids[:, owned],
+                   targets=micro.targets[:, owned], owned=owned, cp=cp)
 
 
 def split_batch(batch: TrainBatch, *, micro_batch_size: int, max_tokens: int | None = None,

@@ -68,11 +68,11 @@ def build_options(worker: TrainWorkerConfig, dtype: str) -> dict:
 
 def micro_batching(worker: TrainWorkerConfig, impl: str) -> dict:
     """How a worker cuts its batches: the keyword arguments of `split_batch`. Context
-    parallelism splits padded rows (packed sequences are not split over CP ranks yet)."""
+    parallelism does not split THD-packed sequences (yet): there rows are padded."""
     from megarl.backends.megatron.forward import packing_for
 
     packing = packing_for(worker.pack_sequences, impl)
-    if packing and worker.parallel.context_parallel_size > 1:
+    if packing == "thd" and worker.parallel.context_parallel_size > 1:
         log.info("context parallelism: sequences are not packed (padded rows are split over the CP ranks)")
         packing = None
     return {"micro_batch_size": worker.ppo_micro_batch_size, "max_tokens": worker.max_tokens_per_gpu,
