@@ -66,7 +66,7 @@ class ContextParallelAttention(DotProductAttention):
         self.cp_group = parallel_state.get_context_parallel_group()
         self.cp = torch.distributed.get_world_size(self.cp_group)
         self.cp_rank = torch.distributed.get_rank(self.cp_group)
-        self._masks: dict[tuple[int, str], torch.Tensor] = {}
+        self._mask_of: tuple[tuple[int, str], torch.Tensor] | None = None  # the last one (every layer asks)
 
     def _positions(self, local: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(positions of this rank's queries, positions of the gathered keys) in the whole row."""
@@ -77,10 +77,10 @@ class ContextParallelAttention(DotProductAttention):
     def _mask(self, local: int, device) -> torch.Tensor:
         """(1, 1, local, local x CP) bool, True where a query must not see a key (causal)."""
         key = (local, str(device))
-        if key not in self._masks:
+        if self._mask_of is None or self._mask_of[0] != key:  # micro-batch widths vary: keep one, not all
             queries, keys = self._positions(local)
-            self._masks[key] = (keys[None, :] > queries[:, None])[None, None].to(device)
-        return self._masks[key]
+            self._mask_of = key, (keys[None, :] > queries[:, None])[None, None].to(device)
+        return self._mask_of[1]
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
