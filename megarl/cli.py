@@ -17,7 +17,7 @@ import sys
 
 from megarl.config import ConfigError, RunConfig, load_config
 from megarl.config_loader import dump_config
-from megarl.plan import add_plan_command
+from megarl.planner import add_plan_command
 from megarl.retrieval.commands import add_retrieval_commands
 
 EXIT_CONFIG_ERROR = 2
@@ -43,7 +43,7 @@ def _train(args: argparse.Namespace) -> int:
 def run_training(cfg: RunConfig) -> int:
     from megarl.train import TrainingStopped, train  # heavy imports only once the config is valid
 
-    from megarl.components import ComponentDied
+    from megarl.errors import ComponentDied
 
     try:
         train(cfg)

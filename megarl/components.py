@@ -1,30 +1,29 @@
-"""Build a run's components from its config: tokenizer, prompts, engine, train worker,
-retriever, reward pool, tracker — and close them again.
+"""A run's components, built from its config: tokenizer, prompts and their order, the
+runtime (train worker, rollout engine, reward pool, retrieval server: megarl.runtime), the
+retrieval client — and closed again.
 
-`megarl.train` calls `build_components` once and then only uses what it returns; keeping
-construction here keeps the loop readable. Main entry point: `build_components`.
+`megarl.train` calls `build_components` once and then only uses what it returns, through
+the typed interfaces (`TrainWorker`, `RolloutEngine`, `RewardComputer`); it never knows
+whether the parts run in this process or as Ray actors. Main entry point: `build_components`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import copy
 import logging
-from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-import torch
 
-from megarl.backends.torch.worker import TorchTrainWorker
+from megarl.backends.base import TrainWorker
 from megarl.config import RunConfig
-from megarl.errors import ComponentDied  # noqa: F401 (raised here, imported from here by callers)
-from megarl.data.prompts import PromptRecord, PromptSampler, load_prompts
-from megarl.reward import RewardPool, RewardSpec
+from megarl.data.prompts import PromptOrder, PromptRecord, load_prompts
+from megarl.errors import ComponentDied
+from megarl.retrieval.client import RetrievalClient
+from megarl.reward.pool import RewardComputer
 from megarl.rollout.agent import AgentSettings
-from megarl.rollout.local import LocalEngine
-from megarl.sync import load_into_engine, verify_engine
+from megarl.rollout.engine import RolloutEngine
+from megarl.runtime import Runtime, build_runtime
 
 log = logging.getLogger(__name__)
 
@@ -32,56 +31,52 @@ log = logging.getLogger(__name__)
 @dataclass
 class Components:
     cfg: RunConfig
-    tokenizer: object
+    tokenizer: object  # the policy's HF tokenizer
     train_records: list[PromptRecord]
     val_records: list[PromptRecord]
-    sampler: PromptSampler
-    engine: object  # a RolloutEngine: LocalEngine or remote.RemoteEngine, rollout.sglang.SGLangFleet
-    worker: object  # a TrainWorker: TorchTrainWorker or remote.RemoteTrainWorker
-    reward_pool: object  # RewardPool or remote.RemoteRewardPool
-    searcher: object | None
+    prompt_order: PromptOrder
+    runtime: Runtime
+    searcher: RetrievalClient | None
     total_steps: int
     dropped_prompts: int
-    closers: ExitStack = field(default_factory=ExitStack)
     last_samples: list = field(default_factory=list)  # the latest training samples, for the rollout table
-    ray_cluster: object | None = None
-    retrieval_server: object | None = None  # the in-process BackgroundServer, when this process runs it
+
+    @property
+    def worker(self) -> TrainWorker:
+        return self.runtime.worker
+
+    @property
+    def engine(self) -> RolloutEngine:
+        return self.runtime.engine
+
+    @property
+    def reward_pool(self) -> RewardComputer:
+        return self.runtime.reward_pool
 
     def sync_weights(self, version: int) -> None:
-        """Trainer weights -> engine in flat buckets of sync.bucket_mb (megarl.sync), then,
-        with sync.verify, the engine's checksums against the trainer's."""
-        if self.ray_cluster is not None:
-            self.ray_cluster.sync_weights(version)
-        else:
-            buckets = self.worker.export_hf_weights(self.cfg.sync.bucket_mb << 20)
-            asyncio.run(load_into_engine(self.engine, buckets, version))
-        if self.cfg.sync.verify:
-            asyncio.run(verify_engine(self.engine, self.worker.weight_checksums()))
+        """Trainer weights -> engine (megarl.runtime.base.Runtime.sync_weights)."""
+        self.runtime.sync_weights(version)
 
     def release_engine_memory(self) -> None:
-        """After the rollouts: colocated engine servers give their GPU memory to the trainer
-        (the next sync_weights takes it back)."""
-        if self.ray_cluster is not None:
-            self.ray_cluster.release_engine_memory()
+        """After the rollouts: engines on the trainer's GPUs give it their memory."""
+        self.runtime.release_engine_memory()
 
     def engine_metrics(self) -> dict[str, float]:
-        """The fleet's restarts and re-sent requests so far (nothing for the embedded engine)."""
-        metrics = getattr(self.engine, "metrics", None)
-        return metrics() if callable(metrics) else {}
+        """The engine's counters so far (the fleet's restarts and re-sent requests)."""
+        return self.engine.metrics()
 
     def check_retrieval(self) -> None:
         """After failed searches: ComponentDied naming the retrieval server when it is gone or
         does not answer its health check; transient failures (it answers) pass."""
         if self.searcher is None:
             return
-        if self.ray_cluster is not None:
-            self.ray_cluster.check_retrieval()
+        self.runtime.check_retrieval()
         base = self.searcher.url.removesuffix("/retrieve")
         try:
             response = httpx.get(base + "/health", timeout=self.cfg.agent.retrieval.timeout_s)
             response.raise_for_status()
         except httpx.HTTPError as e:
-            where = " (Ray actor RetrievalActor)" if self.ray_cluster and self.ray_cluster.retrieval_actor else ""
+            where = self.runtime.retrieval_where if self.runtime.retrieval_url else ""
             raise ComponentDied(f"retrieval server at {base}{where} is not answering: {type(e).__name__}: {e}") from e
 
     def agent_settings(self, validation: bool = False) -> AgentSettings:
@@ -91,22 +86,11 @@ class Components:
                              topk=c.agent.retrieval.topk, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
 
     def close(self) -> None:
-        self.closers.close()
-
-
-def reward_spec(cfg: RunConfig) -> RewardSpec:
-    r = cfg.reward
-    return RewardSpec(custom_function=r.custom_function, weights=dict(r.weights), format_score=r.format_score,
-                      structure_format_score=r.structure_format_score, final_format_score=r.final_format_score,
-                      retrieval_score=r.retrieval_score, repetition_ngram_size=r.repetition_ngram_size,
-                      repetition_max_penalty=r.repetition_max_penalty, cosine_max_len=r.cosine_max_len,
-                      overlong_max_response_length=cfg.rollout.max_response_length,
-                      overlong_buffer_len=cfg.algorithm.overlong.buffer_len,
-                      overlong_penalty_factor=cfg.algorithm.overlong.penalty_factor)
+        self.runtime.shutdown()
 
 
 def build_components(cfg: RunConfig) -> Components:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     model_path = Path(cfg.model.path)
     if not (model_path / "config.json").is_file():
@@ -122,48 +106,13 @@ def build_components(cfg: RunConfig) -> Components:
                                       max_prompt_length=d.max_prompt_length, apply_chat_template=d.apply_chat_template)
     steps_per_epoch = max(len(train_records) // d.train_batch_size, 1)
     total_steps = cfg.trainer.total_training_steps or steps_per_epoch * cfg.trainer.total_epochs
-
-    closers = ExitStack()
-    ray_cluster = None
-    if cfg.cluster.launcher == "ray":
-        from megarl.cluster import RayCluster
-
-        ray_cluster = RayCluster(cfg, total_steps)
-        closers.callback(ray_cluster.shutdown)
-        worker, engine, pool = ray_cluster.worker, ray_cluster.engine, ray_cluster.reward_pool
-    else:
-        torch.manual_seed(cfg.trainer.seed)
-        model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=getattr(torch, cfg.model.dtype))
-        worker = TorchTrainWorker(model, cfg, total_steps=total_steps)
-        engine = LocalEngine(copy.deepcopy(model).eval(), tokenizer, max_batch_size=cfg.rollout.max_concurrency,
-                             seed=cfg.trainer.seed)
-        pool = RewardPool(reward_spec(cfg), num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
-    closers.callback(lambda: asyncio.run(engine.close()))
-    closers.callback(pool.close)
-    searcher, server = None, None
+    runtime = build_runtime(cfg, total_steps)
+    searcher = None
     if cfg.agent.max_turns > 0:
-        searcher, server = _connect_retrieval(cfg, closers, ray_cluster)
+        r = cfg.agent.retrieval
+        url = r.url or runtime.retrieval_url
+        log.info("retrieval server on %s%s", url, f" serving {r.index_dir}" if r.url is None else "")
+        searcher = RetrievalClient(url, timeout_s=r.timeout_s, max_retries=r.max_retries)
     return Components(cfg, tokenizer, train_records, val_records,
-                      PromptSampler(len(train_records), cfg.trainer.seed, d.shuffle), engine, worker, pool, searcher,
-                      total_steps, dropped, closers, ray_cluster=ray_cluster, retrieval_server=server)
-
-
-def _connect_retrieval(cfg: RunConfig, closers: ExitStack, ray_cluster):
-    """(client, in-process server or None): agent.retrieval.url, else the Ray cluster's
-    retrieval actor, else a server started in this process on index_dir."""
-    from megarl.retrieval import RetrievalClient
-
-    r = cfg.agent.retrieval
-    url, server = r.url, None
-    if url is None and ray_cluster is not None:
-        url = ray_cluster.retrieval_url
-    elif url is None:
-        from megarl.retrieval.index import load_index
-        from megarl.retrieval.server import BackgroundServer, create_app
-
-        server = BackgroundServer(create_app(load_index(r.index_dir), default_topk=r.topk), host=r.host, port=r.port)
-        server.start()
-        closers.callback(server.stop)
-        url = server.url
-    log.info("retrieval server on %s%s", url, f" serving {r.index_dir}" if r.url is None else "")
-    return RetrievalClient(url, timeout_s=r.timeout_s, max_retries=r.max_retries), server
+                      PromptOrder(len(train_records), cfg.trainer.seed, d.shuffle), runtime, searcher,
+                      total_steps, dropped)

@@ -1,7 +1,7 @@
 """The typed configuration of a megarl run.
 
 One tree of dataclasses, each field documented with its unit and meaning, defaults
-following DAPO (DESIGN.md, "Reference facts"). A run is described by a YAML file plus
+following DAPO (docs/architecture.md, "Reference settings"). A run is described by a YAML file plus
 dotted command-line overrides (``algorithm.clip_ratio_high=0.28``); `load_config` merges
 them, checks every key and type, and validates the values before any heavy work starts.
 
@@ -12,26 +12,20 @@ schema and the value checks next to it.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from dataclasses import asdict, dataclass
+from typing import Literal
 
 from megarl.config_loader import (
     ConfigError,
     Problems,
     config_to_dict,
     load_config as _load_config,
+    param,
     save_config,
 )
+from megarl.reward.settings import RewardConfig, check_reward_config
 
-__all__ = ["RunConfig", "ConfigError", "load_config", "save_config", "config_to_dict"]
-
-
-def param(default: Any = None, help: str = "", *, factory=None, ge=None, gt=None, le=None, lt=None):
-    """A documented dataclass field; the bounds are checked by `validate_ranges`."""
-    meta = {"help": help, "ge": ge, "gt": gt, "le": le, "lt": lt}
-    if factory is not None:
-        return field(default_factory=factory, metadata=meta)
-    return field(default=default, metadata=meta)
+__all__ = ["RunConfig", "RewardConfig", "ConfigError", "load_config", "save_config", "config_to_dict"]
 
 
 Dtype = Literal["float32", "bfloat16", "float16"]
@@ -62,10 +56,13 @@ class DataConfig:
 
 @dataclass
 class SamplingConfig:
+    """How responses are sampled; the defaults are the training rollouts' (rollout.*),
+    validation sets its own (rollout.val.*)."""
+
     temperature: float = param(1.0, "Sampling temperature; 0 = greedy.", ge=0.0)
     top_p: float = param(1.0, "Nucleus sampling mass.", gt=0.0, le=1.0)
     top_k: int = param(-1, "Top-k sampling; -1 = off.", ge=-1)
-    n: int = param(1, "Samples per prompt.", gt=0)
+    n: int = param(16, "Samples per prompt (in training, the GRPO group size).", gt=0)
 
 
 @dataclass
@@ -91,13 +88,11 @@ class SGLangConfig:
 
 
 @dataclass
-class RolloutConfig:
+class RolloutConfig(SamplingConfig):
+    """Generation engines, and the sampling of training rollouts (temperature, top_p, top_k, n)."""
+
     engine: Literal["local", "sglang"] = param("local", "local = embedded in-process engine; sglang = a fleet of "
                                                "engine servers (rollout.sglang) launched by Ray.")
-    n: int = param(16, "Samples per prompt (the GRPO group size).", gt=0)
-    temperature: float = param(1.0, "Sampling temperature for training rollouts.", ge=0.0)
-    top_p: float = param(1.0, "Nucleus sampling mass for training rollouts.", gt=0.0, le=1.0)
-    top_k: int = param(-1, "Top-k for training rollouts; -1 = off.", ge=-1)
     max_response_length: int = param(20480, "Longest response in tokens (all turns of a trajectory together).", gt=0)
     tensor_parallel_size: int = param(1, "GPUs per rollout engine (SGLang --tp).", gt=0)
     num_engines: int | None = param(None, "Rollout engines; None = as many as the rollout GPUs allow.", gt=0)
@@ -109,7 +104,7 @@ class RolloutConfig:
     sglang: SGLangConfig = param(help="The engine-server fleet (rollout.engine=sglang).", factory=SGLangConfig)
     val: SamplingConfig = param(
         help="Sampling for validation (DAPO's AIME protocol: 32 samples at top_p 0.7 for avg@32).",
-        factory=lambda: SamplingConfig(temperature=1.0, top_p=0.7, n=32),
+        factory=lambda: SamplingConfig(temperature=1.0, top_p=0.7, top_k=-1, n=32),
     )
 
 
@@ -248,28 +243,6 @@ class CriticConfig(TrainWorkerConfig):
 
 
 @dataclass
-class RewardConfig:
-    custom_function: str | None = param(
-        None, "Scorer used instead of routing by data_source: a built-in name (search_r1_em, search_r1_format, "
-        "dapo_math) or 'module.path:function'.")
-    weights: dict[str, float] = param(
-        help="Named reward functions and weights (accuracy, format, tag_count, ...); empty = route by data_source.",
-        factory=dict,
-    )
-    format_score: float = param(0.0, "Search-R1 EM score for a well-formed but wrong answer.")
-    structure_format_score: float = param(0.0, "search_r1_format: credit for a valid think/search/answer structure.")
-    final_format_score: float = param(0.0, "search_r1_format: score of a wrong answer in an invalid structure.")
-    retrieval_score: float = param(0.0, "search_r1_format: bonus when retrieval surfaced a golden answer.")
-    repetition_ngram_size: int = param(3, "repetition_penalty: n-gram size in words.", gt=0)
-    repetition_max_penalty: float = param(-1.0, "repetition_penalty: penalty when every n-gram repeats.", le=0.0)
-    cosine_max_len: int = param(1000, "cosine_scaled: length (tokens) where the cosine schedule ends.", gt=0)
-    timeout_s: float = param(10.0, "Time limit of one reward call; a timeout scores 0 and is counted.", gt=0.0)
-    num_workers: int = param(
-        0, "Reward processes; 0 = in the trainer process (best for cheap rule rewards; use workers for "
-        "math-verify or slow custom functions).", ge=0)
-
-
-@dataclass
 class TrainerConfig:
     output_dir: str = param("outputs/run", "Run directory: resolved config, checkpoints, MLflow store, exports.")
     total_training_steps: int | None = param(None, "Stop after this many steps; None = total_epochs over the data.", gt=0)
@@ -295,8 +268,8 @@ class TrackingConfig:
 @dataclass
 class SyncConfig:
     bucket_mb: int = param(512, "Size of one weight-sync bucket in MiB.", gt=0)
-    transport: Literal["auto", "inprocess", "ipc", "nccl", "disk"] = param(
-        "auto", "How weights reach engine servers: ipc = CUDA IPC handles to engines on the same GPUs (colocated); "
+    transport: str = param(
+        "auto", "How weights reach the engines (a transport registered in megarl.weights): ipc = CUDA IPC handles to engines on the same GPUs (colocated); "
         "nccl = a process group between each pipeline stage's source rank and the engines (gloo without CUDA); "
         "disk = safetensors files in sync.disk_dir; inprocess = the embedded engine (rollout.engine=local). "
         "auto = inprocess for the embedded engine, ipc when colocated on GPUs, nccl otherwise.")
@@ -433,23 +406,20 @@ class RunConfig:
             problems.add("actor.optim.betas", f"{actor.optim.betas} is not two numbers in [0, 1)", "give two numbers in [0, 1), e.g. [0.9, 0.999]")
         if self.trainer.resume not in ("auto", "disable") and not self.trainer.resume.strip():
             problems.add("trainer.resume", "is empty", "use auto, disable or a checkpoint path")
-        custom = self.reward.custom_function
-        if custom is not None and ":" not in custom and not custom.isidentifier():
-            problems.add("reward.custom_function", f"{custom!r} is neither a scorer name nor 'module.path:function'",
-                         "use search_r1_em, search_r1_format, dapo_math or 'module.path:function'")
+        check_reward_config(self.reward, problems, "reward.")
         self._check_rollout(problems)
 
-
     def _check_rollout(self, problems: Problems) -> None:
-        r, c, transport = self.rollout, self.cluster, self.sync.transport
+        from megarl.weights import TRANSPORTS, transport_class  # a small table; a transport's module on use
+
+        r, c, transport = self.rollout, self.cluster, self.sync_transport()
+        if transport not in TRANSPORTS:
+            problems.add("sync.transport", f"{transport!r} is not a weight transport",
+                         f"use auto or one of {sorted(TRANSPORTS)}")
+        else:
+            transport_class(transport).check(self, problems)
         if r.engine == "local":
-            if transport not in ("auto", "inprocess"):
-                problems.add("sync.transport", f"{transport} is for engine servers; the embedded engine takes "
-                             "weights in process", "use sync.transport=auto or rollout.engine=sglang")
             return
-        if transport == "inprocess":
-            problems.add("sync.transport", "inprocess needs the embedded engine (rollout.engine=local)",
-                         "use auto, ipc, nccl or disk with rollout.engine=sglang")
         if c.launcher != "ray":
             problems.add("cluster.launcher", "inprocess cannot launch engine servers", "use cluster.launcher=ray")
         if c.gpus_per_node == 0:
@@ -457,8 +427,6 @@ class RunConfig:
                 problems.add("rollout.sglang.server", "sglang needs GPUs (cluster.gpus_per_node=0)",
                              "use rollout.sglang.server=embedded (or rollout.engine=local) on CPU machines, or set "
                              "cluster.gpus_per_node")
-            if transport == "ipc":
-                problems.add("sync.transport", "ipc passes CUDA memory and needs GPUs", "use nccl or disk")
             return
         if r.tensor_parallel_size > c.gpus_per_node:
             problems.add("rollout.tensor_parallel_size", f"{r.tensor_parallel_size} GPUs per engine is more than "
@@ -475,13 +443,6 @@ class RunConfig:
             problems.add("rollout.mode", f"disaggregated engines need GPUs of their own, but the trainer takes all "
                          f"{c.nnodes * c.gpus_per_node}", "set actor.parallel.data_parallel_size lower, or "
                          "rollout.mode=colocated")
-        if r.mode == "colocated" and transport == "nccl":
-            problems.add("sync.transport", "nccl cannot join a trainer rank and the engine rank on the same GPU "
-                         "(rollout.mode=colocated puts engines on every train GPU; NCCL refuses two ranks on one "
-                         "device)", "use ipc (the colocated default) or disk")
-        if r.mode == "disaggregated" and transport == "ipc":
-            problems.add("sync.transport", "ipc needs the engines on the trainer's GPUs (rollout.mode=colocated)",
-                         "use nccl or disk")
 
     def _check_megatron(self, problems: Problems) -> None:
         p, world = self.actor.parallel, self.train_world_size()

@@ -4,6 +4,10 @@ Generic over the schema (`megarl.config.RunConfig` is the one we use): unknown k
 nearest valid key as a suggestion, values are checked against the field's annotation and its
 declared bounds, and then the schema's own `check_consistency` runs. Every problem found is
 reported together in one `ConfigError`, before any heavy work starts.
+
+Schemas declare their fields with `param` (help text and bounds). This module imports nothing
+of megarl, so that any package (the reward workers, for one) can define its own section of
+the run config with it.
 """
 
 from __future__ import annotations
@@ -19,6 +23,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+
+
+def param(default: Any = None, help: str = "", *, factory=None, ge=None, gt=None, le=None, lt=None):
+    """A documented dataclass field: `help` says its meaning and unit; the bounds (>=, >, <=, <)
+    are checked by `check_ranges`. Give mutable defaults as `factory`."""
+    meta = {"help": help, "ge": ge, "gt": gt, "le": le, "lt": lt}
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
 
 
 class ConfigError(ValueError):

@@ -1,6 +1,6 @@
 """From rollouts to a training batch: rewards, overlong shaping, advantages.
 
-The steps of DESIGN.md's data flow between "rollout" and "update", as small functions the
+The steps of the data flow (docs/architecture.md) between "rollout" and "update", as small functions the
 training loop calls in order. Main entry points: `reward_requests`, `shape_overlong`,
 `to_train_batch`, `compute_advantages`.
 """
@@ -41,7 +41,8 @@ def reward_requests(samples: list[Sample], tokenizer) -> list[RewardRequest]:
 
 
 def shape_overlong(scores: list[float], lengths: list[int], max_response_length: int, algo: AlgorithmConfig) -> list[float]:
-    """DAPO soft overlong punishment added to each score (when algorithm.overlong.enable)."""
+    """DAPO soft overlong punishment added to each score (when algorithm.overlong.enable):
+    the one place a run applies it, once, after the reward (it is no reward component)."""
     o = algo.overlong
     if not o.enable:
         return list(scores)

@@ -1,4 +1,4 @@
-"""The training loop: one plain function, DESIGN.md's data flow from top to bottom.
+"""The training loop: one plain function, the data flow of docs/architecture.md from top to bottom.
 
     megarl train CONFIG.yaml [key=value ...]
 
@@ -20,7 +20,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from megarl import checkpoint
-from megarl.algo import DynamicSampler, masked_mean
+from megarl.algo import InformativeGroupBuffer, masked_mean
 from megarl.components import Components, build_components
 from megarl.config import RunConfig, TrackingConfig, save_config
 from megarl.config_loader import dump_config, flatten_config
@@ -48,7 +48,7 @@ def train(cfg: RunConfig) -> dict[str, float]:
     try:
         if resume_from:
             c.worker.load_checkpoint(resume_from)
-            c.sampler.load_state_dict(meta["sampler"])
+            c.prompt_order.load_state_dict(meta["sampler"])
             c.sync_weights(version=step)
             log.info("resumed from %s (step %d)", resume_from, step)
         else:
@@ -151,11 +151,11 @@ def collect_samples(c: Components, step: int, metrics: dict) -> list[Sample]:
     cfg = c.cfg
     ds = cfg.algorithm.dynamic_sampling
     gen_size = cfg.data.gen_batch_size if ds.enable and cfg.data.gen_batch_size else cfg.data.train_batch_size
-    keeper = DynamicSampler(cfg.data.train_batch_size, ds.max_num_gen_batches)
+    keeper = InformativeGroupBuffer(cfg.data.train_batch_size, ds.max_num_gen_batches)
     generated: list[Sample] = []
     batch_index = 0
     while True:
-        indices = c.sampler.take(gen_size)
+        indices = c.prompt_order.take(gen_size)
         samples, failures = rollout(c, [c.train_records[i] for i in indices], cfg.rollout.n,
                                     seed_base=(cfg.trainer.seed * 1_000_003 + step * 1009 + batch_index) * 10_000,
                                     group_base=(step * 1000 + batch_index) * 100_000)
@@ -262,7 +262,7 @@ def plot_curves(history: list[dict], path: Path) -> Path:
 
 
 def _save(c: Components, root: Path, step: int, run_id: str | None, history: list) -> None:
-    meta = {"run_id": run_id, "sampler": c.sampler.state_dict(), "history": history}
+    meta = {"run_id": run_id, "sampler": c.prompt_order.state_dict(), "history": history}  # key as in old checkpoints
     checkpoint.save_atomically(root, step, c.worker.save_checkpoint, meta)
     checkpoint.prune(root, c.cfg.trainer.max_ckpt_to_keep)
 

@@ -101,7 +101,7 @@ def trained_export(hf_dir: str, overrides: list[str], update, batch, bucket_byte
 
     w = worker(hf_dir, overrides)
     w.update_actor(update)
-    from megarl.sync import flatten
+    from megarl.weights.buckets import flatten
 
     buckets = [(b.data, [astuple(e) for e in b.entries]) for b in map(flatten, w.export_hf_weights(bucket_bytes))]
     return (buckets if w.is_export_source else []), w.weight_checksums(), w.compute_log_prob(batch)[0]

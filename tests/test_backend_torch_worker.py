@@ -14,7 +14,8 @@ from megarl.backends.torch.worker import TorchTrainWorker
 from megarl.config import load_config
 from megarl.rollout.engine import SamplingParams
 from megarl.rollout.local import LocalEngine
-from megarl.sync import flatten, load_into_engine, unpack_bucket, verify_engine
+from megarl.weights.buckets import flatten, unpack_bucket, verify_engine
+from megarl.weights.inprocess import load_into_engine
 from test_backend_torch_actor import random_batch
 from tiny_models import reference_log_probs, tiny_model
 

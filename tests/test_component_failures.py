@@ -37,7 +37,7 @@ def test_stopped_in_process_retrieval_server_is_named(world, tmp_path, monkeypat
     c = build_components(config(world, tmp_path, "inprocess"))
     try:
         c.check_retrieval()  # alive: passes
-        c.retrieval_server.stop()
+        c.runtime.retrieval_server.stop()
         with pytest.raises(ComponentDied, match=r"retrieval server at http://127\.0\.0\.1:\d+ is not answering"):
             c.check_retrieval()
 
@@ -70,13 +70,13 @@ def test_dead_ray_actors_are_named(world, tmp_path):
     try:
         train_step(c, 0)  # everything alive: a normal step
         c.check_retrieval()
-        kill(c.ray_cluster.retrieval_actor)
+        kill(c.runtime.retrieval_actor)
         with pytest.raises(ComponentDied, match=r"retrieval server at http://\S+ \(Ray actor RetrievalActor\)"):
             c.check_retrieval()
-        kill(c.ray_cluster.reward_actor)
+        kill(c.runtime.reward_actor)
         with pytest.raises(ComponentDied, match="reward workers \\(Ray actor RewardActor\\) died"):
             c.reward_pool.compute([])
-        kill(c.ray_cluster.engine_actor)
+        kill(c.runtime.engine_actor)
         with pytest.raises(ComponentDied, match="rollout engine \\(Ray actor EngineActor\\) died"):
             train_step(c, 5)
     finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
 from pathlib import Path
 
 import pytest
@@ -124,6 +125,10 @@ def test_out_of_range(override, bound):
     (["actor.parallel.tensor_model_parallel_size=2"], "actor.parallel", "torch backend"),
     (["actor.fp8=hybrid"], "actor.fp8", "megatron"),
     (["reward.custom_function=mymodule.score"], "reward.custom_function", "module.path:function"),
+    # the reward code's rule: a bare name must be a built-in scorer
+    (["reward.custom_function=my_reward"], "reward.custom_function", "module.path:function"),
+    (["reward.weights={task_score: 1.0, soft_overlong: 1.0}"], "reward.weights",
+     "the overlong penalty is algorithm.overlong (DAPO's soft overlong punishment, applied once, after the reward)"),
     (["reward.repetition_max_penalty=0.5"], "reward.repetition_max_penalty", "out of range"),
     (["rollout.engine=sglang"], "rollout.sglang.server", "needs GPUs"),
     (["rollout.engine=sglang", "rollout.sglang.server=embedded", "sync.transport=ipc"], "sync.transport",
@@ -160,13 +165,12 @@ def test_inconsistent_values(overrides, key, words):
     assert words in found[0][1]
 
 
-def test_reward_section_maps_onto_the_reward_spec():
-    # the trainer builds megarl.reward.RewardSpec from reward.* (pool settings aside)
-    from megarl.reward import RewardSpec
+def test_reward_section_is_the_reward_settings_the_reward_code_takes():
+    from megarl.reward import RewardConfig
 
     cfg = load_config(None, ["reward.custom_function=search_r1_format", "reward.structure_format_score=0.2"])
-    shared = {k: v for k, v in dataclasses.asdict(cfg.reward).items() if k not in ("timeout_s", "num_workers")}
-    spec = RewardSpec(**shared)
+    spec = cfg.reward
+    assert isinstance(spec, RewardConfig)
     assert (spec.custom_function, spec.structure_format_score) == ("search_r1_format", 0.2)
 
 
@@ -213,12 +217,25 @@ def test_save_and_reload_round_trip(tmp_path):
 
 def test_every_field_is_documented():
     def walk(schema, prefix=""):
+        hints = typing.get_type_hints(schema)  # the annotations are strings (postponed evaluation)
         for f in dataclasses.fields(schema):
             assert f.metadata.get("help"), f"{prefix}{f.name} has no help text"
-            if dataclasses.is_dataclass(f.type if not isinstance(f.type, str) else None):
-                walk(f.type, prefix + f.name + ".")
+            if dataclasses.is_dataclass(hints[f.name]):
+                walk(hints[f.name], prefix + f.name + ".")
     walk(RunConfig)
     assert "algorithm.dynamic_sampling.max_num_gen_batches" in dotted_keys(RunConfig)
+
+
+def test_rollout_sampling_keys_are_the_inherited_sampling_fields():
+    # rollout.* takes SamplingConfig's fields (the training defaults); rollout.val has its own
+    cfg = load_config(None, ["rollout.temperature=0.6", "rollout.val.top_k=20"])
+    flat = flatten_config(cfg)
+    names = ("temperature", "top_p", "top_k", "n")
+    assert [flat[f"rollout.{k}"] for k in names] == [0.6, 1.0, -1, 16]
+    assert [flat[f"rollout.val.{k}"] for k in names] == [1.0, 0.7, 20, 32]
+    assert [k for k in dotted_keys(RunConfig) if k.startswith("rollout.") and k.rsplit(".", 1)[1] in names] == [
+        "rollout.temperature", "rollout.top_p", "rollout.top_k", "rollout.n",
+        "rollout.val.temperature", "rollout.val.top_p", "rollout.val.top_k", "rollout.val.n"]
 
 
 def test_flatten_for_tracking():

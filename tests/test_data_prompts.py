@@ -4,7 +4,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from megarl.data.prompts import DataError, PromptSampler, load_prompts
+from megarl.data.prompts import DataError, PromptOrder, load_prompts
 from tiny_models import tiny_tokenizer
 
 TOK = tiny_tokenizer()
@@ -54,17 +54,17 @@ def test_bad_json_line(tmp_path):
         load_prompts([str(tmp_path / "t.jsonl")], TOK, max_prompt_length=64)
 
 
-def test_sampler_epochs_and_resume():
-    straight = PromptSampler(5, seed=3)
+def test_prompt_order_epochs_and_resume():
+    straight = PromptOrder(5, seed=3)
     draws = [straight.take(3) for _ in range(4)]  # 12 draws over 3 epochs
     flat = [i for d in draws for i in d]
     assert sorted(flat[:5]) == list(range(5)) and sorted(flat[5:10]) == list(range(5))  # each epoch a permutation
-    resumed = PromptSampler(5, seed=3)
+    resumed = PromptOrder(5, seed=3)
     resumed.take(3), resumed.take(3)
     state = resumed.state_dict()
-    fresh = PromptSampler(5, seed=3)
+    fresh = PromptOrder(5, seed=3)
     fresh.load_state_dict(state)
     assert [fresh.take(3), fresh.take(3)] == draws[2:]
-    assert PromptSampler(4, seed=0, shuffle=False).take(6) == [0, 1, 2, 3, 0, 1]
+    assert PromptOrder(4, seed=0, shuffle=False).take(6) == [0, 1, 2, 3, 0, 1]
     with pytest.raises(DataError, match="same data and seed"):
-        PromptSampler(6, seed=3).load_state_dict(state)
+        PromptOrder(6, seed=3).load_state_dict(state)

@@ -1,5 +1,5 @@
 """`megarl plan` against numbers worked out by hand from the public configs (each written as
-the arithmetic it came from, in the order of megarl/plan.py's docstring)."""
+the arithmetic it came from, in the order of megarl/planner.py's docstring)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from megarl.cli import main
-from megarl.plan import GiB, ModelShape, Workload, estimate, overrides, parse_bytes, plan
+from megarl.planner import GiB, ModelShape, Workload, estimate, overrides, parse_bytes, plan_layouts
 
 GPU = 80 * GiB
 
@@ -87,13 +87,13 @@ def test_layouts_that_cannot_work_say_why(tp, pp, words):
 
 
 def test_a_model_too_big_for_the_cluster_has_no_layout():
-    estimates = plan(ModelShape.load("Qwen2.5-72B"), 1, 8, 24 * GiB, Workload())
+    estimates = plan_layouts(ModelShape.load("Qwen2.5-72B"), 1, 8, 24 * GiB, Workload())
     assert estimates and all(e.problems for e in estimates)
     assert any("training needs" in p for e in estimates for p in e.problems)
 
 
 def test_plan_prefers_layouts_without_offload_or_recompute():
-    estimates = plan(ModelShape.load("Qwen2.5-32B"), 8, 8, GPU, Workload())
+    estimates = plan_layouts(ModelShape.load("Qwen2.5-32B"), 8, 8, GPU, Workload())
     best = estimates[0]
     assert (best.tp, best.pp, best.dp, best.recompute, best.offload) == (8, 2, 4, False, False)
     assert (best.engine_tp, best.engines) == (4, 16)
@@ -122,7 +122,7 @@ def test_long_sequences_take_context_parallelism_before_recomputation():
     """Qwen2.5-7B with 64k-token sequences on one node of 80 GB GPUs: no CP = 1 layout fits
     without recomputing activations, a CP one does, and the plan prefers it."""
     work = Workload(max_prompt_length=2048, max_response_length=63488)
-    estimates = plan(ModelShape.load("Qwen2.5-7B"), 1, 8, GPU, work)
+    estimates = plan_layouts(ModelShape.load("Qwen2.5-7B"), 1, 8, GPU, work)
     feasible = [e for e in estimates if not e.problems]
     assert all(e.recompute for e in feasible if e.cp == 1)
     best = feasible[0]

@@ -12,10 +12,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from megarl.data.prepare import DAPO_MATH_INSTRUCTION
 from megarl.data.prompts import load_prompts
 from megarl.reward import compute_score
 from megarl.rollout.agent import SEARCH_INSTRUCTION
-from megarl.synthetic import DAPO_MATH_INSTRUCTION
 from tiny_models import tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]

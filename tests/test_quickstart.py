@@ -9,8 +9,9 @@ from mlflow.tracking import MlflowClient
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from megarl.config import load_config
-from megarl.quickstart import MathSettings, QuickstartSettings, main, prepare, prepare_math
-from megarl.synthetic import read_facts, read_sums
+from megarl.quickstart import MathSettings, QuickstartSettings, prepare, prepare_math
+from megarl.quickstart.__main__ import main
+from megarl.quickstart.worlds import read_facts, read_sums
 from megarl.tracking import local_store_uri
 from megarl.train import train
 
@@ -57,7 +58,7 @@ def test_quickstart_config_trains_on_prepared_inputs(tmp_path, monkeypatch, caps
 
 
 def test_command_line(tmp_path, monkeypatch):
-    import megarl.quickstart as qs
+    import megarl.quickstart.__main__ as qs
 
     seen = {}
     monkeypatch.setattr(qs, "prepare", lambda out, settings, force=False: seen.update(search=out, force=force,

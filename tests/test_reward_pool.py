@@ -8,10 +8,12 @@ import pytest
 
 import reward_fixtures
 from megarl.reward.pool import RewardPool
-from megarl.reward.scoring import RewardRequest, RewardSpec
+from megarl.config import load_config
+from megarl.reward.scoring import RewardRequest
+from megarl.reward.settings import RewardConfig
 
 FIXTURES = reward_fixtures.__name__
-MISBEHAVING = RewardSpec(custom_function=f"{FIXTURES}:misbehaving_score")
+MISBEHAVING = RewardConfig(custom_function=f"{FIXTURES}:misbehaving_score")
 TIMEOUT_S, GRACE_S = 0.5, 0.5
 
 
@@ -35,7 +37,7 @@ def mixed_requests(n: int) -> list[RewardRequest]:
 
 def test_pool_results_equal_serial_results_in_order():
     # weights with task_score (routed) and the group-level len component
-    spec = RewardSpec(weights={"task_score": 1.0, "len": 0.5, "tag_count": 0.1}, format_score=0.1)
+    spec = RewardConfig(weights={"task_score": 1.0, "len": 0.5, "tag_count": 0.1}, format_score=0.1)
     requests = mixed_requests(120)
     with RewardPool(spec, num_workers=0) as serial:
         expected, serial_stats = serial.compute(requests)
@@ -50,7 +52,7 @@ def test_pool_results_equal_serial_results_in_order():
 
 
 def test_empty_batch():
-    with RewardPool(RewardSpec(), num_workers=1) as pool:
+    with RewardPool(RewardConfig(), num_workers=1) as pool:
         results, stats = pool.compute([])
     assert results == [] and stats.num_requests == 0
 
@@ -118,7 +120,7 @@ def test_serial_mode_uses_the_same_guard():
 
 def test_bad_custom_function_fails_at_construction_in_the_caller():
     with pytest.raises(ValueError, match="cannot import module 'no_such_module_xyz'"):
-        RewardPool(RewardSpec(custom_function="no_such_module_xyz:score"), num_workers=2)
+        RewardPool(RewardConfig(custom_function="no_such_module_xyz:score"), num_workers=2)
 
 
 @pytest.mark.parametrize(
@@ -132,11 +134,25 @@ def test_bad_custom_function_fails_at_construction_in_the_caller():
 )
 def test_pool_argument_validation(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        RewardPool(RewardSpec(), **kwargs)
+        RewardPool(RewardConfig(), **kwargs)
+
+
+def test_pool_takes_the_run_configs_reward_section():
+    cfg = load_config(None, ["reward.custom_function=search_r1_format", "reward.structure_format_score=0.2"])
+    with RewardPool(cfg.reward, num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s) as pool:
+        (result,), _ = pool.compute([RewardRequest("my_qa", "<answer>Paris</answer>", "Paris")])
+    assert (result.score, result.acc) == (pytest.approx(0.8), True)  # 1 - structure_format_score
+
+
+def test_settings_changed_after_they_were_built_are_checked_by_the_pool():
+    cfg = RewardConfig()
+    cfg.weights = {"soft_overlong": 1.0}
+    with pytest.raises(ValueError, match="the overlong penalty is algorithm.overlong"):
+        RewardPool(cfg, num_workers=0)
 
 
 def test_compute_after_close_says_so():
-    pool = RewardPool(RewardSpec(), num_workers=1)
+    pool = RewardPool(RewardConfig(), num_workers=1)
     pool.close()
     pool.close()  # idempotent
     with pytest.raises(RuntimeError, match="after close"):

@@ -1,23 +1,24 @@
-"""RewardSpec → score_one → apply_group_rewards: task score, weighted components,
-correctness for the length components, group-level len, and spec validation."""
+"""RewardConfig → score_one → apply_group_rewards: task score, weighted components,
+correctness for the length components, group-level len, and validation of the settings."""
 
 import dataclasses
 
 import pytest
 
 import reward_fixtures
-from megarl.reward.pool import score_guarded
 from megarl.reward.registry import SCORER_OPTION_NAMES
+from megarl.config import AlgorithmConfig, OverlongConfig
+from megarl.experience import shape_overlong
 from megarl.reward.scoring import (
     COMPONENT_NAMES,
     RewardRequest,
     RewardResult,
-    RewardSpec,
     apply_group_rewards,
     combine_rewards,
     failed_result,
     score_one,
 )
+from megarl.reward.settings import RewardConfig
 
 FIXTURES = reward_fixtures.__name__
 STRICT_BOXED_2 = "<think>\nStep 1: 1 + 1.\n</think>\n<answer>\n$\\boxed{2}$\n</answer>"
@@ -46,7 +47,7 @@ def test_combine_rewards_rejects_unknown_weight_names():
 
 
 def test_spec_has_a_field_for_every_scorer_option():
-    fields = {f.name for f in dataclasses.fields(RewardSpec)}
+    fields = {f.name for f in dataclasses.fields(RewardConfig)}
     assert set(SCORER_OPTION_NAMES) <= fields
 
 
@@ -54,40 +55,35 @@ def test_spec_has_a_field_for_every_scorer_option():
     "spec, request_, expected",
     [
         # empty weights: the routed task score alone
-        (RewardSpec(), RewardRequest("nq", "<answer>Paris</answer>", {"target": ["Paris"]}),
+        (RewardConfig(), RewardRequest("nq", "<answer>Paris</answer>", {"target": ["Paris"]}),
          RewardResult(1.0, True, "Paris", {"task_score": 1.0})),
-        (RewardSpec(format_score=0.1), RewardRequest("nq", "<answer>Lyon</answer>", ["Paris"]),
+        (RewardConfig(format_score=0.1), RewardRequest("nq", "<answer>Lyon</answer>", ["Paris"]),
          RewardResult(0.1, False, "Lyon", {"task_score": 0.1})),
-        (RewardSpec(), RewardRequest("math_dapo", "Answer: 3", "4"),
+        (RewardConfig(), RewardRequest("math_dapo", "Answer: 3", "4"),
          RewardResult(-1.0, False, "3", {"task_score": -1.0})),
         # a named scorer from the config, whatever the data_source
-        (RewardSpec(custom_function="search_r1_format", structure_format_score=0.2),
+        (RewardConfig(custom_function="search_r1_format", structure_format_score=0.2),
          RewardRequest("my_qa", "<answer>Paris</answer>", "Paris"),
          RewardResult(0.8, True, "Paris", {"task_score": 0.8})),
         # a custom function by import string
-        (RewardSpec(custom_function=f"{FIXTURES}:float_score"), RewardRequest("x", "a", "a"),
+        (RewardConfig(custom_function=f"{FIXTURES}:float_score"), RewardRequest("x", "a", "a"),
          RewardResult(0.5, True, None, {"task_score": 0.5})),
         # open-r1 style: accuracy 1 + 0.5·format 1 + 0.25·reasoning_steps (1 step → 1/3)
-        (RewardSpec(weights={"accuracy": 1.0, "format": 0.5, "reasoning_steps": 0.25}),
+        (RewardConfig(weights={"accuracy": 1.0, "format": 0.5, "reasoning_steps": 0.25}),
          RewardRequest("any", STRICT_BOXED_2, "2"),
          RewardResult(1.0 + 0.5 + 0.25 / 3, True, None, {"accuracy": 1.0, "format": 1.0, "reasoning_steps": 1 / 3})),
         # unparseable gold: accuracy skipped, acc False, the rest still counts
-        (RewardSpec(weights={"accuracy": 1.0, "tag_count": 1.0}), RewardRequest("any", STRICT_BOXED_2, ""),
+        (RewardConfig(weights={"accuracy": 1.0, "tag_count": 1.0}), RewardRequest("any", STRICT_BOXED_2, ""),
          RewardResult(1.0, False, None, {"accuracy": None, "tag_count": 1.0})),
-        # DAPO recipe: task score + soft overlong (max 100, buffer 20; 90 tokens → −0.5)
-        (RewardSpec(weights={"task_score": 1.0, "soft_overlong": 1.0}, overlong_max_response_length=100,
-                    overlong_buffer_len=20),
-         RewardRequest("math_dapo", "Answer: 4", "4", response_length=90),
-         RewardResult(0.5, True, "4", {"task_score": 1.0, "soft_overlong": -0.5})),
         # cosine with correctness from the task score; length in tokens (500 of 1000 → 0.75)
-        (RewardSpec(weights={"task_score": 1.0, "cosine_scaled": 1.0}),
+        (RewardConfig(weights={"task_score": 1.0, "cosine_scaled": 1.0}),
          RewardRequest("math_dapo", "Answer: 4", "4", response_length=500),
          RewardResult(1.75, True, "4", {"task_score": 1.0, "cosine_scaled": 0.75})),
         # ... and from math-verify accuracy with weight 0; length in characters without response_length
-        (RewardSpec(weights={"accuracy": 0.0, "cosine_scaled": 1.0}, cosine_max_len=len(STRICT_BOXED_2)),
+        (RewardConfig(weights={"accuracy": 0.0, "cosine_scaled": 1.0}, cosine_max_len=len(STRICT_BOXED_2)),
          RewardRequest("any", STRICT_BOXED_2, "3"),
          RewardResult(-0.5, False, None, {"accuracy": 0.0, "cosine_scaled": -0.5})),
-        (RewardSpec(weights={"repetition_penalty": 1.0}, repetition_ngram_size=1, repetition_max_penalty=-2.0),
+        (RewardConfig(weights={"repetition_penalty": 1.0}, repetition_ngram_size=1, repetition_max_penalty=-2.0),
          RewardRequest("any", "x x x x x", "1"),
          RewardResult(-1.6, False, None, {"repetition_penalty": -1.6})),
     ],
@@ -100,15 +96,16 @@ def test_score_one(spec, request_, expected):
     assert result.error is None
 
 
-def test_soft_overlong_without_token_length_is_a_counted_error():
-    spec = RewardSpec(weights={"soft_overlong": 1.0}, overlong_max_response_length=100, overlong_buffer_len=20)
-    result = score_guarded(spec, RewardRequest("math", "Answer: 1", "1"), timeout_s=5.0)
-    assert (result.score, result.acc, result.timed_out) == (0.0, False, False)
-    assert "response_length" in result.error
+def test_dapo_reward_is_the_task_score_then_the_overlong_penalty_once():
+    # DAPO recipe: task score 1, then algorithm.overlong (max 100, buffer 20; 90 tokens → −0.5)
+    result = score_one(RewardConfig(), RewardRequest("math_dapo", "Answer: 4", "4", response_length=90))
+    assert (result.score, result.acc, result.components) == (1.0, True, {"task_score": 1.0})
+    algo = AlgorithmConfig(overlong=OverlongConfig(enable=True, buffer_len=20, penalty_factor=1.0))
+    assert shape_overlong([result.score], [90], 100, algo) == pytest.approx([0.5])
 
 
 def test_group_len_reward_by_group_id():
-    spec = RewardSpec(weights={"task_score": 0.0, "len": 1.0})
+    spec = RewardConfig(weights={"task_score": 0.0, "len": 1.0})
     requests = [
         RewardRequest("math", "Answer: 1", "1", group_id="a", response_length=10),  # correct, shortest
         RewardRequest("math", "Answer: 2", "1", group_id="a", response_length=20),  # wrong, λ = 0
@@ -125,7 +122,7 @@ def test_group_len_reward_by_group_id():
 
 
 def test_group_step_is_a_no_op_without_len():
-    spec = RewardSpec()
+    spec = RewardConfig()
     requests = [RewardRequest("math", "Answer: 1", "1", group_id="a")]
     results = [score_one(spec, requests[0])]
     assert apply_group_rewards(spec, requests, results) is results
@@ -137,16 +134,16 @@ def test_group_step_is_a_no_op_without_len():
         ({"weights": {"acuracy": 1.0}}, "unknown reward weight names \\['acuracy'\\]"),
         ({"weights": {"format": float("nan")}}, "must be a finite number"),
         ({"custom_function": "my_reward"}, "'module.path:function'"),
-        ({"repetition_max_penalty": 1.0}, "must be <= 0"),
-        ({"weights": {"soft_overlong": 1.0}}, "needs overlong_max_response_length"),
-        ({"weights": {"soft_overlong": 1.0}, "overlong_max_response_length": 100, "overlong_buffer_len": 100},
-         "overlong_buffer_len=100"),
+        ({"repetition_max_penalty": 1.0}, "reward.repetition_max_penalty: 1.0 is out of range"),
+        # the overlong penalty is algorithm.overlong, not a reward component: it would count twice
+        ({"weights": {"task_score": 1.0, "soft_overlong": 1.0}},
+         "reward.weights: names soft_overlong, but the overlong penalty is algorithm.overlong"),
         ({"weights": {"cosine_scaled": 1.0, "format": 1.0}}, "add 'accuracy'"),
         ({"weights": {"len": 1.0}}, "nothing measures correctness"),
-        ({"cosine_max_len": 0}, "cosine_max_len=0"),
+        ({"cosine_max_len": 0}, "reward.cosine_max_len: 0 is out of range"),
         ({"custom_function": "dapo_math", "weights": {"format": 1.0}}, "is never called"),
     ],
 )
 def test_spec_validation(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        RewardSpec(**kwargs)
+        RewardConfig(**kwargs)

@@ -136,7 +136,7 @@ def test_pause_and_continue(served):
 def test_every_control_body_of_the_fleet_is_accepted(served):
     """The bodies megarl.rollout.sglang_api builds (checked against SGLang's own structs in
     test_sglang_contract) are the ones the embedded server takes, route by route."""
-    from megarl.rollout import sglang_api
+    from megarl.weights import group, ipc
 
     url, _, _ = served
 
@@ -149,12 +149,12 @@ def test_every_control_body_of_the_fleet_is_accepted(served):
         await client.resume_memory(["weights"])
         await client.resume_memory(["kv_cache"])
         with pytest.raises(RuntimeError, match="no update group megarl-x"):
-            await client.post("/destroy_weights_update_group", sglang_api.destroy_group_body("megarl-x"))
+            await client.post("/destroy_weights_update_group", group.destroy_group_body("megarl-x"))
         with pytest.raises(RuntimeError, match="call /init_weights_update_group first"):
-            await client.post("/update_weights_from_distributed", sglang_api.distributed_update_body(
+            await client.post("/update_weights_from_distributed", group.distributed_update_body(
                 ["lm_head.weight"], ["float32"], [[2, 2]], "megarl-x", 1))
         with pytest.raises(RuntimeError, match="CUDA IPC handles"):
-            await client.post("/update_weights_from_tensor", sglang_api.tensor_update_body(["x"], 1))
+            await client.post("/update_weights_from_tensor", ipc.tensor_update_body(["x"], 1))
         healthy = await client.health()
         await client.close()
         return healthy

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megarl.config import OptimConfig
-from megarl.sft import supervised_warmup
+from megarl.quickstart.sft import supervised_warmup
 from tiny_models import reference_log_probs, tiny_model
 
 

@@ -22,6 +22,7 @@ import pytest
 from megarl.rollout import sglang_api
 from megarl.rollout.engine import GenerationOutput, SamplingParams
 from megarl.rollout.http import HTTPEngine
+from megarl.weights import disk, group, ipc
 
 ROOT = Path(__file__).resolve().parents[1]
 API = ROOT / ".venv" / "sglang-api" / sglang_api.SGLANG_VERSION
@@ -117,13 +118,13 @@ def test_answers_decode_with_the_contract_and_back(api_types, out):
 
 
 CONTROL_BODIES = {
-    "/update_weights_from_disk": sglang_api.disk_update_body("/shared/w/v000003", 3),
-    "/init_weights_update_group": sglang_api.init_group_body("10.0.0.1", 29500, 1, 9, "megarl-sync-rank0", "nccl"),
-    "/destroy_weights_update_group": sglang_api.destroy_group_body("megarl-sync-rank0"),
-    "/update_weights_from_distributed": sglang_api.distributed_update_body(
+    "/update_weights_from_disk": disk.update_body("/shared/w/v000003", 3),
+    "/init_weights_update_group": group.init_group_body("10.0.0.1", 29500, 1, 9, "megarl-sync-rank0", "nccl"),
+    "/destroy_weights_update_group": group.destroy_group_body("megarl-sync-rank0"),
+    "/update_weights_from_distributed": group.distributed_update_body(
         ["model.embed_tokens.weight", "lm_head.weight"], ["bfloat16", "bfloat16"], [[300, 64], [300, 64]],
         "megarl-sync-rank0", 7),
-    "/update_weights_from_tensor": sglang_api.tensor_update_body(["b64a", "b64b"], 7),
+    "/update_weights_from_tensor": ipc.tensor_update_body(["b64a", "b64b"], 7),
     "/pause_generation": sglang_api.pause_body(),
     "/continue_generation": sglang_api.continue_body(),
     "/release_memory_occupation": sglang_api.memory_body(),
@@ -147,7 +148,7 @@ def test_every_control_route_has_a_body_here():
 
 def test_weight_versions_and_pause_mode():
     # SGLang's weight_version is a string; its default pause mode ("abort") would drop requests
-    assert sglang_api.disk_update_body("/w", 12)["weight_version"] == "12"
+    assert disk.update_body("/w", 12)["weight_version"] == "12"
     assert sglang_api.pause_body() == {"mode": "retract"}
     with pytest.raises(ValueError, match="kv_cache"):
         sglang_api.memory_body(["activations"])
@@ -183,5 +184,5 @@ def test_client_sends_the_contract_bodies(api_types):
     bodies = dict(seen)
     api_types.GenerateRequest.from_json_value(bodies["/generate"])
     assert bodies["/pause_generation"] == CONTROL_BODIES["/pause_generation"]
-    assert bodies["/update_weights_from_disk"] == sglang_api.disk_update_body("/w/v2", 2)
+    assert bodies["/update_weights_from_disk"] == disk.update_body("/w/v2", 2)
     assert bodies["/resume_memory_occupation"] == {"tags": ["kv_cache"]}

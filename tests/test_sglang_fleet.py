@@ -20,8 +20,9 @@ from megarl.config import load_config
 from megarl.errors import ComponentDied
 from megarl.rollout.engine import SamplingParams
 from megarl.rollout.sglang import SGLangFleet, ServerProcess, launch_fleet, stop_fleet
-from megarl.sync import group_tensors, hf_tensors, weight_checksums
-from megarl.transport import DistributedSender, open_update_group
+from megarl.weights.buckets import group_tensors, hf_tensors, weight_checksums
+from megarl.weights.group import (DistributedSender, group_ranks, join_update_group, leave_update_group,
+                                  open_update_group)
 from tiny_models import reference_log_probs, tiny_model, tiny_tokenizer
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11], [12, 13], [14, 15, 16, 17, 18], [19, 20, 21], [22, 23], [24, 25, 26], [27, 28]]
@@ -144,14 +145,14 @@ def test_weights_through_disk_then_a_gloo_group(fleet_setup):
     assert asyncio.run(fleet.weight_checksums()) == weight_checksums(hf_tensors(new))
 
     newer = tiny_model("qwen2", vocab_size=new.config.vocab_size, seed=8, eos_token_id=None)
-    world, offsets = fleet.group_ranks()
+    world, offsets = group_ranks(fleet)
     assert (world, offsets) == (3, [1, 2])
     port = __import__("megarl.rollout.sglang", fromlist=["free_port"]).free_port()
     joined = {}
     trainer = threading.Thread(target=lambda: joined.setdefault(
         "group", open_update_group("gloo", "127.0.0.1", port, 0, world, "test-sync", timeout_s=60)))
     trainer.start()
-    asyncio.run(fleet.join_update_group("127.0.0.1", port, "test-sync", "gloo"))
+    asyncio.run(join_update_group(fleet, "127.0.0.1", port, "test-sync", "gloo", timeout_s=60))
     trainer.join()
     sender = DistributedSender(joined["group"], fleet.engine_urls, "test-sync")
     asyncio.run(fleet.pause())
@@ -163,7 +164,7 @@ def test_weights_through_disk_then_a_gloo_group(fleet_setup):
     assert_matches(newer, PROMPTS[:3], outs)
     assert {o.weight_version for o in outs} == {4}
     assert asyncio.run(fleet.weight_checksums()) == weight_checksums(hf_tensors(newer))
-    asyncio.run(fleet.leave_update_group("test-sync"))
+    asyncio.run(leave_update_group(fleet, "test-sync"))
     sender.close()
 
 

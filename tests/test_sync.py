@@ -1,4 +1,4 @@
-"""Weight sync (megarl.sync): flat buckets, checksums, the engine paused around a sync, and a
+"""Weight sync (megarl.weights): flat buckets, checksums, the engine paused around a sync, and a
 TP=2 x PP=2 megatron trainer synced into the embedded engine bit-exactly."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ import asyncio
 import pytest
 import torch
 
-from megarl.sync import FlatBucket, TensorEntry, compare_checksums, load_into_engine, pack_buckets, send_flat, \
+from megarl.weights.buckets import FlatBucket, TensorEntry, compare_checksums, pack_buckets, send_flat, \
     unpack_bucket, verify_engine, weight_checksums
+from megarl.weights.inprocess import load_into_engine
 
 
 def test_buckets_pack_in_order_aligned_and_unpack_exactly():

@@ -7,10 +7,11 @@ import re
 from megarl.data.prompts import load_prompts
 from megarl.retrieval import build_index, load_index
 from megarl.retrieval.corpus import iter_corpus
+from megarl.quickstart.worlds import (RELATIONS, arithmetic_examples, make_facts, question, read_facts,
+                                     read_sums, search_query, warmup_examples, write_arithmetic_world,
+                                     write_search_world)
 from megarl.reward import compute_score
 from megarl.rollout.agent import SEARCH_INSTRUCTION, build_search_prompt
-from megarl.synthetic import (RELATIONS, arithmetic_examples, make_facts, question, read_facts, read_sums,
-                              search_query, warmup_examples, write_arithmetic_world, write_search_world)
 from tiny_models import tiny_tokenizer
 
 

@@ -12,7 +12,7 @@ from megarl.algo.advantages import (
     scores_to_token_rewards,
 )
 from megarl.algo.aggregation import LOSS_AGG_MODES, agg_loss
-from megarl.algo.dynamic_sampling import DynamicSampler, DynamicSamplingError, informative_group_mask
+from megarl.algo.dynamic_sampling import DynamicSamplingError, InformativeGroupBuffer, informative_group_mask
 from megarl.algo.kl import KL_KINDS, kl_penalty
 from megarl.algo.masked import masked_mean, masked_sum, masked_var, masked_whiten
 from megarl.algo.overlong import overlong_penalty
@@ -22,8 +22,8 @@ __all__ = [
     "KL_KINDS",
     "LOSS_AGG_MODES",
     "RATIO_LEVELS",
-    "DynamicSampler",
     "DynamicSamplingError",
+    "InformativeGroupBuffer",
     "agg_loss",
     "compute_gae_advantages",
     "compute_grpo_advantages",

@@ -3,8 +3,8 @@
 A group whose samples all got the same metric (all correct or all wrong) has zero
 advantage under GRPO-style estimators and only dilutes the batch. Such groups are
 dropped and generation continues until `train_batch_size` informative groups are kept.
-Main entry points: `informative_group_mask` (one batch) and `DynamicSampler` (the refill
-loop across generation batches).
+Main entry points: `informative_group_mask` (one batch) and `InformativeGroupBuffer` (the
+refill loop across generation batches).
 """
 
 from __future__ import annotations
@@ -41,14 +41,14 @@ def informative_group_mask(group_ids: GroupIds, metric: torch.Tensor | Sequence[
     return informative[index]
 
 
-class DynamicSampler:
+class InformativeGroupBuffer:
     """Accumulates informative groups over generation batches until a train batch is full.
 
     Each `add` filters one generation batch with `informative_group_mask` and appends the
     kept groups in order of first appearance, members of a group kept together (even if
     interleaved in the input). `take` returns the samples of the earliest
     `train_batch_size` kept groups — extra groups of the last batch are dropped, as in
-    DAPO — and resets the sampler for the next step. Group ids are only compared within
+    DAPO — and empties the buffer for the next step. Group ids are only compared within
     one `add` call. Samples are any Python objects.
 
     train_batch_size: groups (prompts) per training step. max_num_gen_batches: generation

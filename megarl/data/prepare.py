@@ -23,9 +23,16 @@ from pathlib import Path
 
 from megarl.data.prompts import DataError, read_rows
 from megarl.rollout.agent import SEARCH_INSTRUCTION
-from megarl.synthetic import DAPO_MATH_INSTRUCTION, MATH_DATA_SOURCE
 
 log = logging.getLogger(__name__)
+
+# DAPO-Math-17k's prompt around a problem, and its data_source (routed to the DAPO math reward)
+DAPO_MATH_INSTRUCTION = (
+    "Solve the following math problem step by step. The last line of your response should be of the form "
+    "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{problem}\n\n"
+    "Remember to put your answer on its own line after \"Answer:\"."
+)
+MATH_DATA_SOURCE = "math_dapo"
 
 Row = tuple[str, dict]  # (where it came from, e.g. "train.jsonl row 12", the row)
 

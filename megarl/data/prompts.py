@@ -1,11 +1,11 @@
-"""Prompt datasets: verl / Search-R1 rows -> prompt token ids, and a resumable sampler.
+"""Prompt datasets: verl / Search-R1 rows -> prompt token ids, and their resumable order.
 
 A row has `data_source`, the prompt (chat messages [{"role", "content"}] or a string) under
 `prompt_key`, `reward_model: {"ground_truth": ...}` and optional `extra_info`; parquet or
 jsonl. Prompts are rendered with the tokenizer's chat template when asked and available
 (else the message contents are joined), and prompts longer than max_prompt_length tokens
-are dropped and counted. `PromptSampler` yields the same order after a restart from its
-`state_dict()`. Main entry points: `load_prompts`, `PromptSampler`.
+are dropped and counted. `PromptOrder` (which prompts each step trains on) yields the same
+order after a restart from its `state_dict()`. Main entry points: `load_prompts`, `PromptOrder`.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def load_prompts(files: list[str], tokenizer, *, prompt_key: str = "prompt", max
     return records, dropped
 
 
-class PromptSampler:
+class PromptOrder:
     """Epochs of (optionally shuffled) indices, seeded per epoch; resumable from its state."""
 
     def __init__(self, size: int, seed: int, shuffle: bool = True):

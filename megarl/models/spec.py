@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+# The model families megarl supports, HF model_type -> architecture: the one list, also read by
+# the embedded engine (megarl.rollout.decoder).
 FAMILIES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 VOCAB_MULTIPLE = 128  # megatron pads the vocabulary to a multiple of this times TP
 

@@ -4,12 +4,16 @@ process pool that scores a batch under a time limit per call.
 
 Entry points:
 - `compute_score(data_source, solution_str, ground_truth, extra_info=None)`: one response;
-- `RewardSpec` + `score_one(spec, request)`: the reward a run is configured with;
-- `RewardPool(spec, num_workers, timeout_s).compute(requests)`: a batch, as the trainer
+- `RewardConfig` (the run config's `reward` section) + `score_one(cfg, request)`: the
+  reward a run is configured with;
+- `RewardPool(cfg, num_workers, timeout_s).compute(requests)`: a batch, as the trainer
   calls it.
 
-Nothing here imports the rest of megarl except megarl.algo's overlong_penalty, and only
-when the soft_overlong component is used.
+The overlong penalty is not a reward component: it is algorithm.overlong, added once after
+the reward (megarl.experience.shape_overlong).
+
+Nothing here imports the rest of megarl except megarl.config_loader (the `param` fields of
+RewardConfig) and megarl.algo's overlong_penalty (only when soft_overlong_reward is called).
 """
 
 from megarl.reward.dapo_math import dapo_math_score, normalize_final_answer
@@ -25,15 +29,8 @@ from megarl.reward.open_r1 import (
 )
 from megarl.reward.pool import RewardPool, RewardStats, score_guarded
 from megarl.reward.registry import ROUTES, SCORERS, Route, Scorer, compute_score, load_custom_function
-from megarl.reward.scoring import (
-    COMPONENT_NAMES,
-    RewardRequest,
-    RewardResult,
-    RewardSpec,
-    apply_group_rewards,
-    combine_rewards,
-    score_one,
-)
+from megarl.reward.scoring import RewardRequest, RewardResult, apply_group_rewards, combine_rewards, score_one
+from megarl.reward.settings import COMPONENT_NAMES, RewardConfig, check_reward_config
 from megarl.reward.search_r1 import normalize_answer, search_r1_em_score, search_r1_format_score
 from megarl.reward.timeout import RewardTimeout, call_with_timeout
 
@@ -41,16 +38,17 @@ __all__ = [
     "COMPONENT_NAMES",
     "ROUTES",
     "SCORERS",
+    "RewardConfig",
     "RewardPool",
     "RewardRequest",
     "RewardResult",
-    "RewardSpec",
     "RewardStats",
     "RewardTimeout",
     "Route",
     "Scorer",
     "apply_group_rewards",
     "call_with_timeout",
+    "check_reward_config",
     "combine_rewards",
     "compute_score",
     "cosine_scaled_reward",

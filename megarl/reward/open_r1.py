@@ -1,7 +1,10 @@
 """The open-r1 shaping rewards (format, tag counting, reasoning steps, Kimi 1.5 length,
-cosine length scaling, n-gram repetition) and DAPO's soft overlong punishment, each a
-small pure function. A function returns None when it does not apply to a sample; the
-combination (megarl.reward.scoring.combine_rewards) then leaves it out.
+cosine length scaling, n-gram repetition) and the soft overlong punishment, each a
+small pure function. A run applies the overlong punishment as algorithm.overlong, once,
+after the reward (megarl.experience.shape_overlong), not as a reward weight.
+
+A function returns None when it does not apply to a sample; the combination
+(megarl.reward.scoring.combine_rewards) then leaves it out.
 
 Lengths are in tokens when the trainer gives them (RewardRequest.response_length), as
 the length penalties are meant to act on generation cost; open-r1 counts characters.
@@ -106,10 +109,10 @@ def repetition_penalty_reward(response: str, ngram_size: int, max_penalty: float
 
 
 def soft_overlong_reward(length: int, max_response_length: int, buffer_len: int, penalty_factor: float = 1.0) -> float:
-    """DAPO soft overlong punishment (megarl.algo.overlong_penalty), clamped at
-    −penalty_factor so that a response past max_response_length is not punished beyond
-    the full penalty."""
-    # Imported here: megarl.algo pulls in torch, which only this component needs.
+    """open-r1's soft overlong punishment: DAPO's formula (megarl.algo.overlong_penalty, the
+    one place it is written), clamped at −penalty_factor so that a response past
+    max_response_length is not punished beyond the full penalty. Length in tokens."""
+    # Imported here: megarl.algo pulls in torch, which no other reward function needs.
     from megarl.algo.overlong import overlong_penalty
 
     return max(overlong_penalty(length, max_response_length, buffer_len, penalty_factor), -penalty_factor)

@@ -1,7 +1,7 @@
 """Scoring a batch of rewards in persistent worker processes, with a time limit on every
 call, so that no reward can hang or crash the trainer.
 
-Main entry point: `RewardPool(spec, num_workers, timeout_s).compute(requests)`.
+Main entry point: `RewardPool(cfg, num_workers, timeout_s).compute(requests)`.
 
 Two layers of time limit:
 - in the worker, every call runs under SIGALRM (megarl.reward.timeout): a Python-level
@@ -30,16 +30,17 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
+from typing import Protocol
 
 from megarl.reward.scoring import (
     RewardRequest,
     RewardResult,
-    RewardSpec,
     apply_group_rewards,
     failed_result,
     score_one,
     warm_up,
 )
+from megarl.reward.settings import RewardConfig
 from megarl.reward.timeout import RewardTimeout, alarm_available, call_with_timeout
 
 logger = logging.getLogger(__name__)
@@ -65,22 +66,33 @@ class RewardStats:
     seconds: float
 
 
-def score_guarded(spec: RewardSpec, request: RewardRequest, timeout_s: float | None) -> RewardResult:
+class RewardComputer(Protocol):
+    """What the trainer uses of a reward pool: `RewardPool` here, or its proxy in a Ray
+    actor (megarl.runtime.ray_proxies.RemoteRewardPool)."""
+
+    def compute(self, requests: list[RewardRequest]) -> tuple[list[RewardResult], RewardStats]:
+        """Score every request; results in input order, one per request; never raises for
+        a failed reward (it scores 0 and is counted in the stats)."""
+
+    def close(self) -> None: ...
+
+
+def score_guarded(cfg: RewardConfig, request: RewardRequest, timeout_s: float | None) -> RewardResult:
     """score_one under the alarm; a timeout or an exception becomes a failed result."""
     try:
-        return call_with_timeout(lambda: score_one(spec, request), timeout_s)
+        return call_with_timeout(lambda: score_one(cfg, request), timeout_s)
     except RewardTimeout:
         return failed_result(f"timed out after {timeout_s} s", timed_out=True)
     except Exception as error:  # a broken reward function must not stop training
         return failed_result(f"{type(error).__name__}: {error}"[:_MAX_ERROR_CHARS])
 
 
-def _worker_main(conn: Connection, spec: RewardSpec, timeout_s: float) -> None:
+def _worker_main(conn: Connection, cfg: RewardConfig, timeout_s: float) -> None:
     """Worker loop: receive chunks of (index, request), send back results in small batches
     (before each request, whatever is older than _RESULT_FLUSH_S; the rest at chunk end)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     try:
-        warm_up(spec)
+        warm_up(cfg)
     except BaseException as error:
         conn.send(("failed", f"{type(error).__name__}: {error}"))
         return
@@ -97,7 +109,7 @@ def _worker_main(conn: Connection, spec: RewardSpec, timeout_s: float) -> None:
             if done and time.monotonic() - last_flush >= _RESULT_FLUSH_S:
                 conn.send(("results", done))
                 done, last_flush = [], time.monotonic()
-            done.append((index, score_guarded(spec, request, timeout_s)))
+            done.append((index, score_guarded(cfg, request, timeout_s)))
         conn.send(("results", done))
 
 
@@ -105,10 +117,10 @@ class _Worker:
     """One worker process as the parent sees it: its pipe, and the requests it holds
     (in the order it scores them, so pending[0] is the one it is working on)."""
 
-    def __init__(self, context, spec: RewardSpec, timeout_s: float):
+    def __init__(self, context, cfg: RewardConfig, timeout_s: float):
         self.conn, child_conn = context.Pipe(duplex=True)
         self.process = context.Process(
-            target=_worker_main, args=(child_conn, spec, timeout_s), name="megarl-reward-worker", daemon=True
+            target=_worker_main, args=(child_conn, cfg, timeout_s), name="megarl-reward-worker", daemon=True
         )
         self.process.start()
         child_conn.close()
@@ -165,6 +177,7 @@ class _Worker:
 class RewardPool:
     """Persistent reward workers; `compute(requests) -> (results, stats)`.
 
+    cfg is the reward settings (a run config's `reward` section, RunConfig.reward).
     num_workers=0 scores in the calling process (with the alarm when called from the
     main thread; without a time limit otherwise). Use as a context manager or call
     close(); the workers are daemons, so they also end with the trainer.
@@ -172,7 +185,7 @@ class RewardPool:
 
     def __init__(
         self,
-        spec: RewardSpec,
+        cfg: RewardConfig,
         num_workers: int,
         timeout_s: float = 10.0,
         grace_s: float = 5.0,
@@ -191,12 +204,13 @@ class RewardPool:
                 f"RewardPool start_method={start_method!r} is not supported; use 'spawn' or 'forkserver' "
                 "('fork' can deadlock a process that runs threads)"
             )
-        self.spec, self.num_workers = spec, num_workers
+        self.cfg, self.num_workers = cfg, num_workers
         self.timeout_s, self.grace_s, self.chunk_size = timeout_s, grace_s, chunk_size
         self._context = multiprocessing.get_context(start_method)
         self._closed = False
         self._warned_no_alarm = False
-        warm_up(spec)  # a bad custom_function fails here, in the caller, with its own message
+        cfg.validate()  # settings changed after they were built are checked here
+        warm_up(cfg)  # a bad custom_function fails here, in the caller, with its own message
         # One selector for the life of the pool: building one per wait costs as much as
         # scoring a cheap reward.
         self._selector = selectors.DefaultSelector()
@@ -207,7 +221,7 @@ class RewardPool:
         self._wait_until_ready(startup_timeout_s)
 
     def _start_worker(self) -> _Worker:
-        worker = _Worker(self._context, self.spec, self.timeout_s)
+        worker = _Worker(self._context, self.cfg, self.timeout_s)
         self._selector.register(worker.conn, selectors.EVENT_READ, worker)
         self._selector.register(worker.process.sentinel, selectors.EVENT_READ, worker)
         return worker
@@ -261,7 +275,7 @@ class RewardPool:
             if not alarm_available() and not self._warned_no_alarm:
                 logger.warning("RewardPool(num_workers=0) off the main thread scores without a time limit")
                 self._warned_no_alarm = True
-            results = [score_guarded(self.spec, request, self.timeout_s) for request in requests]
+            results = [score_guarded(self.cfg, request, self.timeout_s) for request in requests]
         else:
             try:
                 results, replaced = self._compute_in_workers(requests)
@@ -270,7 +284,7 @@ class RewardPool:
                 # leak into a later batch, so the pool is closed.
                 self.close()
                 raise
-        results = apply_group_rewards(self.spec, requests, results)
+        results = apply_group_rewards(self.cfg, requests, results)
         stats = RewardStats(
             num_requests=len(requests),
             num_timeouts=sum(result.timed_out for result in results),

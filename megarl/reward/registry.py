@@ -29,7 +29,7 @@ CUSTOM_FUNCTION_FORM = (
 class Scorer:
     """A scoring function fn(solution_str, ground_truth, extra_info, **options) -> dict
     with at least "score" (float) and "acc" (bool); `options` names the reward settings
-    (RewardSpec fields of the same name) it takes as keyword arguments."""
+    (RewardConfig fields of the same name) it takes as keyword arguments."""
 
     fn: Callable[..., dict]
     options: tuple[str, ...] = ()

@@ -8,8 +8,9 @@ every running sequence owns a slot of a preallocated K/V tensor per layer, the r
 sequences occupy slots [0, n) (a finished one is swapped with the last), and one decode
 step attends each slot over its own prefix with a length mask.
 
-Supported families: Qwen2 / Qwen2.5 (QKV bias), Qwen3 (QK layer norm), Llama (incl. Llama 3
-rope scaling) — the dense decoders megarl trains. Main entry point: `SlotDecoder`.
+Supported families: the dense decoders megarl trains, `megarl.models.spec.FAMILIES` (their
+differences — QKV bias, QK norm, rope scaling — live in the HF modules we reuse).
+Main entry point: `SlotDecoder`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+from megarl.models.spec import FAMILIES
 
 
 class SlotDecoder:
@@ -27,8 +28,8 @@ class SlotDecoder:
 
     def __init__(self, model: torch.nn.Module, num_slots: int, initial_len: int = 256):
         cfg = model.config
-        if cfg.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"the embedded engine supports model types {SUPPORTED_MODEL_TYPES}, "
+        if cfg.model_type not in FAMILIES:
+            raise ValueError(f"the embedded engine supports model types {sorted(FAMILIES)}, "
                              f"not {cfg.model_type!r}; use rollout.engine=sglang for other architectures")
         if getattr(cfg, "use_sliding_window", False):
             raise ValueError("sliding-window attention is not supported by the embedded engine; "

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
-import torch
+from megarl.weights.buckets import WeightBucket
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -94,17 +94,23 @@ class GenerationOutput:
     meta: dict = field(default_factory=dict)
 
 
-WeightBucket = Mapping[str, torch.Tensor]  # HF parameter name -> full (unsharded) tensor
-
-
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """What the agent loop and the trainer use of a generation engine."""
+    """What the agent loop, the trainer and the weight transports use of a generation engine
+    (the embedded `LocalEngine`, a Ray actor's proxy, the SGLang fleet)."""
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationOutput: ...
 
     async def update_weights(self, buckets: Iterable[WeightBucket], version: int) -> None:
         """Load HF-named tensors bucket by bucket; the next generate uses them."""
+
+    async def begin_weight_update(self) -> None:
+        """Before new weights arrive: stop decoding (in-flight requests wait, none is lost)
+        and take back the memory the weights need, if it was released."""
+
+    async def end_weight_update(self) -> None:
+        """After the new weights are in: drop the stale prefix cache, take back the rest of
+        the released memory (KV cache) and resume decoding."""
 
     async def pause(self) -> None:
         """Stop starting decode steps (in-flight requests wait, none is lost)."""
@@ -115,11 +121,17 @@ class RolloutEngine(Protocol):
         """Drop cached prefixes (after a weight update they are stale)."""
 
     async def release_memory(self) -> None:
-        """Free GPU memory while the trainer runs (no-op where meaningless)."""
+        """After a step's rollouts: free the device memory generation holds, for a trainer on
+        the same GPUs (the next `begin_weight_update` takes it back)."""
 
     async def resume_memory(self) -> None: ...
 
     async def health(self) -> bool: ...
 
     async def weight_checksums(self) -> dict[str, str]:
-        """{HF name: checksum} of the loaded weights (megarl.sync.weight_checksums), for sync.verify."""
+        """{HF name: checksum} of the loaded weights (megarl.weights.buckets.weight_checksums), for sync.verify."""
+
+    def metrics(self) -> dict[str, float]:
+        """Counters for the step's metrics (restarts, re-sent requests); {} where none."""
+
+    async def close(self) -> None: ...

@@ -4,10 +4,9 @@ speaks it as a `RolloutEngine`.
 `create_engine_app(engine)` serves an engine (the embedded one: `python -m
 megarl.rollout.serve`, the CPU fleet and CI) with the pinned SGLang version's routes and
 payloads (`megarl.rollout.sglang_api`): `/generate`, `/health`, `/health_generate`,
-`/flush_cache`, `/pause_generation` (retract), `/continue_generation`, weight updates from
-disk and over a process group (`/init_weights_update_group`,
-`/update_weights_from_distributed`, `/destroy_weights_update_group`), memory release and
-resume, `/get_model_info`, `/get_server_info`, and megarl's own `/weight_checksums`.
+`/flush_cache`, `/pause_generation` (retract), `/continue_generation`, memory release and
+resume, `/get_model_info`, `/get_server_info`, megarl's own `/weight_checksums`, and the
+weight routes of every transport (each served by its module in megarl.weights).
 `HTTPEngine(url)` is the client the SGLang fleet uses for each server; CI runs it against
 the embedded server, and tests/test_sglang_contract.py checks its bodies against SGLang's.
 """
@@ -17,37 +16,20 @@ from __future__ import annotations
 import asyncio
 import tempfile
 from collections.abc import Iterable
-from pathlib import Path
 
 import httpx
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
-from safetensors.torch import load_file, save_file
 
 from megarl.rollout import sglang_api
-from megarl.rollout.engine import GenerationOutput, RolloutEngine, SamplingParams, WeightBucket
-
-
-async def _json_body(request: Request) -> dict:
-    raw = await request.body()
-    if not raw:
-        return {}
-    try:
-        body = await request.json()
-    except ValueError as e:
-        raise HTTPException(400, f"the body is not JSON: {e}")
-    if not isinstance(body, dict):
-        raise HTTPException(400, "the body must be a JSON object")
-    return body
-
-
-def _result(success: bool, message: str) -> JSONResponse:
-    return JSONResponse({"success": success, "message": message}, status_code=200 if success else 400)
+from megarl.rollout.engine import GenerationOutput, RolloutEngine, SamplingParams
+from megarl.weights import all_transports, disk
+from megarl.weights.buckets import WeightBucket
+from megarl.weights.routes import json_body
 
 
 def create_engine_app(engine: RolloutEngine, tokenizer=None, model_path: str = "") -> FastAPI:
     app = FastAPI(title="megarl engine (SGLang-compatible API)")
-    groups: dict[str, object] = {}  # weight-update process groups by name
 
     async def one(ids, params: dict | None, return_logprob: bool) -> dict:
         if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
@@ -102,77 +84,9 @@ def create_engine_app(engine: RolloutEngine, tokenizer=None, model_path: str = "
         await engine.flush_cache()
         return {"success": True}
 
-    @app.post("/update_weights_from_disk")
-    async def update_weights_from_disk(request: Request):
-        body = await _json_body(request)
-        path = Path(str(body.get("model_path", "")))
-        files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
-        if not files:
-            return JSONResponse({"success": False, "message": f"no *.safetensors files in {path}",
-                                 "num_paused_requests": 0}, status_code=400)
-        try:
-            await engine.update_weights((load_file(f) for f in files), _version(body))
-        except (KeyError, ValueError) as e:
-            return JSONResponse({"success": False, "message": str(e), "num_paused_requests": 0}, status_code=400)
-        return {"success": True, "message": f"loaded {len(files)} files", "num_paused_requests": 0}
-
-    @app.post("/init_weights_update_group")
-    async def init_weights_update_group(request: Request):
-        from megarl import transport
-
-        body = await _json_body(request)
-        name = str(body.get("group_name", "weight_update_group"))
-        backend = str(body.get("backend", "nccl"))
-        if backend == "nccl" and not transport.torch.cuda.is_available():
-            return _result(False, "backend nccl needs CUDA; this engine runs on the CPU: use gloo")
-        try:  # the rendezvous blocks until every rank has joined: keep the event loop free
-            groups[name] = await asyncio.to_thread(
-                transport.open_update_group, backend, str(body["master_address"]), int(body["master_port"]),
-                int(body["rank_offset"]), int(body["world_size"]), name)
-        except KeyError as e:
-            return _result(False, f"missing field {e}")
-        except (RuntimeError, ValueError, OSError) as e:
-            return _result(False, f"could not join update group {name}: {e}")
-        return _result(True, f"joined update group {name}")
-
-    @app.post("/destroy_weights_update_group")
-    async def destroy_weights_update_group(request: Request):
-        from megarl import transport
-
-        name = str((await _json_body(request)).get("group_name", "weight_update_group"))
-        if name not in groups:
-            return _result(False, f"no update group {name}")
-        transport.close_update_group(groups.pop(name))
-        return _result(True, f"destroyed update group {name}")
-
-    @app.post("/update_weights_from_distributed")
-    async def update_weights_from_distributed(request: Request):
-        from megarl import transport
-
-        body = await _json_body(request)
-        name = str(body.get("group_name", "weight_update_group"))
-        if name not in groups:
-            return _result(False, f"no update group {name}: call /init_weights_update_group first")
-        if body.get("load_format") != sglang_api.FLATTENED_BUCKET:
-            return _result(False, f"megarl's engine receives load_format={sglang_api.FLATTENED_BUCKET} only")
-        try:
-            tensors = await asyncio.to_thread(transport.receive_bucket, groups[name], body["names"], body["dtypes"],
-                                              body["shapes"])
-            await engine.update_weights([tensors], _version(body))
-        except KeyError as e:
-            return _result(False, f"missing field or unknown tensor {e}")
-        except (RuntimeError, ValueError) as e:
-            return _result(False, str(e))
-        return _result(True, f"loaded {len(tensors)} tensors")
-
-    @app.post("/update_weights_from_tensor")
-    async def update_weights_from_tensor():
-        return _result(False, "update_weights_from_tensor passes CUDA IPC handles, which megarl's embedded engine "
-                              "does not take: use sync.transport=nccl or disk")
-
     @app.post("/pause_generation")
     async def pause_generation(request: Request):
-        mode = (await _json_body(request)).get("mode", "abort")
+        mode = (await json_body(request)).get("mode", "abort")
         if mode not in ("retract", "in_place"):
             return JSONResponse({"message": f"mode {mode!r}: megarl's engine pauses without aborting requests "
                                  "(use retract or in_place)", "status": "error"}, status_code=400)
@@ -181,7 +95,7 @@ def create_engine_app(engine: RolloutEngine, tokenizer=None, model_path: str = "
 
     @app.post("/continue_generation")
     async def continue_generation(request: Request):
-        await _json_body(request)
+        await json_body(request)
         await engine.resume()
         return {"message": "Generation continued successfully.", "status": "ok"}
 
@@ -192,14 +106,9 @@ def create_engine_app(engine: RolloutEngine, tokenizer=None, model_path: str = "
     for route, method in (("/release_memory_occupation", "release_memory"),
                           ("/resume_memory_occupation", "resume_memory")):
         app.add_api_route(route, _caller(engine, method), methods=["GET", "POST"])
+    for transport in all_transports():  # the weight routes: each transport serves its own
+        transport.add_engine_routes(app, engine)
     return app
-
-
-def _version(body: dict) -> int:
-    version = body.get("weight_version")
-    if version is not None and not str(version).isdigit():
-        raise HTTPException(400, f"weight_version {version!r}: megarl's versions are step numbers")
-    return int(version or 0)
 
 
 def _caller(engine, method: str):
@@ -250,13 +159,12 @@ class HTTPEngine:
 
     async def update_weights(self, buckets: Iterable[WeightBucket], version: int) -> None:
         with tempfile.TemporaryDirectory(dir=self.weight_dir, prefix="megarl-weights-") as tmp:
-            for i, bucket in enumerate(buckets):
-                save_file({k: v.contiguous() for k, v in bucket.items()}, str(Path(tmp) / f"bucket-{i:05d}.safetensors"))
+            disk.write_buckets(buckets, tmp, "bucket")
             await self.load_from_disk(tmp, version)
 
     async def load_from_disk(self, directory: str, version: int) -> None:
         """Make the server load every safetensors file in `directory` (on storage it can read)."""
-        await self.post("/update_weights_from_disk", sglang_api.disk_update_body(directory, version))
+        await self.post(disk.ROUTE, disk.update_body(directory, version))
 
     async def post(self, route: str, body: dict, timeout_s: float | None = None) -> dict:
         """POST a control body; raise naming the server and its message unless it succeeded."""
@@ -285,6 +193,16 @@ class HTTPEngine:
         response = await self._client.post("/flush_cache")
         if response.status_code != 200:  # SGLang answers plain text
             raise RuntimeError(f"{self.base_url}/flush_cache answered {response.status_code}: {response.text[:300]}")
+
+    async def begin_weight_update(self) -> None:
+        await self.pause()
+
+    async def end_weight_update(self) -> None:
+        await self.flush_cache()
+        await self.resume()
+
+    def metrics(self) -> dict[str, float]:
+        return {}
 
     async def release_memory(self, tags: list[str] | None = None) -> None:
         await self.post("/release_memory_occupation", sglang_api.memory_body(tags))

@@ -23,7 +23,7 @@ import torch
 
 from megarl.rollout.decoder import SlotDecoder
 from megarl.rollout.engine import GenerationOutput, SamplingParams, WeightBucket
-from megarl.rollout.sampling import sample_next_tokens
+from megarl.rollout.token_sampling import sample_next_tokens
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class LocalEngine:
 
     async def weight_checksums(self) -> dict[str, str]:
         """Per-tensor checksums of the model's HF weights (sync.verify)."""
-        from megarl.sync import hf_tensors, weight_checksums
+        from megarl.weights.buckets import hf_tensors, weight_checksums
 
         return weight_checksums(hf_tensors(self.model))
 
@@ -129,6 +129,16 @@ class LocalEngine:
 
     async def flush_cache(self) -> None:
         """No-op: the embedded engine keeps no cache across requests (no prefix cache)."""
+
+    async def begin_weight_update(self) -> None:
+        await self.pause()
+
+    async def end_weight_update(self) -> None:
+        await self.flush_cache()
+        await self.resume()
+
+    def metrics(self) -> dict[str, float]:
+        return {}
 
     async def release_memory(self) -> None:
         self._ensure_loop()

@@ -170,10 +170,11 @@ def _node_address() -> str:
 
 
 class _ServerHandle:
-    """The fleet's view of one engine: its HTTP client and the actor that can restart it."""
+    """The fleet's view of one engine: its HTTP client and the actor that can restart it
+    (a megarl.weights.transport.EngineServer)."""
 
-    def __init__(self, name: str, actor, url: str, tp: int, settings: SGLangConfig):
-        self.name, self.actor, self.url, self.tp = name, actor, url, tp
+    def __init__(self, name: str, actor, url: str, tp: int, settings: SGLangConfig, node: str = ""):
+        self.name, self.actor, self.url, self.tp, self.node = name, actor, url, tp, node
         self.client = HTTPEngine(url, timeout_s=settings.request_timeout_s)
         self.in_flight = 0
         self.restarts = 0
@@ -188,27 +189,28 @@ class _ServerHandle:
 
 
 class SGLangFleet:
-    """A `RolloutEngine` over engine servers (see the module docstring).
+    """A `RolloutEngine` over engine servers (see the module docstring), and the
+    `EngineServers` the weight transports feed (megarl.weights.transport).
 
-    `engines`: (name, ServerActor handle, url, tp) per engine, already started; `router`:
-    the router's ServerActor and URL, or None. `weight_dir`: storage every engine can read,
-    for `update_weights` from this process and for reloading a restarted engine.
+    `engines`: (name, ServerActor handle, url, tp[, node address]) per engine, already
+    started; `router`: the router's ServerActor and URL, or None. `weight_dir`: storage every
+    engine can read, for `update_weights` from this process and for reloading a restarted
+    engine.
     """
 
-    def __init__(self, engines: Sequence[tuple[str, object, str, int]], settings: SGLangConfig, *,
+    def __init__(self, engines: Sequence[tuple], settings: SGLangConfig, *,
                  router: tuple[object, str] | None = None, weight_dir: str | None = None):
         if not engines:
             raise ValueError("an engine fleet needs at least one engine")
         self.settings = settings
-        self.servers = [_ServerHandle(name, actor, url, tp, settings) for name, actor, url, tp in engines]
+        self.servers = [_ServerHandle(*engine[:4], settings, *engine[4:]) for engine in engines]
         self.router_actor, self.router_url = router if router is not None else (None, None)
         self.front = HTTPEngine(self.router_url, timeout_s=settings.request_timeout_s) if router else None
         self.weight_dir = weight_dir
         self.last_weights: tuple[str, int] | None = None  # (directory, version) a restarted engine reloads
-        self.update_groups_stale = False  # a restarted engine left the weight-update groups
         self.failed_requests = 0  # requests re-sent after an engine failure (a metric)
-        self.engine_nodes: list[str] = []  # node address of each engine (set by launch_fleet)
         self.router_restarts = 0
+        self.memory_released = False  # release_memory ran; the next weight update takes the memory back
         self._epoch = 0  # health passes so far; a request that failed before the latest one just retries
         self._locks: dict[int, asyncio.Lock] = {}
 
@@ -277,7 +279,6 @@ class SGLangFleet:
             raise
         except Exception as e:  # the actor's RuntimeError carries the log tail
             raise ComponentDied(f"rollout engine {server.name} could not be restarted: {e}") from e
-        self.update_groups_stale = True
         if self.last_weights is not None:  # back to the trainer's newest weights
             await server.client.load_from_disk(*self.last_weights)
 
@@ -305,16 +306,37 @@ class SGLangFleet:
         await self._each("flush_cache")
 
     async def release_memory(self, tags: list[str] | None = None) -> None:
-        await self._each("release_memory", tags)
+        """Free the engines' GPU memory for a trainer on the same GPUs: a health pass first
+        (it generates a token, which needs the KV cache), then every kind SGLang releases."""
+        await self.check_engines()
+        await self._each("release_memory", list(tags or sglang_api.MEMORY_TAGS))
+        self.memory_released = True
 
     async def resume_memory(self, tags: list[str] | None = None) -> None:
-        await self._each("resume_memory", tags)
+        await self._each("resume_memory", list(tags or sglang_api.MEMORY_TAGS))
+
+    async def begin_weight_update(self) -> None:
+        """The weights' memory back if released (else a health pass, so that a restarted
+        engine gets the new weights too), then pause."""
+        if self.memory_released:
+            await self.resume_memory(["weights"])
+        else:
+            await self.check_engines()
+        await self.pause()
+
+    async def end_weight_update(self) -> None:
+        """Flush the stale prefix cache, the KV cache back if released, then continue."""
+        await self.flush_cache()
+        if self.memory_released:
+            await self.resume_memory([t for t in sglang_api.MEMORY_TAGS if t != "weights"])
+            self.memory_released = False
+        await self.resume()
 
     # -- weights -----------------------------------------------------------------------------
     async def update_weights(self, buckets: Iterable[WeightBucket], version: int) -> None:
         """Buckets from this process: written once as safetensors into `weight_dir`, then
         loaded by every engine (the disk transport)."""
-        from megarl.transport import write_buckets
+        from megarl.weights.disk import write_buckets
 
         directory = Path(tempfile.mkdtemp(dir=self.weight_dir, prefix=f"v{version:06d}-"))
         write_buckets(buckets, directory, "bucket")
@@ -330,32 +352,16 @@ class SGLangFleet:
 
             shutil.rmtree(previous[0], ignore_errors=True)
 
-    def group_ranks(self) -> tuple[int, list[int]]:
-        """(world size, rank offset of each engine) of a weight-update group: the trainer's
-        source rank is 0, then every engine's TP ranks in order."""
-        offsets, next_rank = [], 1
-        for s in self.servers:
-            offsets.append(next_rank)
-            next_rank += s.tp
-        return next_rank, offsets
+    @property
+    def engine_restarts(self) -> int:
+        return sum(s.restarts for s in self.servers)
 
-    async def join_update_group(self, address: str, port: int, group_name: str, backend: str) -> None:
-        """Every engine joins `group_name` (the trainer joins as rank 0 at the same time)."""
-        world, offsets = self.group_ranks()
-        await asyncio.gather(*[
-            s.client.post("/init_weights_update_group",
-                          sglang_api.init_group_body(address, port, offset, world, group_name, backend),
-                          timeout_s=self.settings.startup_timeout_s)
-            for s, offset in zip(self.servers, offsets)])
+    async def post(self, server: _ServerHandle, route: str, body: dict, timeout_s: float | None = None) -> dict:
+        """POST a control body to one engine (megarl.weights.transport.EngineServers)."""
+        return await server.client.post(route, body, timeout_s=timeout_s)
 
-    async def leave_update_group(self, group_name: str) -> None:
-        """Every engine leaves `group_name`; one that no longer has it (restarted) is fine."""
-        async def leave(s):
-            try:
-                await s.client.post("/destroy_weights_update_group", sglang_api.destroy_group_body(group_name))
-            except RuntimeError as e:
-                log.info("%s: %s", s.name, e)
-        await asyncio.gather(*[leave(s) for s in self.servers])
+    async def post_each(self, route: str, body: dict, timeout_s: float | None = None) -> list[dict]:
+        return await asyncio.gather(*[self.post(s, route, body, timeout_s) for s in self.servers])
 
     async def weight_checksums(self) -> dict[str, str]:
         """Engine 0's checksums, after checking that every engine holds the same weights."""
@@ -424,9 +430,9 @@ def launch_fleet(cfg: RunConfig, placement_group, engine_bundles: list[list[int]
         actor = server_actor.options(num_cpus=0, scheduling_strategy=place(router_bundle)).remote(
             router_command(s, urls, free_port()), "router", host=host, log_dir=log_dir)
         router = (actor, _start_all([actor], ["sglang-router"], s.startup_timeout_s)[0])
-    fleet = SGLangFleet([(f"engine{e}", a, u, cfg.rollout.tensor_parallel_size)
-                         for e, (a, u) in enumerate(zip(actors, urls))], s, router=router, weight_dir=weight_dir)
-    fleet.engine_nodes = nodes
+    fleet = SGLangFleet([(f"engine{e}", a, u, cfg.rollout.tensor_parallel_size, node)
+                         for e, (a, u, node) in enumerate(zip(actors, urls, nodes))], s, router=router,
+                        weight_dir=weight_dir)
     log.info("rollout fleet: %d %s engines (TP %d) at %s%s", len(urls), s.server, cfg.rollout.tensor_parallel_size,
              urls, f", router at {router[1]}" if router else "")
     return fleet

@@ -21,7 +21,7 @@ import torch
 from megarl.rollout.engine import SamplingParams
 from megarl.rollout.http import HTTPEngine
 from megarl.rollout.sglang import ServerProcess, free_port
-from megarl.sync import group_tensors, hf_tensors
+from megarl.weights.buckets import group_tensors, hf_tensors
 from tiny_models import reference_log_probs, tiny_tokenizer
 
 pytestmark = [pytest.mark.gpu,
@@ -86,7 +86,7 @@ def test_weights_from_disk(server, tmp_path):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL puts each rank on its own GPU: needs two GPUs")
 def test_weights_over_an_nccl_group(server):
-    from megarl.transport import DistributedSender, open_update_group
+    from megarl.weights.group import DistributedSender, open_update_group
 
     _, client, _, vocab = server
     new = small_model(vocab, seed=2).cuda()
@@ -110,7 +110,7 @@ def test_weights_over_an_nccl_group(server):
 def test_weights_through_cuda_ipc_with_memory_released(server):
     import httpx
 
-    from megarl.transport import ipc_payload
+    from megarl.weights.ipc import ipc_payload
 
     _, client, _, vocab = server
     new = small_model(vocab, seed=3).cuda()

@@ -19,7 +19,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from megarl.reward import RewardPool, RewardRequest, RewardSpec
+from megarl.reward import RewardConfig, RewardPool, RewardRequest
 
 WORDS = "so we add the two terms then divide both sides by three and check the result again".split()
 
@@ -108,7 +108,7 @@ def best_time(compute, request_sets: list[list[RewardRequest]]):
     return best, all_results, failures
 
 
-def measure(name: str, spec: RewardSpec, request_sets: list[list[RewardRequest]], workers: int,
+def measure(name: str, spec: RewardConfig, request_sets: list[list[RewardRequest]], workers: int,
             timeout_s: float) -> Row:
     with RewardPool(spec, num_workers=0, timeout_s=timeout_s) as serial:
         serial_s, expected, _ = best_time(serial.compute, request_sets)
@@ -147,11 +147,11 @@ def main() -> int:
     rng = random.Random(args.seed)
     runs = range(args.repeats)
     cases = [
-        ("dapo_math", RewardSpec(), [dapo_requests(args.n, rng) for _ in runs]),
-        ("search_r1_em", RewardSpec(), [search_r1_requests(args.n, rng) for _ in runs]),
+        ("dapo_math", RewardConfig(), [dapo_requests(args.n, rng) for _ in runs]),
+        ("search_r1_em", RewardConfig(), [search_r1_requests(args.n, rng) for _ in runs]),
     ]
     if args.math_verify_n > 0:
-        cases.append(("math_verify", RewardSpec(weights={"accuracy": 1.0}),
+        cases.append(("math_verify", RewardConfig(weights={"accuracy": 1.0}),
                       [math_verify_requests(args.math_verify_n, rng) for _ in runs]))
     rows = [measure(name, spec, sets, args.workers, args.timeout_s) for name, spec, sets in cases]
     print_table(rows, args.workers)

@@ -1,7 +1,7 @@
 """Benchmark: weight sync trainer -> engine vs a raw memory copy of the same bytes.
 
 The sync is what `megarl train` does after every update with the embedded engine: the
-trainer's HF tensors grouped into buckets (megarl.sync.group_tensors), the engine paused,
+trainer's HF tensors grouped into buckets (megarl.weights.buckets.group_tensors), the engine paused,
 every bucket copied into the engine's model, the cache flushed, the engine resumed
 (`cluster.launcher=inprocess`). With --ray each bucket is also flattened into one buffer
 and crosses from a trainer actor to an engine actor through Ray's object store, as with
@@ -27,7 +27,8 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from megarl.rollout.local import LocalEngine
-from megarl.sync import group_tensors, hf_tensors, load_into_engine, send_flat, unpack_bucket
+from megarl.weights.buckets import group_tensors, hf_tensors, send_flat, unpack_bucket
+from megarl.weights.inprocess import load_into_engine
 
 
 def build_model(hidden: int, layers: int, seed: int) -> Qwen2ForCausalLM:
@@ -52,7 +53,7 @@ def sync_through_ray(trainer, engine_model, bucket_bytes: int) -> float:
         def __init__(self, model):
             self.model = model
 
-        def push(self, engine, bucket_bytes):  # as megarl.cluster.TrainWorkerActor.push_weights
+        def push(self, engine, bucket_bytes):  # as a train rank sends to the embedded engine actor
             ray.get(engine.pause.remote())
             send_flat(group_tensors(hf_tensors(self.model), bucket_bytes), engine.load.remote, ray.get)
             ray.get(engine.resume.remote())
@@ -90,7 +91,8 @@ def sync_to_server(trainer, bucket_bytes: int, workdir) -> dict[str, float]:
 
     from megarl.rollout.http import HTTPEngine
     from megarl.rollout.sglang import ServerProcess, free_port
-    from megarl.transport import DistributedSender, open_update_group, write_buckets
+    from megarl.weights.disk import write_buckets
+    from megarl.weights.group import DistributedSender, open_update_group
 
     workdir = Path(workdir)
     trainer.save_pretrained(workdir / "model")

@@ -1,7 +1,7 @@
 """The megatron backend's TrainWorker: one rank of an SPMD group.
 
 Every rank of the group (tensor x pipeline x context x data parallel) runs the same method
-with the same arguments at the same time (`megarl.cluster` calls them all and answers with
+with the same arguments at the same time (`megarl.runtime` calls them all and answers with
 rank 0's result); results are equal on every rank. Each data-parallel rank computes its
 share of the rows and the shares are gathered, so the caller hands every rank the whole batch.
 
@@ -16,23 +16,22 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from megarl.backends.batch import TrainBatch
+from megarl.backends.epochs import run_epochs
 from megarl.backends.offload import HostOffloaded
+from megarl.backends.rng import rng_state, set_rng_state
 from megarl.backends.schedule import lr_factor
-from megarl.backends.torch.step import run_epochs
 from megarl.config import RunConfig, TrainWorkerConfig
 from megarl.models import ModelSpec
 from megarl.models.hf_files import copy_config_and_tokenizer
-from megarl.sync import group_tensors, weight_checksums
+from megarl.weights.buckets import group_tensors, weight_checksums
 
 log = logging.getLogger(__name__)
 
@@ -416,21 +415,17 @@ def _load_optimizer_state(optimizer, state: dict) -> None:
 
 
 def _rng_state() -> dict[str, torch.Tensor]:
+    """The host RNG states (megarl.backends.rng) and the model-parallel RNG tracker's, under
+    `tracker/<name>`."""
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-    _, keys, pos, _, _ = np.random.get_state()
-    tracker = {f"tracker/{k}": v for k, v in get_cuda_rng_tracker().get_states().items()}
-    return {"torch": torch.get_rng_state(), "numpy_keys": torch.from_numpy(keys.astype(np.int64)),
-            "numpy_pos": torch.tensor(pos), "python": torch.tensor(random.getstate()[1], dtype=torch.int64)} | tracker
+    return rng_state() | {f"tracker/{k}": v for k, v in get_cuda_rng_tracker().get_states().items()}
 
 
 def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(("MT19937", state["numpy_keys"].numpy().astype(np.uint32), int(state["numpy_pos"]), 0, 0.0))
-    random.setstate((3, tuple(int(x) for x in state["python"]), None))
+    set_rng_state(state)
     tracker = {k.removeprefix("tracker/"): v for k, v in state.items() if k.startswith("tracker/")}
     if tracker:
         get_cuda_rng_tracker().set_states(tracker)
-

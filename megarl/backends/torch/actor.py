@@ -13,10 +13,11 @@ from functools import partial
 import torch
 
 from megarl.backends.batch import TrainBatch
+from megarl.backends.epochs import run_epochs
 from megarl.backends.loss import actor_loss
 from megarl.backends.schedule import lr_factor
 from megarl.backends.torch.logprobs import token_log_probs
-from megarl.backends.torch.step import accumulate_and_step, check_split, run_epochs
+from megarl.backends.torch.step import accumulate_and_step, check_split
 from megarl.config import AlgorithmConfig, OptimConfig
 
 

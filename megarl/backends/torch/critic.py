@@ -12,8 +12,9 @@ import torch
 
 from megarl.algo import value_loss
 from megarl.backends.batch import TrainBatch
+from megarl.backends.epochs import run_epochs
 from megarl.backends.torch.actor import build_optimizer
-from megarl.backends.torch.step import accumulate_and_step, check_split, run_epochs
+from megarl.backends.torch.step import accumulate_and_step, check_split
 from megarl.config import OptimConfig
 
 

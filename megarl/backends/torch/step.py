@@ -52,15 +52,3 @@ def accumulate_and_step(params: list[torch.nn.Parameter], optimizer: torch.optim
         optimizer.zero_grad(set_to_none=True)
         metrics["skipped_steps"] = 1.0
     return dict(metrics)
-
-
-def run_epochs(batch: TrainBatch, mini_size: int, epochs: int, step: Callable[[TrainBatch], dict]) -> dict[str, float]:
-    """`step` on every mini-batch of every epoch; the metrics averaged over the steps."""
-    sums: dict[str, float] = defaultdict(float)
-    steps = 0
-    for _ in range(epochs):
-        for start in range(0, len(batch), mini_size):
-            for key, value in step(batch.select(slice(start, start + mini_size))).items():
-                sums[key] += value
-            steps += 1
-    return {key: value / max(steps, 1) for key, value in sums.items()}

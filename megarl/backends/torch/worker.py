@@ -1,28 +1,27 @@
 """The torch backend's TrainWorker: actor, optional frozen reference and critic on one device.
 
-Implements the TrainWorker interface of DESIGN.md (compute_log_prob, compute_values,
-update_actor, update_critic, export_hf_weights, save_checkpoint / load_checkpoint); the
-megatron backend implements the same methods. Main entry point: `TorchTrainWorker`.
+Implements `TrainWorker` (megarl.backends.base: compute_log_prob, compute_values,
+update_actor, update_critic, export_hf_weights, save_checkpoint / load_checkpoint), as the
+megatron backend's MegatronTrainWorker does. Main entry point: `TorchTrainWorker`.
 """
 
 from __future__ import annotations
 
 import copy
-import random
 from collections.abc import Iterator
 from contextlib import nullcontext
 from pathlib import Path
 
-import numpy as np
 import torch
 from safetensors.torch import load_model, save_model
 
 from megarl.backends.batch import TrainBatch
 from megarl.backends.offload import HostOffloaded
+from megarl.backends.rng import rng_state, set_rng_state
 from megarl.backends.torch.actor import TorchActor
 from megarl.backends.torch.critic import TorchCritic
 from megarl.config import RunConfig
-from megarl.sync import group_tensors, hf_tensors, weight_checksums
+from megarl.weights.buckets import group_tensors, hf_tensors, weight_checksums
 
 
 class TorchTrainWorker:
@@ -53,6 +52,11 @@ class TorchTrainWorker:
     def has_reference(self) -> bool:
         return self.reference is not None
 
+    @property
+    def is_export_source(self) -> bool:
+        """One process holds the whole model: it sends the weights."""
+        return True
+
     def save_hf(self, directory: str | Path) -> str:
         """The actor as HF safetensors + config in `directory` (the tokenizer is the caller's)."""
         self.actor.model.save_pretrained(directory, safe_serialization=True)
@@ -81,7 +85,7 @@ class TorchTrainWorker:
         return self.critic.update_critic(batch)
 
     def export_hf_weights(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
-        """The actor's HF-named tensors in buckets of about `bucket_bytes` (megarl.sync)."""
+        """The actor's HF-named tensors in buckets of about `bucket_bytes` (megarl.weights.buckets)."""
         return group_tensors(hf_tensors(self.actor.model), bucket_bytes)
 
     def weight_checksums(self) -> dict[str, str]:
@@ -99,8 +103,7 @@ class TorchTrainWorker:
             save_model(part.model, str(directory / f"{name}.safetensors"))  # stores tied weights once
             torch.save({"optimizer": part.optimizer.state_dict(), "scheduler": part.scheduler.state_dict()},
                        directory / f"{name}_optim.pt")
-        torch.save({"torch": torch.get_rng_state(), "numpy": _numpy_rng_state(), "python": _python_rng_state()},
-                   directory / "rng.pt")
+        torch.save(rng_state(), directory / "rng.pt")
 
     def load_checkpoint(self, directory: str | Path) -> None:
         directory = Path(directory)
@@ -118,17 +121,4 @@ class TorchTrainWorker:
             state = torch.load(directory / f"{name}_optim.pt", weights_only=True)
             part.optimizer.load_state_dict(state["optimizer"])
             part.scheduler.load_state_dict(state["scheduler"])
-        rng = torch.load(directory / "rng.pt", weights_only=True)
-        torch.set_rng_state(rng["torch"])
-        np.random.set_state(("MT19937", rng["numpy"]["keys"].numpy().astype(np.uint32), int(rng["numpy"]["pos"]), 0, 0.0))
-        random.setstate((3, tuple(int(x) for x in rng["python"]), None))
-
-
-def _numpy_rng_state() -> dict[str, torch.Tensor]:
-    _, keys, pos, _, _ = np.random.get_state()
-    return {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": torch.tensor(pos)}
-
-
-def _python_rng_state() -> torch.Tensor:
-    version, internal, _ = random.getstate()
-    return torch.tensor(internal, dtype=torch.int64)
+        set_rng_state(torch.load(directory / "rng.pt", weights_only=True))

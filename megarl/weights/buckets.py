@@ -1,17 +1,16 @@
-"""Weight sync from the trainer to the rollout engines.
+"""Weight buckets: the unit every weight transport moves from trainer ranks to engines.
 
 After every update, each pipeline stage's source rank (TP rank 0 of DP rank 0) gathers its
 TP shards as HF-named tensors grouped into buckets of about `sync.bucket_mb`
 (`export_hf_weights`, `group_tensors`). An engine in the same process takes the groups as
 they are; to cross a process boundary each group is flattened (`flatten`: one contiguous
 byte buffer and a manifest, so a bucket travels as one array, not hundreds of tensors) and
-the engine unpacks it (`unpack_bucket`, views without copies). The engine is paused around the sync (no decode step sees half the
-new weights) and its cache flushed; the weight version travels with every rollout
-(`GenerationOutput.weight_version`). With `sync.verify`, the engine's per-tensor checksums
-are compared with the trainer's after the sync (`weight_checksums`).
+the engine unpacks it (`unpack_bucket`, views without copies). With `sync.verify`, the
+engine's per-tensor checksums are compared with the trainer's after the sync
+(`weight_checksums`, `verify_engine`). How buckets travel is the transports' business
+(megarl.weights, docs/architecture.md).
 
-Main entry points: `group_tensors`, `pack_buckets`, `unpack_bucket`, `load_into_engine`, `weight_checksums`,
-`verify_engine`.
+Main entry points: `group_tensors`, `flatten`, `unpack_bucket`, `send_flat`, `weight_checksums`, `verify_engine`.
 """
 
 from __future__ import annotations
@@ -21,6 +20,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
+
+WeightBucket = Mapping[str, torch.Tensor]  # HF parameter name -> full (unsharded) tensor
 
 _ALIGN = 16  # byte alignment of every tensor in a bucket (views of any dtype stay aligned)
 
@@ -105,22 +106,6 @@ def send_flat(buckets: Iterable[Mapping[str, torch.Tensor]], send, wait, depth: 
             wait(in_flight.pop(0))
     for handle in in_flight:
         wait(handle)
-    return count
-
-
-async def load_into_engine(engine, buckets: Iterable[FlatBucket | Mapping[str, torch.Tensor]], version: int) -> int:
-    """Pause the engine, load every bucket, flush its cache, resume; returns the number of
-    tensors loaded. The engine resumes even when a bucket fails (the error propagates)."""
-    await engine.pause()
-    count = 0
-    try:
-        for bucket in buckets:
-            tensors = unpack_bucket(bucket) if isinstance(bucket, FlatBucket) else dict(bucket)
-            await engine.update_weights([tensors], version)
-            count += len(tensors)
-        await engine.flush_cache()
-    finally:
-        await engine.resume()
     return count
 
 

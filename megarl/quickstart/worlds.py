@@ -1,4 +1,4 @@
-"""A synthetic "search world" for the CPU quickstart and tests.
+"""The synthetic worlds of the CPU quickstarts and tests: a "search world" and sums to answer.
 
 Invented entities with invented facts, so answers cannot be guessed without searching:
 a corpus in the wiki-18 format (`{"id", "contents": '"Title"\\ntext'}`, one passage per fact),
@@ -11,8 +11,10 @@ familiar, the fact is not.
 
 `warmup_examples` writes demonstrations for a short supervised warm-up in the exact token
 layout the agent produces (observations from the real index, masked), in which only a
-fraction of the trajectories search; the rest answer with a guess. Everything is seeded.
-Main entry points: `write_search_world`, `warmup_examples`.
+fraction of the trajectories search; the rest answer with a guess. The arithmetic world
+(`write_arithmetic_world`, `arithmetic_examples`) is every sum a + b up to max_operand in the
+DAPO-Math prompt and "Answer:" format, with demonstrations right only some of the time.
+Everything is seeded. Main entry points: `write_search_world`, `warmup_examples`.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from megarl.data.prepare import DAPO_MATH_INSTRUCTION, MATH_DATA_SOURCE
 from megarl.rollout.agent import SEARCH_INSTRUCTION, format_observation
 
 SYLLABLES = ["zor", "bia", "qua", "lin", "mex", "tor", "vel", "dra", "pon", "kis", "ru", "ta", "nel", "fim", "gar",
@@ -192,15 +195,6 @@ def warmup_examples(facts: list[Fact], tokenizer, search_fraction: float, seed: 
 
 
 # ---- single-turn arithmetic for DAPO (the DAPO-Math prompt and "Answer:" format) ----
-
-DAPO_MATH_INSTRUCTION = (
-    "Solve the following math problem step by step. The last line of your response should be of the form "
-    "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{problem}\n\n"
-    "Remember to put your answer on its own line after \"Answer:\"."
-)
-MATH_DATA_SOURCE = "math_dapo"
-
-
 @dataclass(frozen=True)
 class Sum:
     a: int

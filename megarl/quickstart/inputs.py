@@ -1,11 +1,6 @@
 """Inputs of the CPU quickstarts, built locally: nothing comes from a model hub.
 
-    python -m megarl.quickstart prepare outputs/quickstart                # Search-R1 + DAPO
-    megarl train examples/quickstart/search_r1_tiny.yaml
-    python -m megarl.quickstart prepare-math outputs/quickstart_math      # single-turn DAPO math
-    megarl train examples/quickstart/dapo_math_tiny.yaml
-
-`prepare` writes, under its directory:
+`prepare` (`python -m megarl.quickstart prepare DIR`) writes, under its directory:
   data/   the synthetic search world (corpus.jsonl, train.parquet, val.parquet)
   index/  its BM25 index (the retrieval server of the run serves it)
   model/  a tiny Qwen2-architecture model and a byte-level BPE tokenizer trained on the world,
@@ -16,25 +11,26 @@ The warm-up is a two-phase curriculum. Phase one shows searching demonstrations 
 question: on short sequences a tiny model learns to copy the entity into its query and the
 answer out of the observation in a few hundred steps. Phase two uses the full Search-R1
 instruction and mixes in guessing demonstrations. The demonstrations draw fresh answers
-(`megarl.synthetic.warmup_examples`), so the model learns to read, not to memorise facts.
+(`megarl.quickstart.worlds.warmup_examples`), so the model learns to read, not to memorise
+facts.
 
-`prepare-math` writes data/ (every sum a + b of one-digit numbers, in the DAPO-Math prompt
-and "Answer:" format) and model/, warmed up on answers that are right only
-`correct_fraction` of the time, so DAPO has a noisy policy to sharpen.
+`prepare_math` (`python -m megarl.quickstart prepare-math DIR`) writes data/ (every sum
+a + b of one-digit numbers, in the DAPO-Math prompt and "Answer:" format) and model/, warmed
+up on answers that are right only `correct_fraction` of the time, so DAPO has a noisy policy
+to sharpen.
 
 Every output is written to a temporary directory and renamed into place, and a finished
 preparation is skipped when run again with the same settings (see `prepared.json`).
+Main entry points: `prepare`, `prepare_math`.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import shutil
-import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -97,8 +93,8 @@ def prepare(out_dir: str | Path, settings: QuickstartSettings = QuickstartSettin
     start = time.perf_counter()
     s = settings
 
+    from megarl.quickstart.worlds import read_facts, write_search_world
     from megarl.retrieval import build_index
-    from megarl.synthetic import read_facts, write_search_world
 
     data = _fresh(out / "data")
     paths = write_search_world(data, s.num_entities, s.val_fraction, s.seed, s.answers_per_relation)
@@ -131,9 +127,10 @@ def prepare(out_dir: str | Path, settings: QuickstartSettings = QuickstartSettin
 def prepare_math(out_dir: str | Path, settings: MathSettings = MathSettings(), force: bool = False) -> Path:
     """Build data/ and model/ for the single-turn DAPO arithmetic run (skipped when up to date)."""
     from megarl.config import OptimConfig
+    from megarl.data.prepare import DAPO_MATH_INSTRUCTION
     from megarl.data.tokenizer import train_bpe_tokenizer
-    from megarl.sft import supervised_warmup
-    from megarl.synthetic import DAPO_MATH_INSTRUCTION, arithmetic_examples, read_sums, write_arithmetic_world
+    from megarl.quickstart.sft import supervised_warmup
+    from megarl.quickstart.worlds import arithmetic_examples, read_sums, write_arithmetic_world
 
     out = Path(out_dir)
     if _up_to_date(out, settings, force):
@@ -173,8 +170,8 @@ def prepare_math(out_dir: str | Path, settings: MathSettings = MathSettings(), f
 
 def _train_tokenizer(corpus: Path, facts, s: QuickstartSettings):
     from megarl.data.tokenizer import train_bpe_tokenizer
+    from megarl.quickstart.worlds import question
     from megarl.rollout.agent import INVALID_ACTION_MESSAGE, SEARCH_INSTRUCTION
-    from megarl.synthetic import question
 
     with open(corpus, encoding="utf-8") as fh:
         texts = [json.loads(line)["contents"] for line in fh]
@@ -215,8 +212,8 @@ def _tiny_qwen2(vocab_size: int, eos_id: int, s: QuickstartSettings | MathSettin
 
 def _warm_up(model, tokenizer, facts, s: QuickstartSettings) -> dict:
     from megarl.config import OptimConfig
-    from megarl.sft import supervised_warmup
-    from megarl.synthetic import warmup_examples
+    from megarl.quickstart.sft import supervised_warmup
+    from megarl.quickstart.worlds import warmup_examples
 
     optim = OptimConfig(lr=s.lr, lr_warmup_steps=50, lr_scheduler="constant", weight_decay=0.0, grad_clip=1.0)
     def repeats(steps: int) -> int:  # fresh answers every epoch: nothing to memorise
@@ -243,35 +240,3 @@ def _fresh(final: Path) -> Path:
 def _replace(tmp: Path, final: Path) -> None:
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
-
-
-def _search_settings(warmup_steps: int | None) -> QuickstartSettings:
-    if warmup_steps is None:
-        return QuickstartSettings()
-    if warmup_steps < 1:
-        raise SystemExit("--warmup-steps must be at least 1")
-    return replace(QuickstartSettings(), read_steps=warmup_steps, mix_steps=warmup_steps)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megarl.quickstart", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("prepare", help="build the search world, index and warmed-up tiny model")
-    p.add_argument("out_dir", help="where data/, index/ and model/ go (the quickstart config reads outputs/quickstart)")
-    p.add_argument("--force", action="store_true", help="rebuild even when up to date")
-    p.add_argument("--warmup-steps", type=int, default=None,
-                   help="steps of each warm-up phase (default 400 and 300); a few dozen make a model good only "
-                        "for smoke runs of the pipeline, such as the slurm test")
-    p.set_defaults(run=lambda a: prepare(a.out_dir, _search_settings(a.warmup_steps), force=a.force))
-    m = sub.add_parser("prepare-math", help="build the arithmetic problems and warmed-up tiny model")
-    m.add_argument("out_dir", help="where data/ and model/ go (the math config reads outputs/quickstart_math)")
-    m.add_argument("--force", action="store_true", help="rebuild even when up to date")
-    m.set_defaults(run=lambda a: prepare_math(a.out_dir, force=a.force))
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    args.run(args)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -36,7 +36,7 @@ These are estimates for choosing a layout, not measurements; layouts are listed 
 preference (no offload, no recompute, no context parallelism, fewer pipeline stages, smaller
 TP) after the problems that rule a layout out: context parallelism splits every sequence's
 activations over CP ranks at the price of exchanging keys and values, and is preferred over
-full recomputation for long sequences. Main entry points: `plan`, `estimate`, `ModelShape`.
+full recomputation for long sequences. Main entry points: `plan_layouts`, `estimate`, `ModelShape`.
 """
 
 from __future__ import annotations
@@ -250,7 +250,7 @@ def _size_engines(e: Estimate, shape: ModelShape, world: int, gpus_per_node: int
         e.rollout_waves = math.ceil(work.rollout_batch / (e.sequences_per_engine * e.engines))
 
 
-def plan(shape: ModelShape, nodes: int, gpus_per_node: int, gpu_bytes: int, work: Workload) -> list[Estimate]:
+def plan_layouts(shape: ModelShape, nodes: int, gpus_per_node: int, gpu_bytes: int, work: Workload) -> list[Estimate]:
     """For each (TP, CP, PP) the first settings that fit in the order no recompute,
     recompute, recompute + offload (or the last tried, with its problems); feasible layouts
     first, by preference."""
@@ -349,7 +349,7 @@ def _plan_command(args: argparse.Namespace) -> int:
     gpu = parse_bytes(args.gpu_memory)
     work = Workload(args.max_prompt_length, args.max_response_length, args.max_tokens_per_gpu, args.rollout_batch,
                     args.kl, args.critic)
-    estimates = plan(shape, args.nodes, args.gpus_per_node, gpu, work)
+    estimates = plan_layouts(shape, args.nodes, args.gpus_per_node, gpu, work)
     feasible = [e for e in estimates if not e.problems]
     if args.overrides:
         if not feasible:

@@ -1,0 +1,68 @@
+"""The train worker interface: what a training backend implements, in one place.
+
+The torch backend (megarl.backends.torch.worker.TorchTrainWorker: an HF model on one
+device) and the megatron backend (megarl.backends.megatron.worker.MegatronTrainWorker: one
+rank of a TP x PP x CP x DP group, every rank called with the same arguments) both implement
+`TrainWorker`; the training loop reaches it in this process or through the Ray proxy
+(megarl.runtime.ray_proxies.RemoteTrainWorker), which has the same methods. Main entry
+point: `TrainWorker`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from megarl.backends.batch import TrainBatch
+
+
+@runtime_checkable
+class TrainWorker(Protocol):
+    """The actor (policy), its frozen reference and the critic of one run, behind one object.
+
+    Every tensor argument and result is (B, L) in the batch's token layout (megarl.backends.batch),
+    on the CPU: a caller never needs to know how the backend shards the model.
+    """
+
+    @property
+    def has_reference(self) -> bool:
+        """A frozen copy of the initial policy exists (algorithm.use_kl_loss / use_kl_in_reward)."""
+
+    @property
+    def is_export_source(self) -> bool:
+        """This process sends the weights its `export_hf_weights` yields (the torch backend;
+        a megatron rank of TP 0, DP 0, CP 0, one per pipeline stage)."""
+
+    def compute_log_prob(self, batch: TrainBatch, with_entropy: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(log-probs of the batch's tokens under the actor, entropies or None)."""
+
+    def compute_ref_log_prob(self, batch: TrainBatch) -> torch.Tensor:
+        """Log-probs under the frozen reference."""
+
+    def compute_values(self, batch: TrainBatch) -> torch.Tensor:
+        """The critic's values of each token."""
+
+    def update_actor(self, batch: TrainBatch) -> dict[str, float]:
+        """ppo_epochs over the batch in mini-batches, one optimizer step each; the metrics."""
+
+    def update_critic(self, batch: TrainBatch) -> dict[str, float]: ...
+
+    def export_hf_weights(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+        """The actor's weights as HF-named full tensors, in buckets of about `bucket_bytes`
+        (megarl.weights.buckets.group_tensors). Every rank must iterate it (the TP gathers
+        are collectives); a rank that is not an export source yields nothing useful."""
+
+    def weight_checksums(self) -> dict[str, str]:
+        """{HF name: checksum} of the actor's weights, for sync.verify."""
+
+    def save_hf(self, directory: str | Path) -> str:
+        """The actor as HF safetensors and config in `directory` (the tokenizer is the caller's)."""
+
+    def save_checkpoint(self, directory: str | Path) -> None:
+        """Everything needed to resume exactly: weights, optimizer, schedule, RNG states."""
+
+    def load_checkpoint(self, directory: str | Path) -> None: ...

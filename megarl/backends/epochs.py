@@ -1,0 +1,25 @@
+"""PPO epochs over mini-batches, shared by the torch and megatron backends.
+
+An update walks its batch `epochs` times in order, in mini-batches of `mini_size` samples,
+and takes one optimizer step per mini-batch; how a step is taken is the backend's. The
+metrics of the update are the mean over its steps. Main entry point: `run_epochs`.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+
+from megarl.backends.batch import TrainBatch
+
+
+def run_epochs(batch: TrainBatch, mini_size: int, epochs: int, step: Callable[[TrainBatch], dict]) -> dict[str, float]:
+    """`step` on every mini-batch of every epoch; the metrics averaged over the steps."""
+    sums: dict[str, float] = defaultdict(float)
+    steps = 0
+    for _ in range(epochs):
+        for start in range(0, len(batch), mini_size):
+            for key, value in step(batch.select(slice(start, start + mini_size))).items():
+                sums[key] += value
+            steps += 1
+    return {key: value / max(steps, 1) for key, value in sums.items()}

@@ -1,0 +1,53 @@
+"""Inputs of the CPU quickstarts, built locally: nothing comes from a model hub.
+
+The command line that builds them, before training on them (megarl.quickstart.inputs says
+what each command writes):
+
+    python -m megarl.quickstart prepare outputs/quickstart                # Search-R1 + DAPO
+    megarl train examples/quickstart/search_r1_tiny.yaml
+    python -m megarl.quickstart prepare-math outputs/quickstart_math      # single-turn DAPO math
+    megarl train examples/quickstart/dapo_math_tiny.yaml
+
+Main entry point: `main`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from dataclasses import replace
+
+from megarl.quickstart.inputs import QuickstartSettings, prepare, prepare_math
+
+
+def _search_settings(warmup_steps: int | None) -> QuickstartSettings:
+    if warmup_steps is None:
+        return QuickstartSettings()
+    if warmup_steps < 1:
+        raise SystemExit("--warmup-steps must be at least 1")
+    return replace(QuickstartSettings(), read_steps=warmup_steps, mix_steps=warmup_steps)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megarl.quickstart", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("prepare", help="build the search world, index and warmed-up tiny model")
+    p.add_argument("out_dir", help="where data/, index/ and model/ go (the quickstart config reads outputs/quickstart)")
+    p.add_argument("--force", action="store_true", help="rebuild even when up to date")
+    p.add_argument("--warmup-steps", type=int, default=None,
+                   help="steps of each warm-up phase (default 400 and 300); a few dozen make a model good only "
+                        "for smoke runs of the pipeline, such as the slurm test")
+    p.set_defaults(run=lambda a: prepare(a.out_dir, _search_settings(a.warmup_steps), force=a.force))
+    m = sub.add_parser("prepare-math", help="build the arithmetic problems and warmed-up tiny model")
+    m.add_argument("out_dir", help="where data/ and model/ go (the math config reads outputs/quickstart_math)")
+    m.add_argument("--force", action="store_true", help="rebuild even when up to date")
+    m.set_defaults(run=lambda a: prepare_math(a.out_dir, force=a.force))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args.run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""The reward settings of a run: the `reward:` section of the run config, and their checks.
+
+`RewardConfig` is both that section (megarl.config's RunConfig.reward) and what the reward
+code takes (score_one, apply_group_rewards, warm_up, RewardPool); it is picklable, so
+reward workers receive it once. `check_reward_config` is the one set of rules for it: the
+run config reports its problems with the rest of the config, a RewardConfig built in code
+raises them as a ValueError (ConfigError).
+
+Two modes, one code path: with empty `weights` the reward is the task score alone
+(custom_function, or the scorer routed by data_source), i.e. weights {"task_score": 1};
+otherwise it is Σ weight · component over the named components.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from megarl.config_loader import Problems, check_ranges, param
+from megarl.reward.registry import SCORER_OPTION_NAMES, SCORERS
+
+# Components scored one sample at a time, then the ones that need the whole group.
+SAMPLE_COMPONENTS = (
+    "task_score", "accuracy", "format", "tag_count", "reasoning_steps", "cosine_scaled", "repetition_penalty",
+)
+GROUP_COMPONENTS = ("len",)
+COMPONENT_NAMES = SAMPLE_COMPONENTS + GROUP_COMPONENTS
+# Components that grade length against correctness, so need a source of correctness.
+NEED_CORRECTNESS = ("cosine_scaled", "len")
+# The overlong penalty is applied once, after the reward, by algorithm.overlong
+# (megarl.experience.shape_overlong); a reward component for it would count it twice.
+_OVERLONG_COMPONENT = "soft_overlong"
+
+
+@dataclass
+class RewardConfig:
+    """What reward to compute and how the reward workers run."""
+
+    custom_function: str | None = param(
+        None, "Scorer used instead of routing by data_source: a built-in name (search_r1_em, search_r1_format, "
+        "dapo_math) or 'module.path:function' (fn(data_source, solution_str, ground_truth, extra_info) -> "
+        "float | dict).")
+    weights: dict[str, float] = param(
+        help="Component name -> weight; the reward is Σ weight · component. Empty = the task score alone "
+        "(custom_function, or the scorer routed by data_source). Names: task_score (that score), accuracy "
+        "(math-verify), format, tag_count, reasoning_steps, cosine_scaled, repetition_penalty, len. Weight 0 "
+        "computes a component (e.g. accuracy, the correctness len and cosine_scaled grade by) without adding it.",
+        factory=dict,
+    )
+    format_score: float = param(0.0, "Search-R1 EM: score of a well-formed response whose answer is wrong.")
+    structure_format_score: float = param(
+        0.0, "search_r1_format: credit for a valid think/search/answer structure (subtracted from a correct "
+        "answer in a bad structure).")
+    final_format_score: float = param(0.0, "search_r1_format: score of a wrong answer in an invalid structure.")
+    retrieval_score: float = param(
+        0.0, "search_r1_format: bonus when retrieval surfaced a golden answer (valid structure, wrong answer).")
+    repetition_ngram_size: int = param(3, "repetition_penalty: n-gram size in words.", gt=0)
+    repetition_max_penalty: float = param(
+        -1.0, "repetition_penalty: reward (<= 0) of a response whose every n-gram is a repeat.", le=0.0)
+    cosine_max_len: int = param(
+        1000, "cosine_scaled: length where the cosine schedule ends, in tokens (characters when the response "
+        "length in tokens is unknown).", gt=0)
+    cosine_min_value_wrong: float = param(-1.0, "cosine_scaled: reward of a wrong answer at length 0.")
+    cosine_max_value_wrong: float = param(-0.5, "cosine_scaled: reward of a wrong answer at cosine_max_len.")
+    cosine_min_value_correct: float = param(0.5, "cosine_scaled: reward of a correct answer at cosine_max_len.")
+    cosine_max_value_correct: float = param(1.0, "cosine_scaled: reward of a correct answer at length 0.")
+    timeout_s: float = param(10.0, "Time limit of one reward call in seconds; a timeout scores 0 and is counted.",
+                             gt=0.0)
+    num_workers: int = param(
+        0, "Reward processes; 0 = in the trainer process (best for cheap rule rewards; use workers for "
+        "math-verify or slow custom functions).", ge=0)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ConfigError (a ValueError) listing every problem of these settings."""
+        problems = Problems()
+        check_reward_config(self, problems)
+        problems.raise_if_any()
+
+    def effective_weights(self) -> dict[str, float]:
+        return dict(self.weights) if self.weights else {"task_score": 1.0}
+
+    def scorer_options(self) -> dict[str, Any]:
+        """The settings the named scorers take (format_score, …), by name."""
+        return {name: getattr(self, name) for name in SCORER_OPTION_NAMES}
+
+
+def unknown_weight_names(weights: Mapping[str, float]) -> str | None:
+    """What is wrong with the names of `weights`, or None when every name is a component."""
+    unknown = sorted(set(weights) - set(COMPONENT_NAMES))
+    if unknown:
+        return f"unknown reward weight names {unknown}; valid names are {list(COMPONENT_NAMES)}"
+    return None
+
+
+def check_reward_config(cfg: RewardConfig, problems: Problems, prefix: str = "reward.") -> None:
+    """Add every problem of `cfg` to `problems`, keyed `prefix` + field name, with its fix."""
+    check_ranges(cfg, prefix, problems)
+    weights = cfg.weights
+    if _OVERLONG_COMPONENT in weights:
+        problems.add(f"{prefix}weights", f"names {_OVERLONG_COMPONENT}, but the overlong penalty is "
+                     "algorithm.overlong (DAPO's soft overlong punishment, applied once, after the reward)",
+                     f"remove {_OVERLONG_COMPONENT} from {prefix}weights and set algorithm.overlong.enable=true "
+                     "(buffer_len, penalty_factor)")
+    unknown = unknown_weight_names({k: v for k, v in weights.items() if k != _OVERLONG_COMPONENT})
+    if unknown:
+        problems.add(f"{prefix}weights", unknown, "use the valid names")
+    for name, weight in weights.items():
+        if not isinstance(weight, (int, float)) or not math.isfinite(weight):
+            problems.add(f"{prefix}weights.{name}", f"{weight!r} must be a finite number", "give a finite number")
+    custom = cfg.custom_function
+    if custom is not None and custom not in SCORERS and ":" not in custom:
+        problems.add(f"{prefix}custom_function", f"{custom!r} is neither a built-in scorer {sorted(SCORERS)} "
+                     "nor an import string 'module.path:function'",
+                     f"use one of {sorted(SCORERS)} or 'module.path:function'")
+    if custom is not None and weights and "task_score" not in weights:
+        problems.add(f"{prefix}custom_function", f"{custom!r} is never called: with {prefix}weights it is the "
+                     "'task_score' component", f"add task_score to {prefix}weights or unset {prefix}custom_function")
+    needing = [name for name in NEED_CORRECTNESS if name in weights]
+    if needing and not {"accuracy", "task_score"} & set(weights):
+        problems.add(f"{prefix}weights", f"{needing} grade length against correctness but nothing measures "
+                     "correctness", f"add 'accuracy' (math-verify) or 'task_score' to {prefix}weights (weight 0 "
+                     "computes it without adding it)")

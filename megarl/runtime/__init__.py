@@ -1,0 +1,20 @@
+"""Where a run's parts live: one `Runtime` interface (megarl.runtime.base), two
+implementations: in this process (cluster.launcher=inprocess) and Ray actors on any number
+of nodes (cluster.launcher=ray). Main entry point: `build_runtime`.
+"""
+
+from __future__ import annotations
+
+from megarl.config import RunConfig
+from megarl.runtime.base import Runtime
+
+
+def build_runtime(cfg: RunConfig, total_steps: int) -> Runtime:
+    """Start the run's parts where cluster.launcher says."""
+    if cfg.cluster.launcher == "ray":
+        from megarl.runtime.ray_runtime import RayRuntime
+
+        return RayRuntime(cfg, total_steps)
+    from megarl.runtime.inprocess import InProcessRuntime
+
+    return InProcessRuntime(cfg, total_steps)

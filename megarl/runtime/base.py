@@ -1,0 +1,89 @@
+"""The runtime interface: where a run's parts live and how the driver reaches them.
+
+`train.py` and `megarl.components` see a `Runtime` and nothing else: its train worker, rollout
+engine and reward pool (each behind its typed protocol: `TrainWorker`, `RolloutEngine`,
+`RewardComputer`), the retrieval server it hosts, and the two things that involve several
+parts at once: the weight sync and the engines' memory release. Two implementations:
+`InProcessRuntime` (everything in this process: debugging, tests) and `RayRuntime` (Ray actors
+on any number of nodes, the SGLang fleet). The weight sync is written once, here, for both
+(docs/architecture.md). Main entry points: `Runtime`, `RankEndpoint`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+
+from megarl.backends.base import TrainWorker
+from megarl.config import RunConfig
+from megarl.reward.pool import RewardComputer
+from megarl.rollout.engine import RolloutEngine
+from megarl.weights.buckets import verify_engine
+from megarl.weights.transport import TrainRanks, WeightSender, WeightTransport
+
+
+class Runtime(ABC):
+    """A run's parts, started by the constructor and stopped by `shutdown` (idempotent)."""
+
+    cfg: RunConfig
+    worker: TrainWorker
+    engine: RolloutEngine
+    reward_pool: RewardComputer
+    ranks: TrainRanks  # the train worker group, as the weight transport sees it
+    transport: WeightTransport  # sync.transport, feeding `engine`
+    retrieval_url: str | None = None  # the retrieval server this runtime hosts, if any
+    retrieval_where: str = ""  # how an error names that server's host, e.g. " (Ray actor RetrievalActor)"
+
+    def sync_weights(self, version: int) -> None:
+        """Trainer weights -> engine, with decoding paused around it; then, with
+        sync.verify, the engine's checksums against the trainer's."""
+        asyncio.run(self.engine.begin_weight_update())
+        try:
+            self.transport.connect(self.ranks)
+            self.ranks.push(self.cfg.sync.bucket_mb << 20, version)
+            self.transport.finish(version)
+        finally:
+            asyncio.run(self.engine.end_weight_update())
+        if self.cfg.sync.verify:
+            asyncio.run(verify_engine(self.engine, self.worker.weight_checksums()))
+
+    @abstractmethod
+    def release_engine_memory(self) -> None:
+        """After a step's rollouts: engines on the trainer's GPUs give their memory to the
+        trainer (the next sync takes it back); nothing where they share no device."""
+
+    def check_retrieval(self) -> None:
+        """ComponentDied when the retrieval server this runtime hosts is gone."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop every part this runtime started; safe to call twice."""
+
+
+class RankEndpoint:
+    """One train rank's side of the weight sync: the sender the transport gave it, and the
+    push (every rank exports, for the collectives; only a source rank sends)."""
+
+    def __init__(self, worker: TrainWorker):
+        self.worker = worker
+        self.sender: WeightSender | None = None
+
+    def open_sender(self, sender: WeightSender) -> None:
+        self.close()
+        sender.open()
+        self.sender = sender
+
+    def push(self, bucket_bytes: int, version: int) -> int:
+        buckets = self.worker.export_hf_weights(bucket_bytes)
+        if not self.worker.is_export_source:
+            for _ in buckets:  # the TP gathers need every rank
+                pass
+            return 0
+        if self.sender is None:
+            raise RuntimeError("weight sync: this source rank has no sender (the transport did not connect)")
+        return self.sender.send(buckets, version)
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None

@@ -1,0 +1,169 @@
+"""The Ray actors of a run: each train rank, the embedded engine, the retrieval server and
+the reward workers, each in a process of its own (placed by megarl.runtime.ray_runtime).
+
+The driver reaches them through the proxies of megarl.runtime.ray_proxies, which give them
+the same typed interfaces as the in-process objects. Main entry points: `TrainWorkerActor`,
+`EngineActor`, `RetrievalActor`, `RewardActor`.
+"""
+
+from __future__ import annotations
+
+import ray
+
+from megarl.config import RetrievalConfig, RunConfig
+from megarl.reward.pool import RewardPool
+from megarl.rollout.engine import GenerationOutput, SamplingParams
+from megarl.runtime.base import RankEndpoint
+from megarl.weights.buckets import FlatBucket, unpack_bucket
+from megarl.weights.transport import WeightSender
+
+
+def load_model(cfg: RunConfig):
+    """The policy's initial weights as an HF model, seeded like every other copy of it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(cfg.trainer.seed)
+    return AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=getattr(torch, cfg.model.dtype))
+
+
+@ray.remote
+class TrainWorkerActor:
+    """One rank of the train worker group: the torch backend's worker (a group of one) or a
+    megatron rank. `setup` builds the worker; with several ranks every rank's setup joins
+    one torch.distributed group (gloo on CPU, NCCL on GPUs) first. `run` calls a TrainWorker
+    method (megarl.backends.base) on this rank's worker."""
+
+    def address(self) -> tuple[str, int]:
+        """This node's address and a free port on it."""
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+    def setup(self, cfg: RunConfig, total_steps: int, rank: int, world_size: int, master: tuple[str, int]) -> bool:
+        if cfg.actor.backend == "torch":
+            from megarl.backends.torch.worker import TorchTrainWorker
+
+            self.worker = TorchTrainWorker(load_model(cfg), cfg, total_steps)
+        else:
+            self.worker = _megatron_worker(cfg, total_steps, rank, world_size, master)
+        self.endpoint = RankEndpoint(self.worker)
+        return self.worker.has_reference
+
+    def run(self, method: str, *args):
+        return getattr(self.worker, method)(*args)
+
+    def source(self) -> tuple[bool, str]:
+        """(whether this rank sends its pipeline stage's weights, its node's address)."""
+        return self.worker.is_export_source, ray.util.get_node_ip_address()
+
+    def open_sender(self, sender: WeightSender) -> None:
+        self.endpoint.open_sender(sender)
+
+    def push_weights(self, bucket_bytes: int, version: int) -> int:
+        return self.endpoint.push(bucket_bytes, version)
+
+
+def _megatron_worker(cfg: RunConfig, total_steps: int, rank: int, world_size: int, master: tuple[str, int]):
+    import os
+    from datetime import timedelta
+
+    import torch
+
+    from megarl.backends.megatron.worker import MegatronTrainWorker
+
+    os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK="0")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(0)  # Ray gives each rank actor one GPU, visible as device 0
+    torch.distributed.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(minutes=30))
+    return MegatronTrainWorker(cfg, total_steps)
+
+
+@ray.remote
+class EngineActor:
+    """The embedded engine in its own process; an async actor, so many generate calls run at once."""
+
+    def __init__(self, cfg: RunConfig):
+        from transformers import AutoTokenizer
+
+        from megarl.rollout.local import LocalEngine
+
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
+        self.engine = LocalEngine(load_model(cfg).eval(), tokenizer, max_batch_size=cfg.rollout.max_concurrency,
+                                  seed=cfg.trainer.seed)
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationOutput:
+        return await self.engine.generate(prompt_ids, params)
+
+    async def load_bucket(self, bucket: FlatBucket, version: int) -> None:
+        """One flat bucket from a trainer rank."""
+        await self.engine.update_weights([unpack_bucket(bucket)], version)
+
+    async def begin_weight_update(self) -> None:
+        await self.engine.begin_weight_update()
+
+    async def end_weight_update(self) -> None:
+        await self.engine.end_weight_update()
+
+    async def pause(self) -> None:
+        await self.engine.pause()
+
+    async def resume(self) -> None:
+        await self.engine.resume()
+
+    async def flush_cache(self) -> None:
+        await self.engine.flush_cache()
+
+    async def release_memory(self) -> None:
+        await self.engine.release_memory()
+
+    async def resume_memory(self) -> None:
+        await self.engine.resume_memory()
+
+    async def health(self) -> bool:
+        return await self.engine.health()
+
+    async def weight_checksums(self) -> dict[str, str]:
+        return await self.engine.weight_checksums()
+
+    async def close(self) -> None:
+        await self.engine.close()
+
+
+@ray.remote
+class RetrievalActor:
+    """megarl's retrieval server (FastAPI + uvicorn, as `megarl retrieval serve`) in its own process."""
+
+    def __init__(self, r: RetrievalConfig):
+        from megarl.retrieval.index import load_index
+        from megarl.retrieval.server import BackgroundServer, create_app
+
+        self.server = BackgroundServer(create_app(load_index(r.index_dir), default_topk=r.topk), host=r.host,
+                                       port=r.port).start()
+
+    def url(self) -> str:
+        host = self.server.host
+        if host in ("0.0.0.0", "::", ""):  # bound to every interface: reach it through the node's address
+            host = ray.util.get_node_ip_address()
+        return f"http://{host}:{self.server.port}"
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+@ray.remote
+class RewardActor:
+    """A RewardPool (and its worker processes, if any) in its own process."""
+
+    def __init__(self, settings, num_workers: int, timeout_s: float):
+        self.pool = RewardPool(settings, num_workers=num_workers, timeout_s=timeout_s)
+
+    def compute(self, requests):
+        return self.pool.compute(requests)
+
+    def close(self) -> None:
+        self.pool.close()

@@ -1,0 +1,165 @@
+"""The run as Ray actors in one placement group (cluster.launcher=ray).
+
+On one CPU machine Ray starts locally and everything fits one node; with
+`cluster.ray_address=auto` (the slurm recipes) the same code joins a multi-node cluster.
+The train ranks, the engine (the embedded one in an actor, or the SGLang fleet's servers),
+the retrieval server and the reward workers are actors (megarl.runtime.ray_actors), reached
+through proxies with the in-process interfaces (megarl.runtime.ray_proxies). Weights go from
+the rank actors to the engines directly, never through the driver. Main entry points:
+`RayRuntime`, `placement_bundles`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from pathlib import Path
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from megarl.config import RunConfig
+from megarl.runtime.base import Runtime
+from megarl.runtime.ray_actors import EngineActor, RetrievalActor, RewardActor, TrainWorkerActor
+from megarl.runtime.ray_proxies import RayRanks, RemoteEngine, RemoteRewardPool, RemoteTrainWorker, died, gather_ranks
+from megarl.weights import transport_class
+
+log = logging.getLogger(__name__)
+
+
+class RayRuntime(Runtime):
+    """Starts (or joins) Ray, reserves a placement group, and creates the actors.
+
+    Bundles, packed onto as few nodes as possible: each train rank (one with the torch
+    backend, TP x PP x CP x DP with megatron) and the engine get one each ({"CPU": 1}, plus
+    {"GPU": 1} when cluster.gpus_per_node > 0); the retrieval server and the reward actor
+    share a {"CPU": 1} bundle. A local Ray is started with at least as many logical CPUs
+    (scheduling slots, not cores) as bundles, so a 2-core machine runs it all.
+    """
+
+    retrieval_where = " (Ray actor RetrievalActor)"
+
+    def __init__(self, cfg: RunConfig, total_steps: int):
+        self.cfg = cfg
+        self._started_ray = False
+        if not ray.is_initialized():
+            c = cfg.cluster
+            if c.ray_address:
+                ray.init(address=c.ray_address, log_to_driver=True)
+            else:
+                ray.init(num_cpus=c.cpus_per_node or max(len(placement_bundles(cfg)[0]), os.cpu_count() or 2),
+                         num_gpus=c.gpus_per_node, include_dashboard=False, log_to_driver=True)
+            self._started_ray = True
+        self.pg, self.worker_actors, self.engine_actor, self.reward_actor, self.retrieval_actor = None, [], None, None, None
+        self.fleet, self.transport, self.engine, self.reward_pool = None, None, None, None
+        gpus = cfg.cluster.gpus_per_node > 0
+        self.colocated = cfg.rollout.engine == "sglang" and gpus and cfg.rollout.mode == "colocated"
+        try:
+            self._start(cfg, total_steps)
+        except BaseException:
+            self.shutdown()  # nothing left behind by a start that failed half-way
+            raise
+
+    def _start(self, cfg: RunConfig, total_steps: int) -> None:
+        world, gpus = cfg.train_world_size(), 1 if cfg.cluster.gpus_per_node else 0
+        bundles, engine_bundles = placement_bundles(cfg)
+        misc = len(bundles) - 1
+        self.pg = placement_group(bundles, strategy="PACK", name="megarl")
+        ready, _ = ray.wait([self.pg.ready()], timeout=120)
+        if not ready:
+            raise RuntimeError(f"Ray could not reserve {bundles} within 120 s; available: "
+                               f"{ray.available_resources()} — add resources or lower the request")
+        place = [PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=i)
+                 for i in range(len(bundles))]
+        train_gpus = 0.8 if self.colocated else gpus  # a colocated engine server takes the other 0.2
+        self.worker_actors = [TrainWorkerActor.options(num_cpus=1, num_gpus=train_gpus, scheduling_strategy=place[r])
+                              .remote() for r in range(world)]
+        self.reward_actor = RewardActor.options(num_cpus=0.5, scheduling_strategy=place[misc]).remote(
+            cfg.reward, cfg.reward.num_workers, cfg.reward.timeout_s)
+        if cfg.agent.max_turns > 0 and cfg.agent.retrieval.url is None:
+            self.retrieval_actor = RetrievalActor.options(num_cpus=0.5, scheduling_strategy=place[misc]).remote(
+                cfg.agent.retrieval)
+        master = ray.get(self.worker_actors[0].address.remote())
+        has_reference = gather_ranks([a.setup.remote(cfg, total_steps, r, world, master)
+                                      for r, a in enumerate(self.worker_actors)])[0]
+        self.worker = RemoteTrainWorker(self.worker_actors, has_reference)
+        self.ranks = RayRanks(self.worker_actors)
+        if cfg.rollout.engine == "sglang":
+            from megarl.rollout.sglang import launch_fleet
+            from megarl.weights.disk import weight_dir
+
+            out = Path(cfg.trainer.output_dir).resolve()
+            self.fleet = self.engine = launch_fleet(cfg, self.pg, engine_bundles, misc, str(out / "logs"),
+                                                    str(weight_dir(cfg)))
+        else:
+            self.engine_actor = EngineActor.options(num_cpus=1, num_gpus=gpus, scheduling_strategy=place[world],
+                                                    max_concurrency=1000).remote(cfg)
+            self.engine = RemoteEngine(self.engine_actor)
+        self.transport = transport_class(cfg.sync_transport())(cfg, self.engine)
+        self.reward_pool = RemoteRewardPool(self.reward_actor)
+        if self.retrieval_actor is not None:
+            try:
+                self.retrieval_url = ray.get(self.retrieval_actor.url.remote())
+            except ray.exceptions.RayActorError as e:
+                raise died(f"retrieval server (Ray actor RetrievalActor serving {cfg.agent.retrieval.index_dir})",
+                           e) from e
+
+    def check_retrieval(self) -> None:
+        if self.retrieval_actor is None:
+            return
+        try:
+            ray.get(self.retrieval_actor.url.remote(), timeout=30)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+            raise died(f"retrieval server at {self.retrieval_url} (Ray actor RetrievalActor)", e) from e
+
+    def release_engine_memory(self) -> None:
+        """Colocated engine servers free their GPU memory (weights and KV cache) for training."""
+        if self.colocated:
+            asyncio.run(self.engine.release_memory())
+
+    def shutdown(self) -> None:
+        if self.transport is not None:
+            try:
+                self.transport.close()
+            except Exception as e:  # an engine already gone has nothing left to leave
+                log.debug("weight transport close: %s", e)
+            self.transport = None
+        if self.engine is not None:
+            asyncio.run(self.engine.close())
+        if self.reward_pool is not None:
+            self.reward_pool.close()
+        if self.fleet is not None:
+            from megarl.rollout.sglang import stop_fleet
+
+            stop_fleet(self.fleet)
+        for actor in (*self.worker_actors, self.engine_actor, self.reward_actor, self.retrieval_actor):
+            if actor is not None:
+                ray.kill(actor)
+        self.worker_actors, self.engine_actor, self.reward_actor, self.retrieval_actor = [], None, None, None
+        self.engine = self.reward_pool = self.fleet = None
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+            self.pg = None
+        if self._started_ray:
+            ray.shutdown()
+            self._started_ray = False
+
+
+def placement_bundles(cfg: RunConfig) -> tuple[list[dict], list[list[int]]]:
+    """(placement-group bundles, bundle indices of each engine). Bundles: one per train rank,
+    the engines' own (the embedded engine actor; fleet servers unless colocated, one per GPU
+    of each engine), and a last one for the retrieval server, reward actor and router."""
+    world, gpus = cfg.train_world_size(), cfg.cluster.gpus_per_node > 0
+    device = {"CPU": 1} | ({"GPU": 1} if gpus else {})
+    engines, tp = cfg.num_rollout_engines(), cfg.rollout.tensor_parallel_size
+    if cfg.rollout.engine == "local":
+        engine_bundles = [[world]]
+    elif gpus and cfg.rollout.mode == "colocated":  # on the train ranks' GPUs
+        engine_bundles = [[e * tp + j for j in range(tp)] for e in range(engines)]
+    else:
+        per_engine = tp if gpus else 1
+        engine_bundles = [[world + e * per_engine + j for j in range(per_engine)] for e in range(engines)]
+    own = sum(1 for b in engine_bundles for i in b if i >= world)
+    return [device] * (world + own) + [{"CPU": 1}], engine_bundles
