@@ -307,7 +307,8 @@ class SGLangFleet:
 
     async def release_memory(self, tags: list[str] | None = None) -> None:
         """Free the engines' GPU memory for a trainer on the same GPUs: a health pass first
-        (it generates a token, which needs the KV cache), then every kind SGLang releases."""
+        (it generates a token, which needs the KV cache), then each kind of sglang_api.MEMORY_TAGS,
+        named explicitly so that exactly those are resumed."""
         await self.check_engines()
         await self._each("release_memory", list(tags or sglang_api.MEMORY_TAGS))
         self.memory_released = True
