@@ -135,3 +135,18 @@ class RolloutEngine(Protocol):
         """Counters for the step's metrics (restarts, re-sent requests); {} where none."""
 
     async def close(self) -> None: ...
+
+
+class PauseAroundUpdates:
+    """The weight-update steps of an engine that never gives its memory away (the embedded
+    engine, a single server): pause before, flush the cache and resume after; no counters."""
+
+    async def begin_weight_update(self) -> None:
+        await self.pause()
+
+    async def end_weight_update(self) -> None:
+        await self.flush_cache()
+        await self.resume()
+
+    def metrics(self) -> dict[str, float]:
+        return {}

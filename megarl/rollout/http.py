@@ -22,7 +22,7 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 
 from megarl.rollout import sglang_api
-from megarl.rollout.engine import GenerationOutput, RolloutEngine, SamplingParams
+from megarl.rollout.engine import GenerationOutput, PauseAroundUpdates, RolloutEngine, SamplingParams
 from megarl.weights import all_transports, disk
 from megarl.weights.buckets import WeightBucket
 from megarl.weights.routes import json_body
@@ -126,7 +126,7 @@ class ServerError(RuntimeError):
         self.status = status
 
 
-class HTTPEngine:
+class HTTPEngine(PauseAroundUpdates):
     """A `RolloutEngine` backed by a server speaking SGLang's native API.
 
     `update_weights` takes buckets in this process and sends them through `weight_dir`
@@ -193,16 +193,6 @@ class HTTPEngine:
         response = await self._client.post("/flush_cache")
         if response.status_code != 200:  # SGLang answers plain text
             raise RuntimeError(f"{self.base_url}/flush_cache answered {response.status_code}: {response.text[:300]}")
-
-    async def begin_weight_update(self) -> None:
-        await self.pause()
-
-    async def end_weight_update(self) -> None:
-        await self.flush_cache()
-        await self.resume()
-
-    def metrics(self) -> dict[str, float]:
-        return {}
 
     async def release_memory(self, tags: list[str] | None = None) -> None:
         await self.post("/release_memory_occupation", sglang_api.memory_body(tags))

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megarl.rollout.decoder import SlotDecoder
-from megarl.rollout.engine import GenerationOutput, SamplingParams, WeightBucket
+from megarl.rollout.engine import GenerationOutput, PauseAroundUpdates, SamplingParams, WeightBucket
 from megarl.rollout.token_sampling import sample_next_tokens
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ class _Request:
         return len(self.prompt) + len(self.output) - 1
 
 
-class LocalEngine:
+class LocalEngine(PauseAroundUpdates):
     """In-process generation engine (see the module docstring)."""
 
     def __init__(self, model: torch.nn.Module, tokenizer=None, *, max_batch_size: int = 64,
@@ -129,16 +129,6 @@ class LocalEngine:
 
     async def flush_cache(self) -> None:
         """No-op: the embedded engine keeps no cache across requests (no prefix cache)."""
-
-    async def begin_weight_update(self) -> None:
-        await self.pause()
-
-    async def end_weight_update(self) -> None:
-        await self.flush_cache()
-        await self.resume()
-
-    def metrics(self) -> dict[str, float]:
-        return {}
 
     async def release_memory(self) -> None:
         self._ensure_loop()
