@@ -134,6 +134,7 @@ def test_out_of_range(override, bound):
     (["rollout.engine=sglang", "rollout.sglang.server=embedded", "sync.transport=ipc"], "sync.transport",
      "needs GPUs"),
     (["sync.transport=nccl"], "sync.transport", "embedded engine takes weights in process"),
+    (["sync.transport=carrier_pigeon"], "sync.transport", "is not a weight transport"),
     (["rollout.engine=sglang", "rollout.sglang.server=embedded", "cluster.launcher=inprocess"], "cluster.launcher",
      "cannot launch engine servers"),
     (["rollout.engine=sglang", "cluster.gpus_per_node=8", "rollout.mode=disaggregated", "rollout.num_engines=1",

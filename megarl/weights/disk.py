@@ -66,16 +66,13 @@ class DiskTransport(WeightTransport):
     def __init__(self, cfg: Any, engines: Any):
         super().__init__(cfg, engines)
         self.root = weight_dir(cfg)
-        self.opened = False
 
     @classmethod
     def check(cls, cfg: Any, problems: Any) -> None:
         needs_engine_servers(cls, cfg, problems)
 
-    def connect(self, ranks: TrainRanks) -> None:
-        if not self.opened:
-            ranks.open_senders({rank: DiskSender(str(self.root), rank) for rank, _ in ranks.sources()})()
-            self.opened = True
+    def senders(self, ranks: TrainRanks) -> dict[int, WeightSender]:
+        return {rank: DiskSender(str(self.root), rank) for rank, _ in ranks.sources()}
 
     def finish(self, version: int) -> None:
         asyncio.run(self.engines.load_from_disk(str(version_dir(self.root, version)), version))

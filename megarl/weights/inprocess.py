@@ -44,14 +44,8 @@ class InProcessTransport(WeightTransport):
             problems.add("sync.transport", "inprocess needs the embedded engine (rollout.engine=local)",
                          "use auto, ipc, nccl or disk with rollout.engine=sglang")
 
-    def __init__(self, cfg: Any, engines: Any):
-        super().__init__(cfg, engines)
-        self.opened = False
-
-    def connect(self, ranks: TrainRanks) -> None:
-        if not self.opened:  # the engine stays the same object for the whole run
-            ranks.open_senders({rank: EngineSender(self.engines) for rank, _ in ranks.sources()})()
-            self.opened = True
+    def senders(self, ranks: TrainRanks) -> dict[int, WeightSender]:
+        return {rank: EngineSender(self.engines) for rank, _ in ranks.sources()}
 
 
 async def load_into_engine(engine: Any, buckets: Iterable[FlatBucket | Mapping[str, torch.Tensor]],

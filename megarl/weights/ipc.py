@@ -68,10 +68,6 @@ class IpcTransport(WeightTransport):
     name = "ipc"
     request_structs = {ROUTE: "UpdateWeightsFromTensorReqInput"}
 
-    def __init__(self, cfg: Any, engines: Any):
-        super().__init__(cfg, engines)
-        self.opened = False
-
     @classmethod
     def check(cls, cfg: Any, problems: Any) -> None:
         needs_engine_servers(cls, cfg, problems)
@@ -83,11 +79,9 @@ class IpcTransport(WeightTransport):
             problems.add("sync.transport", "ipc needs the engines on the trainer's GPUs (rollout.mode=colocated)",
                          "use nccl or disk")
 
-    def connect(self, ranks: TrainRanks) -> None:
+    def senders(self, ranks: TrainRanks) -> dict[int, WeightSender]:
         """Each source rank feeds the engines on its node; every engine needs a source of
         each pipeline stage there (CUDA IPC cannot cross nodes)."""
-        if self.opened:
-            return
         sources = ranks.sources()
         targets: dict[int, list[tuple[str, int]]] = {rank: [] for rank, _ in sources}
         for server in self.engines.servers:
@@ -98,8 +92,7 @@ class IpcTransport(WeightTransport):
                                    "cannot cross nodes: use sync.transport=nccl")
             for rank in local:
                 targets[rank].append((server.url, server.tp))
-        ranks.open_senders({rank: IpcSender(engines) for rank, engines in targets.items()})()
-        self.opened = True
+        return {rank: IpcSender(engines) for rank, engines in targets.items()}
 
     @staticmethod
     def add_engine_routes(app: Any, engine: Any) -> None:

@@ -103,6 +103,7 @@ class WeightTransport(ABC):
 
     def __init__(self, cfg: Any, engines: Any):
         self.cfg, self.engines = cfg, engines
+        self.connected = False
 
     @classmethod
     def check(cls, cfg: Any, problems: Any) -> None:
@@ -114,10 +115,17 @@ class WeightTransport(ABC):
         """Serve this transport's routes on megarl's embedded engine server (FastAPI `app`
         over a `RolloutEngine`); nothing by default."""
 
-    @abstractmethod
     def connect(self, ranks: TrainRanks) -> None:
-        """Before a sync: make sure every source rank has an open sender (again after an
-        engine restart where the transport needs it)."""
+        """Before a sync: make sure every source rank has an open sender. By default the
+        senders of `senders` are opened once, for the whole run; a transport whose senders
+        must be opened again (after an engine restart) overrides this."""
+        if not self.connected:
+            ranks.open_senders(self.senders(ranks))()
+            self.connected = True
+
+    def senders(self, ranks: TrainRanks) -> Mapping[int, WeightSender]:
+        """The sender of each source rank (rank -> sender), for the default `connect`."""
+        raise NotImplementedError(f"{type(self).__name__} keeps the default connect: it must define senders")
 
     def finish(self, version: int) -> None:
         """After every rank has sent: what must follow on the engines."""
