@@ -112,7 +112,10 @@ class RayRanks:
 
     def open_senders(self, senders: Mapping[int, WeightSender]) -> Callable[[], None]:
         refs = [self.actors[rank].open_sender.remote(sender) for rank, sender in senders.items()]
-        return lambda: gather_ranks(refs) and None
+
+        def wait() -> None:
+            gather_ranks(refs)
+        return wait
 
     def push(self, bucket_bytes: int, version: int) -> int:
         return sum(gather_ranks([a.push_weights.remote(bucket_bytes, version) for a in self.actors]))

@@ -29,7 +29,7 @@ from megarl.rollout.engine import SamplingParams
 from megarl.rollout.local import LocalEngine
 
 
-def plan(n: int, max_turn_length: int, seed: int) -> list[AgentSettings]:
+def trajectory_settings(n: int, max_turn_length: int, seed: int) -> list[AgentSettings]:
     rng = random.Random(seed)
     out = []
     for i in range(n):
@@ -94,7 +94,7 @@ def main() -> None:
         num_attention_heads=args.hidden // 64, num_key_value_heads=max(args.hidden // 128, 1),
         max_position_embeddings=8192)).eval()
     prompts = [tok.encode(f"question {i}: who founded the city of {i * 7}?") for i in range(args.trajectories)]
-    settings = plan(args.trajectories, args.max_turn_length, args.seed)
+    settings = trajectory_settings(args.trajectories, args.max_turn_length, args.seed)
     turns = [s.max_turns + 1 for s in settings]
     print(f"{args.trajectories} trajectories, turns per trajectory: "
           + ", ".join(f"{k}: {turns.count(k)}" for k in range(1, 5))
