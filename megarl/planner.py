@@ -4,8 +4,8 @@ For every actor layout (TP and CP in 1, 2, 4, 8 with TP x CP within a node, PP d
 layers, DP the rest) it estimates the memory of one GPU while training (megatron, bf16 weights, fp32
 gradient buffers, Adam with the distributed optimizer), picks the cheapest settings that
 fit (no recompute, then full recompute, then optimizer offload), sizes SGLang engines
-colocated on the same GPUs, and reports the KV cache left to them. The formulas, in bytes,
-with S = parameters of the largest pipeline stage / TP:
+colocated on the same GPUs (or on GPUs of their own), and reports the KV cache left to them.
+The formulas, in bytes, with S = parameters of the largest pipeline stage / TP:
 
     weights      2 S                       bf16
     grads        4 S                       fp32 gradient buffers (grad_reduce_in_fp32)
@@ -24,13 +24,26 @@ with S = parameters of the largest pipeline stage / TP:
     training peak = weights + grads + optimizer + reference + critic + activations + logits + overhead
     a layout fits when its peak is within USABLE = 90% of the GPU (fragmentation, caches)
 
-Rollout (colocated, SGLang with its memory released during training): the trainer's static
-memory (everything but activations and logits) stays on the GPU, so an engine may use
-    budget = 0.9 GPU - static - overhead - 3 GiB (the engine's own activations, CUDA graphs)
-    weights of an engine GPU = 2 P / engine TP, KV cache = budget - that,
-    KV bytes per token per GPU = 2 (K, V) x L x max(kv / engine TP, 1) x d x 2 (bf16)
-and SGLang's --mem-fraction-static is budget / GPU. The engine TP is the smallest (1, 2, 4, 8)
-whose weights take at most half the budget.
+Rollout: SGLang's --mem-fraction-static f is a fraction of the memory *free when the engine
+starts*, not of the GPU. SGLang 0.5.23 measures free = torch.cuda.mem_get_info before loading
+the weights (the least over the engine's GPUs) and, after loading them, sizes the KV cache as
+what is free then minus free x (1 - f): KV cache = f x free - engine weights. So
+    engine weights per GPU = 2 P / engine TP,   KV bytes per token per GPU =
+    2 (K, V) x L x max(kv / engine TP, 1) x d x 2 (bf16),
+    static budget (engine weights + KV cache) B, and free F at start-up:
+      colocated (on the trainer's GPUs, SGLang's memory released during training):
+        B = 0.9 GPU - static - overhead - engine context - engine runtime
+        F = GPU - static at launch - overhead - engine context
+      disaggregated (GPUs of their own):
+        B = 0.9 GPU - engine context - engine runtime,   F = GPU - engine context
+    f = B / F (rounded down to 0.01), KV cache = f F - engine weights
+with engine context 1 GiB (the server's CUDA context and NCCL communicators, in use before SGLang
+measures) and engine runtime 3 GiB (its activations and CUDA graphs, in SGLang's (1 - f) share).
+B is what fits next to the trainer's memory while it holds its optimizer state; the engines
+start after the trainer is built and before its first step (and before a checkpoint is loaded),
+when Adam's m and v (8 of the optimizer's 12 bytes) do not exist yet: static at launch = static
+- 2/3 optimizer (the critic's too). The engine TP is the smallest (1, 2, 4, 8) whose weights
+take at most half of B.
 
 These are estimates for choosing a layout, not measurements; layouts are listed by
 preference (no offload, no recompute, no context parallelism, fewer pipeline stages, smaller
@@ -52,7 +65,8 @@ from megarl.models.spec import ModelSpec
 
 GiB = 1 << 30
 OVERHEAD = 4 * GiB
-ENGINE_RUNTIME = 3 * GiB
+ENGINE_CONTEXT = 1 * GiB  # an engine server's CUDA context and NCCL communicators, before SGLang measures free memory
+ENGINE_RUNTIME = 3 * GiB  # its activations and CUDA graphs, in the (1 - mem_fraction_static) share SGLang leaves
 USABLE = 0.9  # of a GPU's memory
 
 # Public HF configs of the models megarl's recipes use (no hub access is needed to plan them).
@@ -179,16 +193,26 @@ class Estimate:
     sequences_per_engine: int = 0
     rollout_waves: int = 0
     mem_fraction_static: float = 0.0
+    rollout_gpus: int = 0  # GPUs of the engines' own (disaggregated); 0 = colocated on the trainer's
     problems: list[str] = field(default_factory=list)
 
     @property
     def static(self) -> int:
         return self.weights + self.grads + self.optimizer + self.reference + self.critic
 
+    @property
+    def static_at_launch(self) -> int:
+        """The trainer's memory when colocated engines start: built, no step taken, so Adam's m
+        and v (8 of the optimizer's 12 bytes per parameter; megatron creates them at the first
+        step) are not there yet, for the actor nor the critic."""
+        moments = 2 * self.optimizer // 3
+        return self.static - moments * (2 if self.critic else 1)
+
 
 def estimate(shape: ModelShape, world: int, gpus_per_node: int, gpu_bytes: int, work: Workload, *, tp: int, pp: int,
-             cp: int = 1, recompute: bool = False, offload: bool = False) -> Estimate:
-    """Memory per GPU of one layout (see the module docstring for every formula)."""
+             cp: int = 1, recompute: bool = False, offload: bool = False, rollout_gpus: int = 0) -> Estimate:
+    """Memory per GPU of one layout on `world` train GPUs, the engines on them (colocated) or on
+    `rollout_gpus` more (disaggregated); see the module docstring for every formula."""
     s = shape.spec
     dp = world // (tp * pp * cp) if world % (tp * pp * cp) == 0 else 0
     problems = []
@@ -219,30 +243,42 @@ def estimate(shape: ModelShape, world: int, gpus_per_node: int, gpu_bytes: int, 
         problems.append(f"training needs {peak / GiB:.1f} GiB, more than {USABLE:.0%} of the GPU's "
                         f"{gpu_bytes / GiB:.0f} GiB")
     e = Estimate(tp, pp, cp, dp, recompute, offload, weights, grads, optimizer, reference, critic, activations,
-                 logits, OVERHEAD, peak, problems=problems)
+                 logits, OVERHEAD, peak, rollout_gpus=rollout_gpus, problems=problems)
     _size_engines(e, shape, world, gpus_per_node, gpu_bytes, work)
     return e
 
 
+def engine_memory(e: Estimate, gpu_bytes: int) -> tuple[int, int]:
+    """(B, F): what an engine's weights and KV cache may take on one of its GPUs, and the memory
+    free there when it starts (what SGLang's mem_fraction_static is a fraction of)."""
+    if e.rollout_gpus:
+        return int(USABLE * gpu_bytes) - ENGINE_CONTEXT - ENGINE_RUNTIME, gpu_bytes - ENGINE_CONTEXT
+    return (int(USABLE * gpu_bytes) - e.static - OVERHEAD - ENGINE_CONTEXT - ENGINE_RUNTIME,
+            gpu_bytes - e.static_at_launch - OVERHEAD - ENGINE_CONTEXT)
+
+
 def _size_engines(e: Estimate, shape: ModelShape, world: int, gpus_per_node: int, gpu_bytes: int,
                   work: Workload) -> None:
-    budget = int(USABLE * gpu_bytes) - e.static - OVERHEAD - ENGINE_RUNTIME
+    budget, free = engine_memory(e, gpu_bytes)
+    engine_gpus = e.rollout_gpus or world
     total = 2 * shape.params()
     for engine_tp in (1, 2, 4, 8):
-        if engine_tp > gpus_per_node or world % engine_tp:
+        if engine_tp > gpus_per_node or engine_gpus % engine_tp:
             break
         if total / engine_tp <= budget / 2:
-            e.engine_tp, e.engines = engine_tp, world // engine_tp
+            e.engine_tp, e.engines = engine_tp, engine_gpus // engine_tp
             break
     if not e.engine_tp:
-        e.problems.append(f"no room for SGLang engines next to the trainer's {e.static / GiB:.1f} GiB "
-                          f"(an engine's weights would take more than half of the {max(budget, 0) / GiB:.1f} GiB left)")
+        where = (f"on GPUs of {gpu_bytes / GiB:.0f} GiB" if e.rollout_gpus
+                 else f"next to the trainer's {e.static / GiB:.1f} GiB")
+        e.problems.append(f"no room for SGLang engines {where} (an engine's weights would take more than half "
+                          f"of the {max(budget, 0) / GiB:.1f} GiB left)")
         return
     e.engine_weights = int(total / e.engine_tp)
-    e.kv_cache = budget - e.engine_weights
+    e.mem_fraction_static = math.floor(100 * budget / free) / 100
+    e.kv_cache = int(e.mem_fraction_static * free) - e.engine_weights  # what SGLang makes of the rounded value
     e.kv_tokens = e.kv_cache // shape.kv_bytes_per_token(e.engine_tp)
     e.sequences_per_engine = e.kv_tokens // work.sequence
-    e.mem_fraction_static = math.floor(100 * budget / gpu_bytes) / 100
     if e.sequences_per_engine < 1:
         e.problems.append(f"the KV cache left ({e.kv_cache / GiB:.1f} GiB) does not hold one "
                           f"{work.sequence}-token sequence")
@@ -250,11 +286,16 @@ def _size_engines(e: Estimate, shape: ModelShape, world: int, gpus_per_node: int
         e.rollout_waves = math.ceil(work.rollout_batch / (e.sequences_per_engine * e.engines))
 
 
-def plan_layouts(shape: ModelShape, nodes: int, gpus_per_node: int, gpu_bytes: int, work: Workload) -> list[Estimate]:
+def plan_layouts(shape: ModelShape, nodes: int, gpus_per_node: int, gpu_bytes: int, work: Workload,
+                 rollout_gpus: int = 0) -> list[Estimate]:
     """For each (TP, CP, PP) the first settings that fit in the order no recompute,
     recompute, recompute + offload (or the last tried, with its problems); feasible layouts
-    first, by preference."""
-    world = nodes * gpus_per_node
+    first, by preference. With `rollout_gpus` the engines have that many GPUs of their own
+    (disaggregated) and the trainer the rest."""
+    if not 0 <= rollout_gpus < nodes * gpus_per_node:
+        raise ValueError(f"--rollout-gpus {rollout_gpus}: give 0 (engines colocated with the trainer) or fewer than "
+                         f"the {nodes * gpus_per_node} GPUs, so that the trainer keeps some")
+    world = nodes * gpus_per_node - rollout_gpus
     out = []
     for tp, cp in ((t, c) for t in (1, 2, 4, 8) for c in (1, 2, 4, 8)):
         for pp in (p for p in range(1, 17) if shape.spec.num_layers % p == 0):
@@ -262,7 +303,7 @@ def plan_layouts(shape: ModelShape, nodes: int, gpus_per_node: int, gpu_bytes: i
                 continue
             for recompute, offload in ((False, False), (True, False), (True, True)):
                 e = estimate(shape, world, gpus_per_node, gpu_bytes, work, tp=tp, pp=pp, cp=cp, recompute=recompute,
-                             offload=offload)
+                             offload=offload, rollout_gpus=rollout_gpus)
                 if not e.problems:
                     break
             out.append(e)
@@ -283,10 +324,11 @@ def parse_bytes(text: str) -> int:
 
 
 def render(shape: ModelShape, nodes: int, gpus_per_node: int, gpu_bytes: int, work: Workload,
-           estimates: list[Estimate], top: int) -> str:
+           estimates: list[Estimate], top: int, rollout_gpus: int = 0) -> str:
     g = lambda b: f"{b / GiB:6.1f}"  # noqa: E731
+    engines = f"{rollout_gpus} of them the engines' own" if rollout_gpus else "engines colocated with the trainer"
     lines = [f"{shape.spec.family} model, {shape.params() / 1e9:.2f}B parameters; {nodes} nodes x {gpus_per_node} "
-             f"GPUs of {gpu_bytes / GiB:.0f} GiB; sequences up to {work.sequence} tokens "
+             f"GPUs of {gpu_bytes / GiB:.0f} GiB ({engines}); sequences up to {work.sequence} tokens "
              f"({work.max_prompt_length} prompt + {work.max_response_length} response), micro-batches of "
              f"{work.tokens} tokens; rollout batch {work.rollout_batch} sequences",
              "", "memory per GPU in GiB while training (w = weights, g = grads, opt = optimizer, act = activations):",
@@ -320,7 +362,9 @@ def overrides(e: Estimate) -> list[str]:
         out += [f"{w}.parallel.tensor_model_parallel_size={e.tp}", f"{w}.parallel.pipeline_model_parallel_size={e.pp}",
                 f"{w}.parallel.context_parallel_size={e.cp}", f"{w}.parallel.data_parallel_size={e.dp}", f"{w}.gradient_checkpointing={str(e.recompute).lower()}",
                 f"{w}.optim.offload={str(e.offload).lower()}"]
-    return out + [f"rollout.tensor_parallel_size={e.engine_tp}", f"rollout.gpu_memory_utilization={e.mem_fraction_static}"]
+    mode = "disaggregated" if e.rollout_gpus else "colocated"
+    return out + [f"rollout.mode={mode}", f"rollout.tensor_parallel_size={e.engine_tp}",
+                  f"rollout.gpu_memory_utilization={e.mem_fraction_static}"]
 
 
 def add_plan_command(sub) -> None:
@@ -335,6 +379,9 @@ def add_plan_command(sub) -> None:
     p.add_argument("--rollout-batch", type=int, default=512 * 16, help="sequences generated per step")
     p.add_argument("--kl", action="store_true", help="a frozen reference model is on the GPUs")
     p.add_argument("--critic", action="store_true", help="a critic (PPO) shares the GPUs")
+    p.add_argument("--rollout-gpus", type=int, default=0,
+                   help="GPUs of the engines' own (rollout.mode=disaggregated), the trainer takes the rest; "
+                        "0 = engines colocated on the trainer's GPUs")
     p.add_argument("--top", type=int, default=5, help="feasible layouts to show")
     p.add_argument("--json", action="store_true", help="every layout as JSON")
     p.add_argument("--overrides", action="store_true",
@@ -349,11 +396,12 @@ def _plan_command(args: argparse.Namespace) -> int:
     gpu = parse_bytes(args.gpu_memory)
     work = Workload(args.max_prompt_length, args.max_response_length, args.max_tokens_per_gpu, args.rollout_batch,
                     args.kl, args.critic)
-    estimates = plan_layouts(shape, args.nodes, args.gpus_per_node, gpu, work)
+    estimates = plan_layouts(shape, args.nodes, args.gpus_per_node, gpu, work, args.rollout_gpus)
     feasible = [e for e in estimates if not e.problems]
+    table = render(shape, args.nodes, args.gpus_per_node, gpu, work, estimates, args.top, args.rollout_gpus)
     if args.overrides:
         if not feasible:
-            print(render(shape, args.nodes, args.gpus_per_node, gpu, work, estimates, args.top), file=sys.stderr)
+            print(table, file=sys.stderr)
             return 1
         print(" ".join(overrides(feasible[0])))
         return 0
@@ -361,5 +409,5 @@ def _plan_command(args: argparse.Namespace) -> int:
         json.dump([asdict(e) for e in estimates], sys.stdout, indent=1)
         print()
     else:
-        print(render(shape, args.nodes, args.gpus_per_node, gpu, work, estimates, args.top))
+        print(table)
     return 0 if feasible else 1

@@ -10,7 +10,7 @@ import pytest
 from megarl.cli import main
 from megarl.planner import GiB, ModelShape, Workload, estimate, overrides, parse_bytes, plan_layouts
 
-GPU = 80 * GiB
+GPU = 80 * GiB  # 85_899_345_920 bytes; 90% of it: 77_309_411_328
 
 
 def test_parameter_counts():
@@ -39,14 +39,26 @@ def test_qwen2_5_32b_tp8_pp2_dp4_by_hand():
     assert e.logits == 8 * tokens * 152576 // 8
     assert e.train_peak == e.weights + e.grads + e.optimizer + e.activations + e.logits + 4 * GiB == 67_872_990_848
     assert e.problems == []
-    # engines: 0.9 x 80 GiB - static - 4 GiB - 3 GiB; TP 2 would put 32.8 GB of weights in under 24.6 GiB
-    budget = int(0.9 * GPU) - (e.weights + e.grads + e.optimizer) - 7 * GiB
+    # The colocated engines. Static: 4_096_140_544 + 8_192_281_088 + 6_144_210_816 = 18_432_632_448.
+    # Budget B = 77_309_411_328 - 18_432_632_448 - 4 GiB overhead - 1 GiB engine context - 3 GiB engine
+    # runtime = 50_286_844_288. TP 2 would put 32_763_876_352 bytes of weights in more than B / 2.
     assert (e.engine_tp, e.engines) == (4, 16)
-    assert e.engine_weights == 2 * 32_763_876_352 // 4
-    assert e.kv_cache == budget - e.engine_weights
-    assert e.kv_tokens == e.kv_cache // (2 * 64 * (8 // 4) * 128 * 2)  # K and V, 64 layers, 2 KV heads per GPU
-    assert e.sequences_per_engine == e.kv_tokens // tokens
-    assert e.rollout_waves == -(-8192 // (e.sequences_per_engine * 16))
+    assert e.engine_weights == 2 * 32_763_876_352 // 4 == 16_381_938_176
+    # SGLang's fraction is of the memory free when the engine starts: the trainer is built but has not
+    # stepped, so Adam's m and v (2/3 of the optimizer: 4_096_140_544) are not there yet.
+    assert e.static_at_launch == 18_432_632_448 - 4_096_140_544 == 14_336_491_904
+    free = GPU - 14_336_491_904 - 4 * GiB - 1 * GiB
+    assert free == 66_194_144_896
+    # B / free = 0.7597 -> 0.75. (B / GPU = 0.58 would get 0.58 x free - weights = 20.5 GiB of KV cache
+    # from SGLang, not the B - weights = 31.6 GiB it was meant to be.)
+    assert e.mem_fraction_static == 0.75
+    assert e.kv_cache == 49_645_608_672 - 16_381_938_176 == 33_263_670_496  # 0.75 x free - engine weights
+    assert e.kv_tokens == 33_263_670_496 // (2 * 64 * (8 // 4) * 128 * 2) == 507_563  # K, V; 64 layers; 2 KV heads
+    assert e.sequences_per_engine == 507_563 // 22528 == 22
+    assert e.rollout_waves == -(-8192 // (22 * 16)) == 24
+    # while rollouts run after a step, trainer static + overhead + the engine's context, f x free and
+    # runtime stay within 90% of the GPU: 18_432_632_448 + 8 GiB + 49_645_608_672 = 76_668_175_712
+    assert e.static + 8 * GiB + 49_645_608_672 == 76_668_175_712 <= int(0.9 * GPU)
 
 
 def test_qwen2_5_7b_tp4_with_recompute_by_hand():
@@ -61,7 +73,7 @@ def test_qwen2_5_7b_tp4_with_recompute_by_hand():
     assert per_layer == 650_117_120
     assert e.activations == 28 * (2 * 16384 * 3584 // 4) + per_layer == 1_472_200_704
     assert e.logits == 8 * 16384 * 152064 // 4 == 4_982_833_152
-    # static 3.81 + 7.62 + 11.42 GB = 21.3 GiB; budget 72 - 21.3 - 7 = 43.7 GiB: one GPU holds an engine's 15.2 GB
+    # static 3.81 + 7.62 + 11.42 GB = 21.3 GiB; budget 72 - 21.3 - 8 = 42.7 GiB: one GPU holds an engine's 15.2 GB
     assert (e.engine_tp, e.engines) == (1, 8)
     assert e.kv_tokens == e.kv_cache // (2 * 28 * 4 * 128 * 2)
 
@@ -74,6 +86,55 @@ def test_offload_reference_and_critic_terms():
     assert off.optimizer == 0 and off.train_peak == base.train_peak - base.optimizer
     assert ppo.reference == base.weights
     assert ppo.critic == base.weights + base.grads + base.optimizer
+
+
+def test_engines_start_before_the_critic_and_actor_have_adam_moments():
+    """PPO with a KL reference, Qwen2.5-7B TP 4 with recompute on 8 GPUs (DP 2): at the engines'
+    start neither the actor's nor the critic's Adam m, v exist."""
+    e = estimate(ModelShape.load("Qwen2.5-7B"), 8, 8, GPU, Workload(kl=True, critic=True), tp=4, pp=1, recompute=True)
+    weights, grads, optimizer = 3_807_808_256, 7_615_616_512, 11_423_424_768  # 2, 4, 12/DP bytes x 7.6e9 / 4
+    static = weights + grads + optimizer + weights + (weights + grads + optimizer)  # actor, reference, critic
+    assert e.static == static == 49_501_507_328
+    moments = 2 * optimizer // 3  # m and v: 8 of the 12 bytes, 7_615_616_512 each for actor and critic
+    assert e.static_at_launch == static - 2 * moments == 34_270_274_304
+    budget = int(0.9 * GPU) - static - 8 * GiB  # an engine's 15.2 GB would take more than half: TP 2
+    assert budget == 19_217_969_408
+    assert (e.engine_tp, e.engines) == (2, 4)
+    free = GPU - 34_270_274_304 - 5 * GiB
+    assert free == 46_260_362_496
+    assert e.mem_fraction_static == 0.41  # 19_217_969_408 / 46_260_362_496 = 0.4154
+    assert e.kv_cache == 18_966_748_623 - 7_615_616_512 == 11_351_132_111  # int(0.41 x free) - TP 2 weights
+
+
+def test_disaggregated_engines_on_gpus_of_their_own():
+    """Qwen2.5-7B on one node, 4 of the 8 GPUs for the engines: the trainer's memory has no
+    part in theirs."""
+    work = Workload(max_prompt_length=1024, max_response_length=7168, max_tokens_per_gpu=16384)
+    e = estimate(ModelShape.load("Qwen2.5-7B"), 4, 8, GPU, work, tp=4, pp=1, rollout_gpus=4)
+    assert e.dp == 1
+    # B = 77_309_411_328 - 1 GiB context - 3 GiB runtime = 73_014_444_032; free = 80 GiB - 1 GiB
+    assert (e.engine_tp, e.engines) == (1, 4)  # 15_231_233_024 bytes of weights <= B / 2
+    assert e.mem_fraction_static == 0.86  # 73_014_444_032 / 84_825_604_096 = 0.8608
+    assert e.kv_cache == 72_950_019_522 - 15_231_233_024 == 57_718_786_498  # int(0.86 x 84_825_604_096) - weights
+    assert e.kv_tokens == 57_718_786_498 // (2 * 28 * 4 * 128 * 2) == 1_006_535
+    assert e.sequences_per_engine == 1_006_535 // 8192 == 122
+    layout = overrides(e)
+    assert "rollout.mode=disaggregated" in layout and "rollout.gpu_memory_utilization=0.86" in layout
+    from megarl.config import load_config  # the run these overrides make has the same engines
+    cfg = load_config(str(Path(__file__).parents[1] / "examples/dapo/dapo_qwen2.5_7b.yaml"),
+                      layout + ["cluster.nnodes=1", "cluster.gpus_per_node=8"])
+    assert (cfg.train_world_size(), cfg.num_rollout_engines()) == (4, 4)
+
+
+def test_every_colocated_plan_fits_next_to_the_stepped_trainer():
+    """Whatever layout is picked, SGLang's static share (f x the memory free at its start) plus
+    its runtime, next to the trainer's memory after a step, stays within 90% of the GPU."""
+    for e in plan_layouts(ModelShape.load("Qwen2.5-32B"), 4, 8, GPU, Workload(critic=True)):
+        if e.problems:
+            continue
+        free = GPU - e.static_at_launch - 5 * GiB
+        assert e.kv_cache == int(e.mem_fraction_static * free) - e.engine_weights
+        assert e.static + 4 * GiB + 1 * GiB + e.mem_fraction_static * free + 3 * GiB <= 0.9 * GPU
 
 
 @pytest.mark.parametrize("tp, pp, words", [
@@ -142,11 +203,14 @@ def test_command_line(capsys, tmp_path):
     from megarl.config import load_config  # the overrides are valid keys of a run
     cfg = load_config(str(Path(__file__).parents[1] / "examples/dapo/dapo_qwen2.5_32b.yaml"), layout)
     assert cfg.rollout.tensor_parallel_size == 4
+    assert (cfg.rollout.mode, cfg.rollout.gpu_memory_utilization) == ("colocated", 0.75)  # worked out above
     (tmp_path / "config.json").write_text('{"model_type": "gpt2", "vocab_size": 10}')
     assert main(["plan", "--model", str(tmp_path), "--nodes", "1"]) == 1  # unsupported family: a clear error
     assert "not supported" in capsys.readouterr().err
     assert main(["plan", "--model", "no-such-model", "--nodes", "1"]) == 1
     assert "neither an HF config" in capsys.readouterr().err
+    assert main(["plan", "--model", "Qwen2.5-7B", "--nodes", "1", "--rollout-gpus", "8"]) == 1
+    assert "--rollout-gpus 8" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("text, expected", [("80GB", 80 * GiB), ("141GiB", 141 * GiB), ("80", 80 * GiB),
