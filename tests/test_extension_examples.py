@@ -18,6 +18,7 @@ from megarl import weights
 from megarl.config import ConfigError, load_config
 from megarl.reward import registry
 from megarl.weights.buckets import group_tensors
+from megarl.weights.transport import RankPlace
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 
@@ -45,15 +46,15 @@ class OneRank:
     def __init__(self):
         self.sender = None
 
-    def sources(self):
-        return [(0, "127.0.0.1")]
+    def places(self):
+        return [RankPlace(rank=0, node="127.0.0.1", gpu="", stage=0, is_source=True)]
 
     def open_senders(self, senders):
         (self.sender,) = senders.values()
         self.sender.open()
         return lambda: None
 
-    def push(self, bucket_bytes, version):
+    def push(self, bucket_bytes, version, stage=None):
         return self.sender.send(group_tensors(TENSORS.items(), bucket_bytes), version)
 
 

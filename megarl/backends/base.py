@@ -36,6 +36,10 @@ class TrainWorker(Protocol):
         """This process sends the weights its `export_hf_weights` yields (the torch backend;
         a megatron rank of TP 0, DP 0, CP 0, one per pipeline stage)."""
 
+    @property
+    def pipeline_stage(self) -> int:
+        """The pipeline stage whose weights this process exports (0 without pipelining)."""
+
     def compute_log_prob(self, batch: TrainBatch, with_entropy: bool = False
                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(log-probs of the batch's tokens under the actor, entropies or None)."""

@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import httpx
@@ -75,6 +75,17 @@ def router_command(settings: SGLangConfig, worker_urls: Sequence[str], metrics_p
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port), "--log-level", "warn"]
 
 
+# the trainer's process settings a server must not inherit: an allocator setting of the
+# trainer (expandable segments, say) changes how SGLang's memory saver maps and releases memory
+TRAINER_ONLY_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def server_env(inherited: Mapping[str, str], own: Mapping[str, str]) -> dict[str, str]:
+    """A server process's environment: what it inherits, less TRAINER_ONLY_ENV, plus its own
+    settings (which may set those again on purpose)."""
+    return {**{k: v for k, v in inherited.items() if k not in TRAINER_ONLY_ENV}, **own}
+
+
 def _die_with_parent() -> None:
     """In the child before exec: get SIGKILL when the launching process dies (Linux), so a
     server never outlives its Ray actor."""
@@ -117,7 +128,7 @@ class ServerProcess:
             self.process = subprocess.Popen([*self.argv, "--host", self.host, "--port", str(self.port)],
                                             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                             start_new_session=True, preexec_fn=_die_with_parent,
-                                            env={**os.environ, **self.env})
+                                            env=server_env(os.environ, self.env))
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             code = self.process.poll()
@@ -173,8 +184,9 @@ class _ServerHandle:
     """The fleet's view of one engine: its HTTP client and the actor that can restart it
     (a megarl.weights.transport.EngineServer)."""
 
-    def __init__(self, name: str, actor, url: str, tp: int, settings: SGLangConfig, node: str = ""):
-        self.name, self.actor, self.url, self.tp, self.node = name, actor, url, tp, node
+    def __init__(self, name: str, actor, url: str, tp: int, settings: SGLangConfig, node: str = "",
+                 gpus: Sequence[str] = ()):
+        self.name, self.actor, self.url, self.tp, self.node, self.gpus = name, actor, url, tp, node, tuple(gpus)
         self.client = HTTPEngine(url, timeout_s=settings.request_timeout_s)
         self.in_flight = 0
         self.restarts = 0
@@ -192,7 +204,7 @@ class SGLangFleet:
     """A `RolloutEngine` over engine servers (see the module docstring), and the
     `EngineServers` the weight transports feed (megarl.weights.transport).
 
-    `engines`: (name, ServerActor handle, url, tp[, node address]) per engine, already
+    `engines`: (name, ServerActor handle, url, tp[, node address[, GPU ids]]) per engine, already
     started; `router`: the router's ServerActor and URL, or None. `weight_dir`: storage every
     engine can read, for `update_weights` from this process and for reloading a restarted
     engine.
@@ -420,19 +432,20 @@ def launch_fleet(cfg: RunConfig, placement_group, engine_bundles: list[list[int]
         if len(where) > 1:
             raise RuntimeError(f"rollout engine {e}'s {len(bundles)} GPUs landed on several nodes {sorted(where)}; "
                                "an engine's TP ranks must share a node (rollout.tensor_parallel_size)")
-        env = {"CUDA_VISIBLE_DEVICES": ",".join(g for i in bundles for g in devices[i][1])} if gpus else {}
+        engine_gpus = [g for i in bundles for g in devices[i][1]]  # TP rank i runs on the i-th
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(engine_gpus)} if gpus else {}
         actors.append(server_actor.options(num_cpus=0, num_gpus=(0.2 if colocated else 1) if gpus else 0,
                                            scheduling_strategy=place(bundles[0])).remote(
             argv, f"engine{e}", host=host, log_dir=log_dir, env=env))
-        nodes.append(where.pop())
+        nodes.append((where.pop(), engine_gpus))
     urls = _start_all(actors, [f"rollout engine {e}" for e in range(len(actors))], s.startup_timeout_s)
     router = None
     if s.router:
         actor = server_actor.options(num_cpus=0, scheduling_strategy=place(router_bundle)).remote(
             router_command(s, urls, free_port()), "router", host=host, log_dir=log_dir)
         router = (actor, _start_all([actor], ["sglang-router"], s.startup_timeout_s)[0])
-    fleet = SGLangFleet([(f"engine{e}", a, u, cfg.rollout.tensor_parallel_size, node)
-                         for e, (a, u, node) in enumerate(zip(actors, urls, nodes))], s, router=router,
+    fleet = SGLangFleet([(f"engine{e}", a, u, cfg.rollout.tensor_parallel_size, node, engine_gpus)
+                         for e, (a, u, (node, engine_gpus)) in enumerate(zip(actors, urls, nodes))], s, router=router,
                         weight_dir=weight_dir)
     log.info("rollout fleet: %d %s engines (TP %d) at %s%s", len(urls), s.server, cfg.rollout.tensor_parallel_size,
              urls, f", router at {router[1]}" if router else "")

@@ -17,10 +17,8 @@ and the `*_body` builders of the control routes.
 from __future__ import annotations
 
 from megarl.rollout.engine import GenerationOutput, SamplingParams
+from megarl.versions import SGLANG_ROUTER_VERSION, SGLANG_VERSION  # noqa: F401 (the server API megarl is written against)
 from megarl.weights import all_transports
-
-SGLANG_VERSION = "0.5.23"  # the server API megarl is written against (pyproject's gpu extra pins it)
-SGLANG_ROUTER_VERSION = "0.3.2"
 
 # route -> the request struct of io_struct.py that SGLang parses its JSON body into: the
 # control routes here, then each weight transport's own
@@ -32,7 +30,9 @@ CONTROL_ROUTES = {
 }
 for _transport in all_transports():
     CONTROL_ROUTES |= _transport.request_structs
-MEMORY_TAGS = ("weights", "kv_cache")  # what release/resume_memory_occupation can free
+# what release/resume_memory_occupation can free (sglang/srt/constants.py GPU_MEMORY_ALL_TYPES);
+# released and resumed by name, every one of them: no tags means all of them to SGLang
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
 
 
 def generate_body(prompt_ids: list[int], params: SamplingParams) -> dict:
@@ -90,7 +90,7 @@ def continue_body() -> dict:
 
 
 def memory_body(tags: list[str] | None = None) -> dict:
-    """release/resume_memory_occupation; tags None = weights and KV cache together."""
+    """release/resume_memory_occupation of `tags` (None: every kind SGLang tracks)."""
     if tags is not None and not set(tags) <= set(MEMORY_TAGS):
         raise ValueError(f"memory tags {tags}: SGLang knows {list(MEMORY_TAGS)}")
     return {"tags": list(tags) if tags is not None else None}

@@ -14,12 +14,14 @@ from __future__ import annotations
 import asyncio
 from abc import ABC, abstractmethod
 
+import torch
+
 from megarl.backends.base import TrainWorker
 from megarl.config import RunConfig
 from megarl.reward.pool import RewardComputer
 from megarl.rollout.engine import RolloutEngine
 from megarl.weights.buckets import verify_engine
-from megarl.weights.transport import TrainRanks, WeightSender, WeightTransport
+from megarl.weights.transport import RankPlace, TrainRanks, WeightSender, WeightTransport
 
 
 class Runtime(ABC):
@@ -37,10 +39,16 @@ class Runtime(ABC):
     def sync_weights(self, version: int) -> None:
         """Trainer weights -> engine, with decoding paused around it; then, with
         sync.verify, the engine's checksums against the trainer's."""
+        self.ranks.free_cache()  # before colocated engines take their memory back
         asyncio.run(self.engine.begin_weight_update())
         try:
             self.transport.connect(self.ranks)
-            self.ranks.push(self.cfg.sync.bucket_mb << 20, version)
+            bucket_bytes = self.cfg.sync.bucket_mb << 20
+            if self.transport.stages_in_turn:
+                for stage in sorted({p.stage for p in self.ranks.places()}):
+                    self.ranks.push(bucket_bytes, version, stage)
+            else:
+                self.ranks.push(bucket_bytes, version)
             self.transport.finish(version)
         finally:
             asyncio.run(self.engine.end_weight_update())
@@ -62,7 +70,7 @@ class Runtime(ABC):
 
 class RankEndpoint:
     """One train rank's side of the weight sync: the sender the transport gave it, and the
-    push (every rank exports, for the collectives; only a source rank sends)."""
+    push (every rank exports, for the collectives; a rank with a sender sends)."""
 
     def __init__(self, worker: TrainWorker):
         self.worker = worker
@@ -73,15 +81,29 @@ class RankEndpoint:
         sender.open()
         self.sender = sender
 
-    def push(self, bucket_bytes: int, version: int) -> int:
+    def push(self, bucket_bytes: int, version: int, stage: int | None = None) -> int:
+        """Export and send this rank's buckets; nothing when `stage` is another stage's."""
+        if stage is not None and stage != self.worker.pipeline_stage:
+            return 0
         buckets = self.worker.export_hf_weights(bucket_bytes)
-        if not self.worker.is_export_source:
+        if self.sender is None:
+            if self.worker.is_export_source:
+                raise RuntimeError("weight sync: this source rank has no sender (the transport did not connect)")
             for _ in buckets:  # the TP gathers need every rank
                 pass
             return 0
-        if self.sender is None:
-            raise RuntimeError("weight sync: this source rank has no sender (the transport did not connect)")
         return self.sender.send(buckets, version)
+
+    def place(self, rank: int, node: str, gpu: str) -> RankPlace:
+        return RankPlace(rank, node, gpu, self.worker.pipeline_stage, self.worker.is_export_source)
+
+    @staticmethod
+    def free_cache() -> None:
+        """The allocator's cached blocks back to the device (the training peak stays
+        reserved otherwise, and a colocated engine resuming its memory may not fit)."""
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
 
     def close(self) -> None:
         if self.sender is not None:

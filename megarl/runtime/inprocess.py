@@ -19,7 +19,7 @@ from megarl.rollout.local import LocalEngine
 from megarl.rollout.sglang import free_port
 from megarl.runtime.base import RankEndpoint, Runtime
 from megarl.weights import transport_class
-from megarl.weights.transport import WeightSender
+from megarl.weights.transport import RankPlace, WeightSender
 
 
 class LocalRanks:
@@ -28,8 +28,8 @@ class LocalRanks:
     def __init__(self, endpoint: RankEndpoint):
         self.endpoint = endpoint
 
-    def sources(self) -> list[tuple[int, str]]:
-        return [(0, "127.0.0.1")]
+    def places(self) -> list[RankPlace]:
+        return [self.endpoint.place(0, "127.0.0.1", "")]
 
     def free_address(self, rank: int) -> tuple[str, int]:
         return "127.0.0.1", free_port()
@@ -39,8 +39,11 @@ class LocalRanks:
             self.endpoint.open_sender(sender)
         return lambda: None
 
-    def push(self, bucket_bytes: int, version: int) -> int:
-        return self.endpoint.push(bucket_bytes, version)
+    def push(self, bucket_bytes: int, version: int, stage: int | None = None) -> int:
+        return self.endpoint.push(bucket_bytes, version, stage)
+
+    def free_cache(self) -> None:
+        self.endpoint.free_cache()
 
 
 class InProcessRuntime(Runtime):

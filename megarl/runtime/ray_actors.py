@@ -15,7 +15,7 @@ from megarl.reward.pool import RewardPool
 from megarl.rollout.engine import GenerationOutput, SamplingParams
 from megarl.runtime.base import RankEndpoint
 from megarl.weights.buckets import FlatBucket, unpack_bucket
-from megarl.weights.transport import WeightSender
+from megarl.weights.transport import RankPlace, WeightSender
 
 
 def load_model(cfg: RunConfig):
@@ -55,15 +55,19 @@ class TrainWorkerActor:
     def run(self, method: str, *args):
         return getattr(self.worker, method)(*args)
 
-    def source(self) -> tuple[bool, str]:
-        """(whether this rank sends its pipeline stage's weights, its node's address)."""
-        return self.worker.is_export_source, ray.util.get_node_ip_address()
+    def place(self, rank: int) -> RankPlace:
+        """Where this rank runs (node, GPU) and what it holds of the exported weights."""
+        gpus = ray.get_gpu_ids()
+        return self.endpoint.place(rank, ray.util.get_node_ip_address(), str(gpus[0]) if gpus else "")
+
+    def free_cache(self) -> None:
+        self.endpoint.free_cache()
 
     def open_sender(self, sender: WeightSender) -> None:
         self.endpoint.open_sender(sender)
 
-    def push_weights(self, bucket_bytes: int, version: int) -> int:
-        return self.endpoint.push(bucket_bytes, version)
+    def push_weights(self, bucket_bytes: int, version: int, stage: int | None = None) -> int:
+        return self.endpoint.push(bucket_bytes, version, stage)
 
 
 def _megatron_worker(cfg: RunConfig, total_steps: int, rank: int, world_size: int, master: tuple[str, int]):
@@ -72,10 +76,13 @@ def _megatron_worker(cfg: RunConfig, total_steps: int, rank: int, world_size: in
 
     import torch
 
+    from megarl.backends.megatron.model import rank_environment
     from megarl.backends.megatron.worker import MegatronTrainWorker
 
     os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK="0")
+    parallel = cfg.actor.parallel  # before CUDA starts in this process (torch.cuda below)
+    os.environ.update(rank_environment(parallel.tensor_model_parallel_size, parallel.context_parallel_size))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(0)  # Ray gives each rank actor one GPU, visible as device 0

@@ -22,7 +22,7 @@ from megarl.reward.scoring import RewardRequest, RewardResult
 from megarl.reward.pool import RewardStats
 from megarl.rollout.engine import GenerationOutput, SamplingParams
 from megarl.weights.buckets import WeightBucket, flatten
-from megarl.weights.transport import WeightSender
+from megarl.weights.transport import RankPlace, WeightSender
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,7 @@ class RemoteTrainWorker:
     (they run in lockstep); the answer is rank 0's."""
 
     is_export_source = False  # the driver sends nothing: the rank actors do
+    pipeline_stage = 0
 
     def __init__(self, actors: list, has_reference: bool):
         self.actors, self.has_reference = actors, has_reference
@@ -99,13 +100,12 @@ class RayRanks:
 
     def __init__(self, actors: list):
         self.actors = actors
-        self._sources: list[tuple[int, str]] | None = None
+        self._places: list[RankPlace] | None = None
 
-    def sources(self) -> list[tuple[int, str]]:
-        if self._sources is None:
-            found = gather_ranks([a.source.remote() for a in self.actors])
-            self._sources = [(rank, node) for rank, (is_source, node) in enumerate(found) if is_source]
-        return self._sources
+    def places(self) -> list[RankPlace]:
+        if self._places is None:
+            self._places = gather_ranks([a.place.remote(rank) for rank, a in enumerate(self.actors)])
+        return self._places
 
     def free_address(self, rank: int) -> tuple[str, int]:
         return gather_ranks([self.actors[rank].address.remote()])[0]
@@ -117,8 +117,11 @@ class RayRanks:
             gather_ranks(refs)
         return wait
 
-    def push(self, bucket_bytes: int, version: int) -> int:
-        return sum(gather_ranks([a.push_weights.remote(bucket_bytes, version) for a in self.actors]))
+    def push(self, bucket_bytes: int, version: int, stage: int | None = None) -> int:
+        return sum(gather_ranks([a.push_weights.remote(bucket_bytes, version, stage) for a in self.actors]))
+
+    def free_cache(self) -> None:
+        gather_ranks([a.free_cache.remote() for a in self.actors])
 
 
 class RemoteRewardPool:

@@ -10,7 +10,7 @@ engine's per-tensor checksums are compared with the trainer's after the sync
 (`weight_checksums`, `verify_engine`). How buckets travel is the transports' business
 (megarl.weights, docs/architecture.md).
 
-Main entry points: `group_tensors`, `flatten`, `unpack_bucket`, `send_flat`, `weight_checksums`, `verify_engine`.
+Main entry points: `group_tensors`, `split_by_dtype`, `flatten`, `unpack_bucket`, `send_flat`, `weight_checksums`, `verify_engine`.
 """
 
 from __future__ import annotations
@@ -76,6 +76,17 @@ def group_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]],
         size += nbytes
     if pending:
         yield pending
+
+
+def split_by_dtype(group: Mapping[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """One group per dtype, in the order the dtypes first appear. SGLang rebuilds a packed
+    bucket from names, dtypes and shapes alone, so a bucket whose dtypes mix can misalign
+    (a tensor starting at a byte offset its dtype cannot view) and be refused after the
+    trainer has started sending it; one dtype per packed bucket never misaligns."""
+    by_dtype: dict[torch.dtype, dict[str, torch.Tensor]] = {}
+    for name, tensor in group.items():
+        by_dtype.setdefault(tensor.dtype, {})[name] = tensor
+    return list(by_dtype.values())
 
 
 def pack_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[FlatBucket]:

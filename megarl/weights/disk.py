@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse
 
 from megarl.weights.buckets import WeightBucket
 from megarl.weights.routes import json_body, version_of
-from megarl.weights.transport import TrainRanks, WeightSender, WeightTransport, needs_engine_servers
+from megarl.weights.transport import TrainRanks, WeightSender, WeightTransport, needs_engine_servers, sources
 
 ROUTE = "/update_weights_from_disk"  # SGLang: UpdateWeightFromDiskReqInput
 
@@ -72,7 +72,7 @@ class DiskTransport(WeightTransport):
         needs_engine_servers(cls, cfg, problems)
 
     def senders(self, ranks: TrainRanks) -> dict[int, WeightSender]:
-        return {rank: DiskSender(str(self.root), rank) for rank, _ in ranks.sources()}
+        return {p.rank: DiskSender(str(self.root), p.rank) for p in sources(ranks)}
 
     def finish(self, version: int) -> None:
         asyncio.run(self.engines.load_from_disk(str(version_dir(self.root, version)), version))

@@ -22,9 +22,10 @@ import httpx
 import torch
 from fastapi import Request
 
-from megarl.weights.buckets import FlatBucket, TensorEntry, WeightBucket, flatten, unpack_bucket
+from megarl.weights.buckets import FlatBucket, TensorEntry, WeightBucket, flatten, split_by_dtype, unpack_bucket
 from megarl.weights.routes import json_body, result, version_of
-from megarl.weights.transport import EngineServers, TrainRanks, WeightSender, WeightTransport, needs_engine_servers
+from megarl.weights.transport import EngineServers, TrainRanks, WeightSender, WeightTransport, needs_engine_servers, \
+    sources
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +124,7 @@ class DistributedSender:
 
     def send(self, buckets: Iterable[WeightBucket], version: int) -> int:
         count = 0
-        for group in buckets:
+        for group in (one_dtype for bucket in buckets for one_dtype in split_by_dtype(bucket)):
             flat = flatten(group, packed=True)
             body = distributed_update_body(flat.names, [e.dtype for e in flat.entries],
                                                       [list(e.shape) for e in flat.entries], self.group_name, version)
@@ -200,7 +201,11 @@ async def leave_update_group(engines: EngineServers, name: str) -> None:
 
 
 class GroupTransport(WeightTransport):
+    """Pipeline stages are pushed in turn: each stage's source broadcasts on a group of its
+    own, and an engine serves one update request at a time, so two engines taking two
+    stages' requests in different orders would each wait in the other's broadcast."""
     name = "nccl"
+    stages_in_turn = True
     request_structs = {
         "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
         "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
@@ -229,7 +234,7 @@ class GroupTransport(WeightTransport):
         self._leave_all()
         world, _ = group_ranks(self.engines)
         urls = [s.url for s in self.engines.servers]
-        for rank, _node in ranks.sources():
+        for rank in (p.rank for p in sources(ranks)):
             name = f"megarl-sync-rank{rank}"
             address, port = ranks.free_address(rank)
             opened = ranks.open_senders({rank: GroupSender(self.backend, address, port, world, name, urls)})

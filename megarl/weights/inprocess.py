@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from megarl.weights.buckets import FlatBucket, WeightBucket, unpack_bucket
-from megarl.weights.transport import TrainRanks, WeightSender, WeightTransport
+from megarl.weights.transport import TrainRanks, WeightSender, WeightTransport, sources
 
 
 class EngineSender(WeightSender):
@@ -45,7 +45,7 @@ class InProcessTransport(WeightTransport):
                          "use auto, ipc, nccl or disk with rollout.engine=sglang")
 
     def senders(self, ranks: TrainRanks) -> dict[int, WeightSender]:
-        return {rank: EngineSender(self.engines) for rank, _ in ranks.sources()}
+        return {p.rank: EngineSender(self.engines) for p in sources(ranks)}
 
 
 async def load_into_engine(engine: Any, buckets: Iterable[FlatBucket | Mapping[str, torch.Tensor]],

@@ -2,10 +2,12 @@
 
 Every weight sync runs the same steps, whatever the transport (megarl.runtime.base):
 
+    ranks.free_cache()                  train ranks return their cached device memory
     engine.begin_weight_update()        pause decoding (and get the weights' memory back)
-    transport.connect(ranks)            driver: open a sender on each source rank, where needed
-    ranks.push(bucket_bytes, version)   every train rank exports its buckets; each source rank
-                                        sends them through its sender
+    transport.connect(ranks)            driver: open a sender on the ranks that need one
+    ranks.push(bucket_bytes, version)   every train rank exports its buckets; each rank with a
+                                        sender sends them through it (one pipeline stage at a
+                                        time where the transport says `stages_in_turn`)
     transport.finish(version)           driver: whatever must follow (e.g. engines load the files)
     engine.end_weight_update()          flush the prefix cache, KV cache back, resume decoding
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 from megarl.weights.buckets import WeightBucket
@@ -45,11 +48,21 @@ class WeightSender(ABC):
         """Release what `open` took."""
 
 
+@dataclass(frozen=True)
+class RankPlace:
+    """Where one train rank runs and what it holds of the exported weights."""
+    rank: int
+    node: str  # address of its node
+    gpu: str  # the node's GPU it runs on (physical id, as CUDA_VISIBLE_DEVICES names it); "" without one
+    stage: int  # its pipeline stage
+    is_source: bool  # it holds its stage's full exported tensors to send (TP 0 of DP 0, CP 0)
+
+
 class TrainRanks(Protocol):
     """The train worker group as a transport's driver side sees it (each runtime has one)."""
 
-    def sources(self) -> list[tuple[int, str]]:
-        """(rank, node address) of each rank that sends a pipeline stage's weights."""
+    def places(self) -> list[RankPlace]:
+        """Every rank's place, by rank."""
 
     def free_address(self, rank: int) -> tuple[str, int]:
         """That rank's node address and a port free on it (to host a process group)."""
@@ -58,9 +71,19 @@ class TrainRanks(Protocol):
         """Give each named rank its sender and start opening it; returns a function that
         waits until every one is open (so the engines can join in between)."""
 
-    def push(self, bucket_bytes: int, version: int) -> int:
-        """Every rank exports its buckets (collectives need all ranks); the source ranks send
-        them through their senders. Returns the buckets sent."""
+    def push(self, bucket_bytes: int, version: int, stage: int | None = None) -> int:
+        """Every rank (of pipeline stage `stage` only, when given) exports its buckets (the TP
+        gathers need every rank of a stage); the ranks with a sender send them through it.
+        Returns the buckets sent."""
+
+    def free_cache(self) -> None:
+        """Every rank hands its allocator's cached device memory back (before colocated
+        engines take theirs back)."""
+
+
+def sources(ranks: TrainRanks) -> list[RankPlace]:
+    """The ranks that send a pipeline stage's weights, one per stage."""
+    return [p for p in ranks.places() if p.is_source]
 
 
 class EngineServer(Protocol):
@@ -70,6 +93,7 @@ class EngineServer(Protocol):
     url: str
     tp: int  # GPUs (tensor-parallel ranks) of the engine
     node: str  # address of the node it runs on
+    gpus: Sequence[str]  # the node's GPUs of its TP ranks, in TP order (empty without GPUs)
 
 
 class EngineServers(Protocol):
@@ -97,6 +121,9 @@ class WeightTransport(ABC):
     `RolloutEngine` for the inprocess transport, the fleet's `EngineServers` otherwise)."""
 
     name: ClassVar[str]  # the value of sync.transport that selects it
+    # push one pipeline stage at a time: needed where each stage's sender holds the engines
+    # in a collective of its own, which two engines could otherwise enter in different orders
+    stages_in_turn: ClassVar[bool] = False
     # the engine routes it uses -> the request struct of SGLang's io_struct.py each body is
     # parsed into (checked against the pinned version by tests/test_sglang_contract.py)
     request_structs: ClassVar[dict[str, str]] = {}
@@ -116,7 +143,7 @@ class WeightTransport(ABC):
         over a `RolloutEngine`); nothing by default."""
 
     def connect(self, ranks: TrainRanks) -> None:
-        """Before a sync: make sure every source rank has an open sender. By default the
+        """Before a sync: make sure every rank that sends has an open sender. By default the
         senders of `senders` are opened once, for the whole run; a transport whose senders
         must be opened again (after an engine restart) overrides this."""
         if not self.connected:
@@ -124,7 +151,7 @@ class WeightTransport(ABC):
             self.connected = True
 
     def senders(self, ranks: TrainRanks) -> Mapping[int, WeightSender]:
-        """The sender of each source rank (rank -> sender), for the default `connect`."""
+        """The sender of each rank that sends (rank -> sender), for the default `connect`."""
         raise NotImplementedError(f"{type(self).__name__} keeps the default connect: it must define senders")
 
     def finish(self, version: int) -> None:

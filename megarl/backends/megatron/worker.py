@@ -158,6 +158,12 @@ class MegatronTrainWorker:
         return (parallel_state.get_tensor_model_parallel_rank() == 0 and self._dp()[0] == 0
                 and parallel_state.get_context_parallel_rank() == 0)
 
+    @property
+    def pipeline_stage(self) -> int:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_pipeline_model_parallel_rank()
+
     # -- forward passes ----------------------------------------------------------------------
     def _over_data_parallel(self, batch: TrainBatch, fn) -> list[torch.Tensor]:
         """fn(this DP rank's rows) -> tensors (rows, L); the rows of every DP rank gathered."""

@@ -57,6 +57,8 @@ class TorchTrainWorker:
         """One process holds the whole model: it sends the weights."""
         return True
 
+    pipeline_stage = 0  # the whole model is one stage
+
     def save_hf(self, directory: str | Path) -> str:
         """The actor as HF safetensors + config in `directory` (the tokenizer is the caller's)."""
         self.actor.model.save_pretrained(directory, safe_serialization=True)
