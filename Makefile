@@ -29,6 +29,11 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	$(BIN)/python -m pytest tests $(PYTEST_ARGS)
 
+# On a GPU machine, first: tests/gpu, then PASS / FAIL / NOT RUN per GPU-only path (docs/testing.md).
+.PHONY: test-gpu
+test-gpu: $(STAMP)
+	$(BIN)/python tests/gpu/gpu_status.py $(PYTEST_ARGS)
+
 # The MLflow UI in headless Chromium (installs Debian's chromium when missing, as root).
 test-ui: $(STAMP)
 	command -v chromium >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium \

@@ -1,11 +1,15 @@
-"""One real SGLang server on a GPU (skipped where CUDA or SGLang is missing): generation by
-token ids with log-probs against HF's, then weight updates the three ways the fleet sends
-them (disk, an NCCL update group, CUDA IPC handles with the memory released and resumed
-around it), each checked by the log-probs of the new weights.
+"""One real SGLang server on a GPU (skipped where CUDA or SGLang is missing), launched with the
+argv megarl gives a colocated engine (`server_command`): the flags as SGLang resolved them and
+the KV cache they give, generation by token ids with log-probs against HF's, then weight updates
+the ways the fleet sends them (disk, an NCCL update group, CUDA IPC handles), and the fleet's
+release and resume of the engine's memory around a weight update. Each test names the rows of
+the GPU status table it checks (`gpu_path`, tests/gpu/gpu_status.py).
 
-The NCCL case needs two GPUs (NCCL refuses two ranks on one device); disk and CUDA IPC run on one.
-Tolerance (bf16, as tests/gpu/test_megatron_gpu.py explains): SGLang's kernels and HF's
-agree within 0.15 at worst and 0.03 on average over the tokens of a greedy continuation.
+The server runs on the last GPU; the trainer side of the tests on cuda:0 (NCCL refuses two ranks
+on one device: that case needs two GPUs) or, for CUDA IPC, on the server's GPU (a handle opens
+only on the GPU it was made on). Tolerance (bf16, as tests/gpu/test_megatron_gpu.py explains):
+SGLang's kernels and HF's agree within 0.15 at worst and 0.03 on average over the tokens of a
+greedy continuation.
 """
 
 from __future__ import annotations
@@ -14,21 +18,26 @@ import asyncio
 import importlib.util
 import sys
 import threading
+from types import SimpleNamespace
 
+import httpx
 import pytest
 import torch
 
 from megarl.rollout.engine import SamplingParams
 from megarl.rollout.http import HTTPEngine
-from megarl.rollout.sglang import ServerProcess, free_port
+from megarl.rollout.sglang import ServerProcess, free_port, server_command
 from megarl.weights.buckets import group_tensors, hf_tensors
 from tiny_models import reference_log_probs, tiny_tokenizer
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
               pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="needs SGLang (pip install '.[gpu]')")]
+path = pytest.mark.gpu_path
 
 PROMPT = [5, 6, 7, 8, 9]
+MEM_FRACTION = 0.3
+KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 128 * 2  # K and V x 2 layers x 2 KV heads x head_dim 512 / 4 x bf16
 
 
 def small_model(vocab_size: int, seed: int):
@@ -41,20 +50,37 @@ def small_model(vocab_size: int, seed: int):
     return Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
 
 
+def two_dtypes(model) -> list[tuple[str, torch.Tensor]]:
+    """The model's tensors with the norms in fp32 (the same values): buckets of two dtypes, which
+    the transports must split (an engine reads a flat bucket as one dtype)."""
+    return [(name, t.float() if "norm" in name else t) for name, t in hf_tensors(model)]
+
+
+def free_memory(gpu: int) -> int:
+    torch.cuda.synchronize(gpu)
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(gpu)[0]
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    from megarl.config import load_config
+
     root = tmp_path_factory.mktemp("sglang")
     tok = tiny_tokenizer()
     model = small_model(len(tok), seed=0)
     model.save_pretrained(root / "model")
     tok.save_pretrained(root / "model")
-    process = ServerProcess([sys.executable, "-m", "sglang.launch_server", "--model-path", str(root / "model"),
-                             "--dtype", "bfloat16", "--mem-fraction-static", "0.3", "--enable-memory-saver",
-                             "--random-seed", "0"], "sglang0", log_dir=str(root),
-                            # the last GPU (the trainer side of the tests uses cuda:0; NCCL needs two devices)
-                            env={"CUDA_VISIBLE_DEVICES": str(torch.cuda.device_count() - 1)})
+    cfg = load_config(None, [f"model.path={root / 'model'}", "model.dtype=bfloat16", "rollout.engine=sglang",
+                             "cluster.launcher=ray", "cluster.gpus_per_node=1",
+                             f"rollout.gpu_memory_utilization={MEM_FRACTION}", "trainer.seed=7"])
+    gpu = torch.cuda.device_count() - 1
+    free_at_start = free_memory(gpu)
+    process = ServerProcess(server_command(cfg, colocated=True), "sglang0", log_dir=str(root),
+                            env={"CUDA_VISIBLE_DEVICES": str(gpu)})
     process.start(timeout_s=900)
-    yield process, HTTPEngine(process.url), model, len(tok)
+    yield SimpleNamespace(process=process, client=HTTPEngine(process.url), model=model, vocab=len(tok), gpu=gpu,
+                          free_at_start=free_at_start, weight_bytes=sum(t.nbytes for _, t in hf_tensors(model)))
     process.stop()
 
 
@@ -67,15 +93,29 @@ def check_log_probs(client, model):
     return out
 
 
+@path("sglang_flags")
+def test_launch_flags_as_sglang_resolved_them(server):
+    """SGLang 0.5.23 parsed megarl's colocated argv as meant, and sized the KV cache as
+    `megarl plan` assumes (docs/planning.md): mem_fraction_static x the memory free at start-up
+    - the weights. The server measures free memory after its own CUDA context exists (under
+    1 GiB here, so 0.3 GiB of the fraction) and rounds the pool to pages: within 5%."""
+    info = httpx.get(server.process.url + "/server_info", timeout=30).json()
+    assert (info["mem_fraction_static"], info["enable_memory_saver"], info["tp_size"], info["random_seed"],
+            info["dtype"]) == (MEM_FRACTION, True, 1, 7, "bfloat16")
+    want = MEM_FRACTION * server.free_at_start - server.weight_bytes
+    got = info["max_total_num_tokens"] * KV_BYTES_PER_TOKEN
+    assert abs(got - want) < 0.05 * want, (got, want)
+
+
+@path("sglang_flags")
 def test_generate_by_token_ids_with_hf_log_probs(server):
-    _, client, model, _ = server
-    out = check_log_probs(client, model)
+    out = check_log_probs(server.client, server.model)
     assert len(out.token_ids) == 16 and out.finish_reason == "length"
 
 
 def test_weights_from_disk(server, tmp_path):
-    _, client, _, vocab = server
-    new = small_model(vocab, seed=1)
+    client = server.client
+    new = small_model(server.vocab, seed=1)
     client.weight_dir = str(tmp_path)
     asyncio.run(client.pause())
     asyncio.run(client.update_weights(group_tensors(hf_tensors(new), 8 << 20), version=1))
@@ -84,44 +124,88 @@ def test_weights_from_disk(server, tmp_path):
     assert check_log_probs(client, new).weight_version == 1
 
 
+@path("nccl_sync")
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL puts each rank on its own GPU: needs two GPUs")
 def test_weights_over_an_nccl_group(server):
-    from megarl.weights.group import DistributedSender, open_update_group
+    """The nccl transport's rank side (GroupSender) and its join body, buckets of two dtypes."""
+    from megarl.weights.group import GroupSender, init_group_body
 
-    _, client, _, vocab = server
-    new = small_model(vocab, seed=2).cuda()
-    port, joined = free_port(), {}
-    trainer = threading.Thread(target=lambda: joined.setdefault(
-        "group", open_update_group("nccl", "127.0.0.1", port, 0, 2, "megarl-test")))
-    trainer.start()
-    asyncio.run(client.post("/init_weights_update_group", {
-        "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
-        "group_name": "megarl-test", "backend": "nccl"}))
-    trainer.join()
-    sender = DistributedSender(joined["group"], [client.base_url], "megarl-test")
+    client = server.client
+    new = small_model(server.vocab, seed=2).cuda(0)
+    port = free_port()
+    sender = GroupSender("nccl", "127.0.0.1", port, 2, "megarl-test", [client.base_url])
+    opened = threading.Thread(target=sender.open)  # returns once the engine has joined
+    opened.start()
+    asyncio.run(client.post("/init_weights_update_group", init_group_body("127.0.0.1", port, 1, 2, "megarl-test",
+                                                                            "nccl")))
+    opened.join()
     asyncio.run(client.pause())
-    assert sender.send(group_tensors(hf_tensors(new), 8 << 20), version=2) >= 1
+    assert sender.send(group_tensors(two_dtypes(new), 8 << 20), version=2) >= 2
     asyncio.run(client.flush_cache())
     asyncio.run(client.resume())
     assert check_log_probs(client, new.cpu()).weight_version == 2
     sender.close()
 
 
-def test_weights_through_cuda_ipc_with_memory_released(server):
-    import httpx
+@path("ipc_sync")
+def test_weights_through_cuda_ipc(server):
+    """The ipc transport's rank side (IpcSender) for one train rank on the engine's GPU, with
+    SGLang's own handle serializer; buckets of two dtypes."""
+    from megarl.weights.ipc import IpcSender
+    from megarl.weights.transport import RankPlace
 
-    from megarl.weights.ipc import ipc_payload
-
-    _, client, _, vocab = server
-    new = small_model(vocab, seed=3).cuda()
-    asyncio.run(client.release_memory())
-    asyncio.run(client.resume_memory(["weights"]))
-    asyncio.run(client.pause())
-    for bucket in group_tensors(hf_tensors(new), 8 << 20):
-        body, _buffer = ipc_payload(bucket, 1, 3)
-        response = httpx.post(client.base_url + "/update_weights_from_tensor", json=body, timeout=300)
-        assert response.status_code == 200 and response.json()["success"], response.text
-    asyncio.run(client.flush_cache())
-    asyncio.run(client.resume())
-    asyncio.run(client.resume_memory(["kv_cache"]))
+    client = server.client
+    with torch.cuda.device(server.gpu):
+        new = small_model(server.vocab, seed=3).cuda(server.gpu)
+        place = RankPlace(rank=0, node="127.0.0.1", gpu=str(server.gpu), stage=0, is_source=True)
+        sender = IpcSender([place], 0, [(client.base_url, [0])], makes_handle=True)
+        sender.open()
+        asyncio.run(client.pause())
+        assert sender.send(group_tensors(two_dtypes(new), 8 << 20), version=3) >= 2
+        asyncio.run(client.flush_cache())
+        asyncio.run(client.resume())
+        sender.close()
     assert check_log_probs(client, new.cpu()).weight_version == 3
+
+
+class InThisProcess:
+    """What the fleet calls on a healthy engine's ServerActor (`await actor.alive.remote()`),
+    answered by a ServerProcess of this process instead of a Ray actor."""
+
+    def __init__(self, process: ServerProcess):
+        self.process = process
+
+    def __getattr__(self, method: str):
+        call = getattr(self.process, method)
+
+        async def remote(*args):
+            return call(*args)
+
+        return SimpleNamespace(remote=remote)
+
+
+@path("memory_release")
+def test_fleet_releases_and_resumes_memory_around_weight_updates(server, tmp_path):
+    """Two training steps as the colocated fleet runs them (SGLangFleet): release the engine's
+    memory for the trainer, take the weights' back, update them, take the rest back (KV cache
+    and CUDA graphs) and decode: each release frees at least the KV cache (0.3 x the memory
+    free at start-up, less the weights: over 0.25 x), each resume takes it all back (within
+    1 GiB), and greedy decoding (CUDA graphs replayed) gives the new weights' log-probs."""
+    from megarl.config import SGLangConfig
+    from megarl.rollout.sglang import SGLangFleet
+
+    fleet = SGLangFleet([("engine0", InThisProcess(server.process), server.process.url, 1, "127.0.0.1",
+                          (str(server.gpu),))], SGLangConfig(router=False), weight_dir=str(tmp_path))
+    for version in (4, 5):
+        new = small_model(server.vocab, seed=version)
+        before = free_memory(server.gpu)
+        asyncio.run(fleet.release_memory())
+        released = free_memory(server.gpu)
+        assert released - before > 0.25 * server.free_at_start, (released - before, server.free_at_start)
+        asyncio.run(fleet.begin_weight_update())
+        asyncio.run(fleet.update_weights(group_tensors(hf_tensors(new), 8 << 20), version))
+        asyncio.run(fleet.end_weight_update())
+        assert abs(free_memory(server.gpu) - before) < 1 << 30
+        out = check_log_probs(fleet.servers[0].client, new)
+        assert out.weight_version == version
+    asyncio.run(fleet.close())
