@@ -1,0 +1,263 @@
+"""The trainer side of the GPU contract harness (tests/test_gpu_contract.py), on CPU processes.
+
+Train ranks are processes joined in one gloo group, each with a simulated GPU identity and a
+test double of a megatron rank's export (`StageExport`: every rank of a pipeline stage's DP-0
+replica iterates its buckets in step, with a collective on its TP group per bucket, as the TP
+gathers are; DP > 0 yields nothing); `ProcessRanks` is the `TrainRanks` the transports drive.
+Engines are tests/sglang_double.py servers behind megarl's real `SGLangFleet`. What runs is
+megarl's: `Runtime.sync_weights`, the transports' driver sides, `RankEndpoint` and the senders.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import torch
+
+from megarl.runtime.base import RankEndpoint, Runtime
+from megarl.weights.buckets import FlatBucket, group_tensors, weight_checksums
+from megarl.weights.transport import RankPlace
+
+ROOT = Path(__file__).resolve().parents[1]
+NODE = "node0"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Train ranks in megatron's order (TP fastest, then DP, then PP), one simulated GPU each."""
+    tp: int
+    dp: int
+    pp: int
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.dp * self.pp
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(tp rank, dp rank, stage)."""
+        return rank % self.tp, rank // self.tp % self.dp, rank // (self.tp * self.dp)
+
+    def places(self, gpus: list[str]) -> list[RankPlace]:
+        out = []
+        for rank in range(self.world):
+            tp, dp, stage = self.coords(rank)
+            out.append(RankPlace(rank, NODE, gpus[rank] if gpus else "", stage, tp == 0 and dp == 0))
+        return out
+
+
+def stage_tensors(stage: int) -> dict[str, torch.Tensor]:
+    """Each stage's weights: mixed dtypes, an odd-sized bf16 tensor (packed after it, an fp32
+    tensor would start at an offset fp32 cannot view); 983,072 bytes at 16-byte alignment."""
+    g = torch.Generator().manual_seed(stage)
+    return {
+        f"model.layers.{stage}.mlp.up_proj.weight": torch.randn(256, 640, generator=g).to(torch.bfloat16),
+        f"model.layers.{stage}.input_layernorm.bias": torch.randn(3, generator=g).to(torch.bfloat16),
+        f"model.layers.{stage}.router.weight": torch.randn(128, 640, generator=g),
+        f"model.layers.{stage}.mlp.down_proj.weight": torch.randn(640, 256, generator=g).to(torch.bfloat16),
+        f"model.layers.{stage}.post_attention_layernorm.weight": torch.randn(5, generator=g),
+    }
+
+
+def all_tensors(stages: int) -> dict[str, torch.Tensor]:
+    return {k: v for s in range(stages) for k, v in stage_tensors(s).items()}
+
+
+class StageExport:
+    """A TrainWorker's export side, as a megatron rank of `layout` has it."""
+
+    def __init__(self, layout: Layout, rank: int, tp_group):
+        self.tp_rank, self.dp_rank, self.pipeline_stage = layout.coords(rank)
+        self.is_export_source = self.tp_rank == 0 and self.dp_rank == 0
+        self.tp_group = tp_group
+
+    def export_hf_weights(self, bucket_bytes: int):
+        if self.dp_rank != 0:
+            return
+        for bucket in group_tensors(stage_tensors(self.pipeline_stage).items(), bucket_bytes):
+            torch.distributed.all_reduce(torch.zeros(1), group=self.tp_group)  # the TP gather: all ranks or none
+            yield bucket
+
+
+class SimHandles:
+    """HandleMaker over simulated devices: the bucket's bytes in a file, named with the
+    device UUID of the rank that made it (tests/sglang_double.py reads it)."""
+
+    def __init__(self, device: str, directory: str):
+        self.device, self.directory, self.count = device, directory, 0
+
+    def serialize(self, bucket: FlatBucket) -> str:
+        self.count += 1
+        path = Path(self.directory) / f"{self.device}-{os.getpid()}-{self.count}.bin"
+        path.write_bytes(bucket.data.numpy().tobytes())
+        entries = [(e.name, e.dtype, list(e.shape), e.offset, e.nbytes) for e in bucket.entries]
+        return json.dumps({"device": self.device, "path": str(path), "entries": entries})
+
+
+def _rank_main(rank: int, layout: Layout, port: int, conn) -> None:
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                         world_size=layout.world)
+    tp_groups = [torch.distributed.new_group([s * layout.tp * layout.dp + d * layout.tp + t for t in range(layout.tp)])
+                 for s in range(layout.pp) for d in range(layout.dp)]
+    _, dp, stage = layout.coords(rank)
+    endpoint = RankEndpoint(StageExport(layout, rank, tp_groups[stage * layout.dp + dp]))
+    while True:
+        command, *args = conn.recv()
+        if command == "stop":
+            return
+        try:
+            result = {"open": endpoint.open_sender, "push": endpoint.push,
+                      "free_cache": lambda: time.time()}[command](*args)
+            conn.send(("ok", result))
+        except Exception as e:  # the driver raises it
+            conn.send(("error", f"rank {rank}: {type(e).__name__}: {e}"))
+
+
+class ProcessRanks:
+    """TrainRanks over rank processes; `handle_dir` set: each sender makes simulated handles
+    on its rank's GPU. Every call waits at most `deadline_s` (a deadlock is a TimeoutError)."""
+
+    def __init__(self, layout: Layout, gpus: list[str], handle_dir: str | None = None, deadline_s: float = 60.0):
+        self.layout, self.gpus, self.handle_dir, self.deadline_s = layout, gpus, handle_dir, deadline_s
+        ctx = multiprocessing.get_context("spawn")
+        port = free_port()
+        self.conns, self.procs = [], []
+        for rank in range(layout.world):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_rank_main, args=(rank, layout, port, child), daemon=True)
+            proc.start()
+            self.conns.append(parent)
+            self.procs.append(proc)
+        self.freed_at: list[float] = []
+
+    def places(self) -> list[RankPlace]:
+        return self.layout.places(self.gpus)
+
+    def free_address(self, rank: int) -> tuple[str, int]:
+        return "127.0.0.1", free_port()
+
+    def _call(self, ranks, *command) -> list:
+        for r in ranks:
+            self.conns[r].send(command)
+        return [self._answer(r) for r in ranks]
+
+    def _answer(self, rank: int):
+        if not self.conns[rank].poll(self.deadline_s):
+            raise TimeoutError(f"train rank {rank} did not answer within {self.deadline_s} s")
+        status, value = self.conns[rank].recv()
+        if status == "error":
+            raise RuntimeError(value)
+        return value
+
+    def open_senders(self, senders):
+        for rank, sender in senders.items():
+            if self.handle_dir is not None and hasattr(sender, "handles"):
+                sender.handles = SimHandles(f"GPU-{NODE}-{self.gpus[rank]}", self.handle_dir)
+            self.conns[rank].send(("open", sender))
+        return lambda: [self._answer(r) for r in senders]
+
+    def push(self, bucket_bytes: int, version: int, stage: int | None = None) -> int:
+        return sum(self._call(range(self.layout.world), "push", bucket_bytes, version, stage))
+
+    def free_cache(self) -> None:
+        self.freed_at.append(max(self._call(range(self.layout.world), "free_cache")))
+
+    def stop(self) -> None:
+        for conn, proc in zip(self.conns, self.procs):
+            try:
+                conn.send(("stop",))
+            except OSError:
+                pass
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+
+
+class ServerActor:
+    """The ServerActor calls SGLangFleet makes, over a local server process."""
+
+    class _Call:
+        def __init__(self, fn):
+            self.fn = fn
+
+        async def remote(self, *args):
+            return self.fn(*args)
+
+    def __init__(self, proc: subprocess.Popen):
+        self.alive = self._Call(lambda: proc.poll() is None)
+        self.log_tail = self._Call(lambda: "")
+
+
+def start_engines(gpus_per_engine: list[list[str]], holds: list[list[str]] | None = None):
+    """A tests/sglang_double.py server per engine; (fleet entries, processes)."""
+    entries, procs = [], []
+    collectives = tempfile.mkdtemp(prefix="megarl-sim-collectives-")
+    for e, gpus in enumerate(gpus_per_engine):
+        port = free_port()
+        argv = [sys.executable, str(ROOT / "tests" / "sglang_double.py"), "--port", str(port), "--node", NODE,
+                "--gpus", ",".join(gpus), "--collective-dir", collectives]
+        for hold in (holds[e] if holds else []):
+            argv += ["--hold", hold]
+        procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        entries.append((f"engine{e}", ServerActor(procs[-1]), f"http://127.0.0.1:{port}", len(gpus), NODE, gpus))
+    deadline = time.monotonic() + 60
+    for _, _, url, *_ in entries:
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{url} did not start")
+            time.sleep(0.2)
+    return entries, procs
+
+
+def calls(url: str) -> list[dict]:
+    return httpx.get(url + "/calls", timeout=10).json()
+
+
+class Trainer:
+    """What Runtime.sync_weights asks of the driver's worker: the trainer's checksums."""
+
+    def __init__(self, stages: int):
+        self.stages = stages
+
+    def weight_checksums(self) -> dict[str, str]:
+        return weight_checksums(sorted(all_tensors(self.stages).items()))
+
+
+class HarnessRuntime(Runtime):
+    """Runtime.sync_weights over the harness's parts."""
+
+    def __init__(self, cfg, engine, ranks, transport, stages: int):
+        self.cfg, self.engine, self.ranks, self.transport = cfg, engine, ranks, transport
+        self.worker = Trainer(stages)
+
+    def release_engine_memory(self) -> None:
+        import asyncio
+
+        asyncio.run(self.engine.release_memory())
+
+    def shutdown(self) -> None:
+        pass
+
+
+def handle_dir() -> str:
+    return tempfile.mkdtemp(prefix="megarl-sim-ipc-")

@@ -1,0 +1,262 @@
+"""A stand-in for an SGLang 0.5.23 server with simulated GPUs, for tests/test_gpu_contract.py.
+
+It speaks the control API megarl uses with SGLang's semantics, not only its fields:
+- simulated devices: the server sees the GPUs of `--gpus` on `--node` (its CUDA_VISIBLE_DEVICES),
+  TP rank i on the i-th; a CUDA IPC entry made on a device it cannot see, or on another TP
+  rank's device, is refused (SGLang's rebuild of a handle fails the same way);
+- memory by tag (kv_cache, weights, cuda_graph): release/resume with no tags means all of them
+  (sglang/srt/constants.py); generation needs all three, a weight update needs the weights;
+- one update request at a time (SGLang's scheduler), so an ordering deadlock between two
+  servers shows as a timeout; `--hold GROUP=SECONDS` makes this server start on requests of
+  GROUP only that long after they arrive (to force the order that deadlocks);
+- a distributed update is received into the buffer SGLang would build from names, dtypes and
+  shapes (byte offsets checked against each dtype's size, as FlattenedTensorBucket.empty does),
+  and, with `--collective-dir`, only once every engine of the group has entered the same
+  broadcast: NCCL's broadcast passes data along the ranks, so none completes alone (gloo's
+  root sends to each rank, which would hide an ordering deadlock);
+- `/weight_checksums` (megarl's embedded server's route) over what it loaded, and `/calls`,
+  the order of the control requests it served.
+
+    python tests/sglang_double.py --port P --node NODE --gpus 0,1 [--hold GROUP=SECONDS] [--collective-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from megarl.weights.buckets import weight_checksums  # noqa: E402
+from megarl.weights.group import open_update_group  # noqa: E402
+
+TAGS = ("kv_cache", "weights", "cuda_graph")
+
+
+def device_uuid(node: str, gpu: str) -> str:
+    """The UUID a simulated GPU reports (one per node and physical id)."""
+    return f"GPU-{node}-{gpu}"
+
+
+def read_sim_handle(handle: str) -> tuple[str, dict[str, torch.Tensor]]:
+    """(device UUID the handle was made on, the tensors it points to) of a simulated handle
+    (tests/test_gpu_contract.py SimHandles)."""
+    payload = json.loads(handle)
+    data = torch.frombuffer(bytearray(Path(payload["path"]).read_bytes()), dtype=torch.uint8)
+    tensors = {}
+    for name, dtype, shape, offset, nbytes in payload["entries"]:
+        tensors[name] = data[offset: offset + nbytes].view(getattr(torch, dtype)).view(shape).clone()
+    return payload["device"], tensors
+
+
+def receive_layout(names: list, dtypes: list, shapes: list) -> tuple[list[tuple], int]:
+    """SGLang's receive buffer for a flattened bucket: (name, dtype, shape, offset, nbytes)
+    each, and the total bytes; a tensor at an offset its dtype cannot view is an error."""
+    entries, offset = [], 0
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        torch_dtype = getattr(torch, dtype)
+        if offset % torch_dtype.itemsize:
+            raise ValueError(f"Unaligned received tensor {name}: byte offset {offset}, dtype {dtype}")
+        nbytes = torch.Size(shape).numel() * torch_dtype.itemsize
+        entries.append((name, torch_dtype, shape, offset, nbytes))
+        offset += nbytes
+    return entries, offset
+
+
+def enter_together(directory: str, group: str, seq: int, rank: int, engines: int, timeout_s: float = 120.0) -> None:
+    """Wait until every engine rank of `group` has entered its broadcast number `seq`."""
+    Path(directory, f"{group}.{seq}.{rank}").touch()
+    deadline = time.monotonic() + timeout_s
+    while len(list(Path(directory).glob(f"{group}.{seq}.*"))) < engines:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"broadcast {seq} of {group}: not every engine entered it")
+        time.sleep(0.05)
+
+
+def create_app(node: str, gpus: list[str], hold: dict[str, float], collective_dir: str | None = None) -> FastAPI:
+    app = FastAPI()
+    devices = [device_uuid(node, g) for g in gpus]
+    released: set[str] = set()
+    weights: dict[str, torch.Tensor] = {}
+    groups: dict[str, object] = {}
+    members: dict[str, tuple[int, int]] = {}  # group -> (this server's rank in it, engine ranks in it)
+    received: dict[str, int] = {}  # group -> broadcasts taken so far
+    calls: list[dict] = []
+    one_at_a_time = threading.Lock()  # the scheduler takes one update request at a time
+    state = {"version": "0", "paused": False}
+
+    def answer(ok: bool, message: str) -> JSONResponse:
+        return JSONResponse({"success": ok, "message": message}, status_code=200 if ok else 400)
+
+    def log(route: str, **extra) -> None:
+        calls.append({"route": route, "time": time.time(), **extra})
+
+    @app.get("/health")
+    async def health():
+        return {}
+
+    @app.get("/health_generate")
+    async def health_generate():
+        if released:
+            return JSONResponse({"message": f"memory released: {sorted(released)}"}, status_code=503)
+        return {}
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        body = await request.json()
+        if released:  # a decode replays CUDA graphs on the KV cache, with the weights
+            return JSONResponse({"error": f"generation with released memory {sorted(released)}: CUDA graph "
+                                          "replay on unmapped memory"}, status_code=500)
+        log("/generate")
+        meta = {"finish_reason": {"type": "length", "length": 1}, "prompt_tokens": len(body["input_ids"]),
+                "completion_tokens": 1, "weight_version": state["version"],
+                "output_token_logprobs": [[-0.5, 7, None]]}
+        return {"text": "", "output_ids": [7], "meta_info": meta}
+
+    @app.post("/release_memory_occupation")
+    async def release(request: Request):
+        tags = (await request.json()).get("tags") or list(TAGS)
+        log("/release_memory_occupation", tags=tags)
+        released.update(tags)
+        return None
+
+    @app.post("/resume_memory_occupation")
+    async def resume(request: Request):
+        tags = (await request.json()).get("tags") or list(TAGS)
+        log("/resume_memory_occupation", tags=tags)
+        released.difference_update(tags)
+        return None
+
+    @app.post("/pause_generation")
+    async def pause(request: Request):
+        log("/pause_generation")
+        state["paused"] = True
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    @app.post("/continue_generation")
+    async def continue_generation(request: Request):
+        log("/continue_generation", released=sorted(released))
+        state["paused"] = False
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache():
+        log("/flush_cache")
+        return "Cache flushed."
+
+    def serialised(group: str, work):
+        """Run `work` when this server's scheduler takes the request (after any hold)."""
+        time.sleep(hold.get(group, 0.0))
+        with one_at_a_time:
+            return work()
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(request: Request):
+        body = await request.json()
+        if "weights" in released:
+            return answer(False, "the weights' memory is released: resume it before updating")
+        handles = body["serialized_named_tensors"]
+        if len(handles) != len(devices):
+            return answer(False, f"{len(handles)} serialized entries for {len(devices)} TP ranks")
+        loaded = []
+        for tp_rank, handle in enumerate(handles):
+            made_on, tensors = read_sim_handle(handle)
+            if made_on not in devices:
+                return answer(False, f"TP rank {tp_rank}: handle made on {made_on}, a device this server "
+                                     f"cannot see (visible: {devices})")
+            if made_on != devices[tp_rank]:
+                return answer(False, f"TP rank {tp_rank} runs on {devices[tp_rank]} but its handle was made on "
+                                     f"{made_on} (TP rank {devices.index(made_on)}'s device)")
+            loaded.append(tensors)
+        if any(set(t) != set(loaded[0]) or any(not torch.equal(t[k], loaded[0][k]) for k in t) for t in loaded):
+            return answer(False, "the TP ranks' handles point to different tensors")
+        await asyncio.to_thread(serialised, "ipc", lambda: weights.update(loaded[0]))
+        state["version"] = str(body.get("weight_version", state["version"]))
+        log("/update_weights_from_tensor", names=sorted(loaded[0]))
+        return answer(True, "Success")
+
+    @app.post("/init_weights_update_group")
+    async def init_group(request: Request):
+        body = await request.json()
+        name = body["group_name"]
+        if len(devices) != 1:
+            return answer(False, "this stand-in joins update groups as one rank: start it with one GPU")
+        groups[name] = await asyncio.to_thread(open_update_group, body["backend"], body["master_address"],
+                                               body["master_port"], body["rank_offset"], body["world_size"],
+                                               name, 60.0)
+        members[name] = (int(body["rank_offset"]), int(body["world_size"]) - 1)
+        received[name] = 0
+        log("/init_weights_update_group", group=name)
+        return answer(True, f"joined {name}")
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_group(request: Request):
+        name = (await request.json())["group_name"]
+        if name not in groups:
+            return answer(False, f"no group {name}")
+        torch.distributed.destroy_process_group(groups.pop(name))
+        return answer(True, f"left {name}")
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(request: Request):
+        body = await request.json()
+        name = body["group_name"]
+        if "weights" in released:
+            return answer(False, "the weights' memory is released: resume it before updating")
+        if name not in groups:
+            return answer(False, f"Group {name} not in {list(groups)}")
+        try:
+            entries, total = receive_layout(body["names"], body["dtypes"], body["shapes"])
+        except ValueError as e:
+            return answer(False, str(e))
+
+        def receive():
+            log("/update_weights_from_distributed", group=name, names=list(body["names"]))
+            received[name] += 1
+            if collective_dir:
+                enter_together(collective_dir, name, received[name], *members[name])
+            buffer = torch.empty(total, dtype=torch.uint8)
+            torch.distributed.broadcast(buffer, src=0, group=groups[name])
+            for n, dtype, shape, offset, nbytes in entries:
+                weights[n] = buffer[offset: offset + nbytes].view(dtype).view(shape).clone()
+
+        await asyncio.to_thread(serialised, name, receive)
+        state["version"] = str(body.get("weight_version", state["version"]))
+        return answer(True, "Succeeded to update parameter online.")
+
+    @app.get("/weight_checksums")
+    async def checksums():
+        return weight_checksums(sorted(weights.items()))
+
+    @app.get("/calls")
+    async def served():
+        return calls
+
+    return app
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--node", default="node0")
+    parser.add_argument("--gpus", default="0")
+    parser.add_argument("--hold", action="append", default=[])
+    parser.add_argument("--collective-dir")
+    args = parser.parse_args()
+    hold = {k: float(v) for k, v in (h.split("=") for h in args.hold)}
+    uvicorn.run(create_app(args.node, args.gpus.split(","), hold, args.collective_dir), host=args.host,
+                port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()
