@@ -99,7 +99,7 @@ class RolloutConfig(SamplingConfig):
     mode: Literal["colocated", "disaggregated"] = param(
         "colocated", "colocated = engines share the trainer's GPUs; disaggregated = engines on their own GPUs."
     )
-    gpu_memory_utilization: float = param(0.6, "Fraction of GPU memory an engine may use (SGLang mem_fraction_static).", gt=0.0, le=1.0)
+    gpu_memory_utilization: float = param(0.6, "SGLang's mem_fraction_static: the fraction of the memory free when the engine starts that its weights and KV cache may take (`megarl plan` proposes it).", gt=0.0, le=1.0)
     max_concurrency: int = param(1024, "Requests in flight per engine.", gt=0)
     sglang: SGLangConfig = param(help="The engine-server fleet (rollout.engine=sglang).", factory=SGLangConfig)
     val: SamplingConfig = param(

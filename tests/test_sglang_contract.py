@@ -30,11 +30,12 @@ API = ROOT / ".venv" / "sglang-api" / sglang_api.SGLANG_VERSION
 
 @pytest.fixture(scope="module")
 def sglang_files() -> Path:
-    if not (API / "sglang/api/v1/api_types.py").is_file():
-        import subprocess
-        import sys
+    import subprocess
+    import sys
 
-        subprocess.run([sys.executable, str(ROOT / "tools" / "fetch_sglang_api.py"), str(API.parent)], check=True)
+    # the fetcher keeps what it already has and downloads only when a file is missing
+    subprocess.run([sys.executable, str(ROOT / "tools" / "fetch_sglang_api.py"), str(API.parent)], check=True,
+                   capture_output=True)
     return API
 
 
@@ -186,3 +187,35 @@ def test_client_sends_the_contract_bodies(api_types):
     assert bodies["/pause_generation"] == CONTROL_BODIES["/pause_generation"]
     assert bodies["/update_weights_from_disk"] == disk.update_body("/w/v2", 2)
     assert bodies["/resume_memory_occupation"] == {"tags": ["kv_cache"]}
+
+
+def module_names(path: Path) -> dict[str, ast.AST]:
+    """The top-level classes, functions and assignments of a module, by name."""
+    names = {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef)):
+            names[node.name] = node
+        elif isinstance(node, ast.Assign):
+            names.update({t.id: node for t in node.targets if isinstance(t, ast.Name)})
+    return names
+
+
+def test_memory_tags_are_the_pinned_versions(sglang_files):
+    constants = module_names(sglang_files / "sglang/srt/constants.py")
+    values = {name: node.value.value for name, node in constants.items()
+              if name.startswith("GPU_MEMORY_TYPE_") and isinstance(node.value, ast.Constant)}
+    every = [values[e.id] for e in constants["GPU_MEMORY_ALL_TYPES"].value.elts]
+    assert sorted(sglang_api.MEMORY_TAGS) == sorted(every)
+
+
+def test_the_sglang_internals_ipc_imports_exist_in_the_pinned_version(sglang_files):
+    """megarl.weights.ipc.sglang_ipc_api imports these; SGLang moves internals between versions."""
+    srt = sglang_files / "sglang/srt"
+    assert "from sglang.srt.utils.common import *" in (srt / "utils/__init__.py").read_text()
+    serializer = module_names(srt / "utils/common.py")["MultiprocessingSerializer"]
+    methods = {f.name: f for f in serializer.body if isinstance(f, ast.FunctionDef)}
+    assert "output_str" in [a.arg for a in methods["serialize"].args.args + methods["serialize"].args.kwonlyargs]
+    assert "monkey_patch_torch_reductions" in module_names(srt / "utils/patch_torch.py")
+    metadata = module_names(srt / "weight_sync/tensor_bucket.py")["FlattenedTensorMetadata"]
+    fields = [f.target.id for f in metadata.body if isinstance(f, ast.AnnAssign)]
+    assert fields == ["name", "shape", "dtype", "start_idx", "end_idx", "numel"]  # what SGLangHandles fills in

@@ -2,10 +2,11 @@
 
     python tools/fetch_sglang_api.py [DEST]      (default: .venv/sglang-api)
 
-Downloads the pinned wheel (megarl.rollout.sglang_api.SGLANG_VERSION) from the package
-index without its dependencies and keeps three files of it: the HTTP server's routes
+Downloads the pinned wheel (megarl.versions.SGLANG_VERSION) from the package index without
+its dependencies and keeps a few files of it: the HTTP server's routes
 (`srt/entrypoints/http_server.py`), the request structs of the control routes
-(`srt/managers/io_struct.py`) and the /generate JSON contract (`api/v1/api_types.py`).
+(`srt/managers/io_struct.py`), the /generate JSON contract (`api/v1/api_types.py`), the
+memory tags (`srt/constants.py`) and the internals megarl.weights.ipc imports.
 tests/test_sglang_contract.py checks megarl's payloads against them. Nothing of SGLang is
 installed or imported here (only api_types.py is imported, and it needs msgspec alone).
 """
@@ -19,12 +20,16 @@ import zipfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from megarl.rollout.sglang_api import SGLANG_VERSION  # noqa: E402
+from megarl.versions import SGLANG_VERSION  # noqa: E402
 
-FILES = ("sglang/srt/entrypoints/http_server.py", "sglang/srt/managers/io_struct.py", "sglang/api/v1/api_types.py")
+FILES = ("sglang/srt/entrypoints/http_server.py", "sglang/srt/managers/io_struct.py", "sglang/api/v1/api_types.py",
+         # the memory tags, and the internals the ipc transport imports to serialise CUDA handles
+         "sglang/srt/constants.py", "sglang/srt/utils/__init__.py", "sglang/srt/utils/common.py",
+         "sglang/srt/utils/patch_torch.py", "sglang/srt/weight_sync/tensor_bucket.py")
 
 
 def fetch(dest: Path) -> Path:
+    """The pinned version's FILES under dest/VERSION, downloaded unless all are there."""
     target = dest / SGLANG_VERSION
     if all((target / f).is_file() for f in FILES):
         return target
