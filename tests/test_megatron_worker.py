@@ -67,8 +67,8 @@ def test_context_parallel_shares_of_a_packed_micro_batch_by_hand():
     from megarl.backends.megatron.forward import make_micro_batches
 
     batch = TrainBatch.from_sequences([[11, 12], [21]], [[13], [22]], [[1], [1]])
-    (r0,) = make_micro_batches(batch, [[0, 1]], multiple=1, packing="mask", cp=2, cp_rank=0)
-    (r1,) = make_micro_batches(batch, [[0, 1]], multiple=1, packing="mask", cp=2, cp_rank=1)
+    (r0,) = make_micro_batches(batch, [[0, 1]], multiple=4, packing="mask", cp=2, cp_rank=0)
+    (r1,) = make_micro_batches(batch, [[0, 1]], multiple=4, packing="mask", cp=2, cp_rank=1)
     assert r0.cu_seqlens.tolist() == r1.cu_seqlens.tolist() == [0, 3, 5, 8] and r0.seq_length == 8
     assert r0.owned.tolist() == [0, 1, 6, 7] and r1.owned.tolist() == [2, 3, 4, 5]
     assert r0.input_ids.tolist() == [[11, 12, 0, 0]] and r1.input_ids.tolist() == [[13, 21, 22, 0]]

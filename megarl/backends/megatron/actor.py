@@ -45,7 +45,8 @@ def actor_step(model: list[torch.nn.Module], optimizer, vocab_size: int, mini: T
                lr: float, weight_decay: float, temperature: float = 1.0) -> dict[str, float]:
     """One optimizer step on `mini` (this DP rank's rows); `counts` (num_tokens, num_seqs,
     norm_length) are those of the whole mini-batch over all DP ranks."""
-    micros = split_batch(mini, micro_batch_size=micro_batch_size, max_tokens=max_tokens, packing=packing)
+    micros = split_batch(mini, model[0].config, micro_batch_size=micro_batch_size, max_tokens=max_tokens,
+                         packing=packing)
     scale = loss_scale(len(micros))
 
     def head(output, micro):

@@ -69,7 +69,8 @@ def critic_step(model: list[torch.nn.Module], optimizer, mini: TrainBatch, *, mi
                 max_tokens: int | None = None, packing: str | None = None, cliprange_value: float, loss_agg_mode: str, counts: dict, lr: float,
                 weight_decay: float) -> dict[str, float]:
     """One optimizer step of the clipped value loss towards mini.returns around mini.values."""
-    micros = split_batch(mini, micro_batch_size=micro_batch_size, max_tokens=max_tokens, packing=packing)
+    micros = split_batch(mini, model[0].config, micro_batch_size=micro_batch_size, max_tokens=max_tokens,
+                         packing=packing)
     scale = loss_scale(len(micros))
 
     def head(output, micro):

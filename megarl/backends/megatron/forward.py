@@ -5,10 +5,11 @@ with a token budget (`max_tokens`), dynamically: rows sorted by length, each mic
 many rows as fit in the budget. A micro-batch reaches the model in one of two forms:
 
 - padded (the fallback): rows x width, cut to the micro-batch's own longest row (rounded up
-  to a multiple of TP so sequence parallelism can split it), right padding and causal
+  to `token_multiple`: TP, so sequence parallelism can split it; more under context
+  parallelism and FP8), right padding and causal
   attention, so real tokens never see padding; the budget counts rows x width.
 - packed (`packing`): the rows' real tokens end to end in one row of `total` tokens (rounded
-  up to the TP multiple with a padding segment), sequence boundaries in `cu_seqlens`, so no
+  up to the same multiple with a padding segment), sequence boundaries in `cu_seqlens`, so no
   compute is spent on padding and the budget counts real tokens. "thd" hands the boundaries
   to Transformer Engine's attention (megatron's THD format: positions restart per sequence);
   "mask" is for megatron's local layers, which have no THD path: one block-diagonal causal
@@ -25,6 +26,7 @@ Main entry points: `plan_micro_batches`, `split_batch`, `run_schedule`, `forward
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -48,6 +50,43 @@ def packing_for(pack_sequences: bool | None, impl: str) -> str | None:
 
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
+
+
+# tokens per rank an FP8 GEMM needs a multiple of, by Transformer Engine recipe (megarl's
+# `actor.fp8_recipe` values); see `token_multiple`
+FP8_TOKEN_ALIGNMENT = {"delayed": 16, "tensorwise": 16, "blockwise": 128}
+
+
+def token_multiple(tp: int, cp: int = 1, *, sequence_parallel: bool = False, fp8_recipe: str | None = None) -> int:
+    """What the length of a padded row, or of a packed row, is rounded up to.
+
+    Without FP8: TP (sequence parallelism splits the sequence over the TP ranks), and with
+    context parallelism 2 x CP x TP (megatron's load-balanced layout cuts each row into 2 x CP
+    chunks, two per CP rank). With FP8 (`fp8_recipe` not None) every rank's share of a row,
+    length / CP (and / TP more under sequence parallelism, where each TP rank quantises its
+    own slice before the all-gather), must also be a multiple of the recipe's alignment a
+    (FP8_TOKEN_ALIGNMENT):
+
+        multiple = lcm(TP x (2 x CP if CP > 1 else 1),  a x CP x (TP if sequence_parallel else 1))
+
+    a = 16 for the per-tensor recipes (delayed, tensorwise): Transformer Engine's FP8 GEMMs
+    take the tokens as the inner dimension of the weight-gradient GEMM, which must be a
+    multiple of 16 (its check: all dimensions but the last a multiple of 8, the last of 16),
+    the alignment megatron-core uses too (fp8_utils.get_fp8_align_size). a = 128 for
+    blockwise: it quantises activations in 1 x 128 tiles and weights in 128 x 128 blocks;
+    megatron-core asks only 16 of it, verl pads each rank's share to 128, and so does megarl
+    (at most 128 x CP x TP - 1 padding tokens per row). MXFP8 (not offered) would need 32.
+    Worked: TP 2 -> 2; TP 2, FP8 -> 16; TP 4 with SP, FP8 -> 64; TP 2, CP 2, FP8 -> 32;
+    TP 2, CP 2 with SP, blockwise -> 512.
+    """
+    multiple = tp * (2 * cp if cp > 1 else 1)
+    if fp8_recipe is None:
+        return multiple
+    recipe = getattr(fp8_recipe, "value", fp8_recipe)  # megatron's Fp8Recipe enum or its name
+    if recipe not in FP8_TOKEN_ALIGNMENT:
+        raise ValueError(f"fp8_recipe {recipe!r}: use one of {sorted(FP8_TOKEN_ALIGNMENT)}")
+    share = FP8_TOKEN_ALIGNMENT[recipe] * cp * (tp if sequence_parallel else 1)
+    return math.lcm(multiple, share)
 
 
 def plan_micro_batches(lengths: list[int], *, micro_batch_size: int, max_tokens: int | None = None,
@@ -152,15 +191,18 @@ def next_tokens(ids: torch.Tensor) -> torch.Tensor:
 
 def make_micro_batches(batch: TrainBatch, plan: list[list[int]], multiple: int, packing: str | None = None,
                        cp: int = 1, cp_rank: int = 0) -> list[MicroBatch]:
-    """The micro-batches of `plan`, sequences padded to a multiple of `multiple` (TP). With
-    context parallelism (cp > 1) every padded row, or the packed row of a "mask" micro-batch
-    (THD packing is not split over CP ranks), is padded to a multiple of 2 x cp x multiple and
-    this CP rank gets its share, with a loss mask kept to the tokens whose outputs it holds."""
+    """The micro-batches of `plan`, each padded row, or the packed row, padded to a multiple of
+    `multiple` (`token_multiple`). With context parallelism (cp > 1; `multiple` then a
+    multiple of 2 x cp) every padded row, or the packed row of a "mask" micro-batch (THD
+    packing is not split over CP ranks), is split and this CP rank gets its share, with a
+    loss mask kept to the tokens whose outputs it holds."""
     if packing not in PACKING:
         raise ValueError(f"packing {packing!r}: use one of {PACKING}")
     if cp > 1 and packing == "thd":
         raise ValueError("THD-packed sequences are not split over context-parallel ranks: use padded rows")
-    multiple *= 2 * cp if cp > 1 else 1
+    if cp > 1 and multiple % (2 * cp):
+        raise ValueError(f"rows split over cp={cp} ranks need a length multiple of 2 x cp, not {multiple}: "
+                         "take it from token_multiple")
     lengths = batch.attention_mask.sum(1)
     out = []
     for rows in plan:
@@ -199,15 +241,18 @@ def _context_share(micro: MicroBatch, cp: int, cp_rank: int) -> MicroBatch:
                    targets=micro.targets[:, owned], owned=owned, cp=cp)
 
 
-def split_batch(batch: TrainBatch, *, micro_batch_size: int, max_tokens: int | None = None,
+def split_batch(batch: TrainBatch, config, *, micro_batch_size: int, max_tokens: int | None = None,
                 packing: str | None = None) -> list[MicroBatch]:
-    """`batch` as micro-batches for this rank's layout (sizes a multiple of TP)."""
+    """`batch` as micro-batches for this rank's layout and the model's TransformerConfig
+    `config` (its sequence parallelism and FP8 recipe): lengths a multiple of `token_multiple`."""
     from megatron.core import parallel_state
 
     tp, cp = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_context_parallel_world_size()
+    multiple = token_multiple(tp, cp, sequence_parallel=config.sequence_parallel,
+                              fp8_recipe=config.fp8_recipe if config.fp8 else None)
     plan = plan_micro_batches(batch.attention_mask.sum(1).tolist(), micro_batch_size=micro_batch_size,
-                              max_tokens=max_tokens, multiple=tp * (2 * cp if cp > 1 else 1), packed=packing is not None)
-    return make_micro_batches(batch, plan, tp, packing, cp, parallel_state.get_context_parallel_rank())
+                              max_tokens=max_tokens, multiple=multiple, packed=packing is not None)
+    return make_micro_batches(batch, plan, multiple, packing, cp, parallel_state.get_context_parallel_rank())
 
 
 # head(output of the last stage, micro-batch) -> (loss, dict of results); called on the last stage only
@@ -248,7 +293,8 @@ def forward_per_token(chunks: list[torch.nn.Module], batch: TrainBatch, per_toke
     (see MicroBatch.by_token); entries outside the real tokens and at t = 0 (no context) are zeroed."""
     from megatron.core import parallel_state
 
-    micros = split_batch(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens, packing=packing)
+    micros = split_batch(batch, chunks[0].config, micro_batch_size=micro_batch_size, max_tokens=max_tokens,
+                         packing=packing)
     device = next(chunks[0].parameters()).device
 
     def collect(output_tensor, micro):
