@@ -69,6 +69,19 @@ class Layout:
             raise LayoutError("parallel layout does not fit: " + "; ".join(p))
 
 
+def rank_environment(tp: int, cp: int = 1) -> dict[str, str]:
+    """Environment variables a megatron rank of this layout needs before CUDA starts in its
+    process (the driver reads them when it creates the context). With TP > 1 or CP > 1:
+    CUDA_DEVICE_MAX_CONNECTIONS=1, one hardware work queue, so kernels start in the order
+    they are issued: megatron issues each tensor-parallel all-gather, reduce-scatter and
+    all-reduce (sequence parallelism's among them; Transformer Engine its context-parallel
+    exchanges) before the computation it is meant to overlap, and relies on that order
+    (tensor_parallel/layers.py); Megatron-LM refuses to start TP or CP without it on GPUs before
+    Blackwell. Set on Blackwell too, where it is no longer needed: asking for the
+    architecture would start CUDA. Nothing for other layouts (DP, PP)."""
+    return {"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if tp > 1 or cp > 1 else {}
+
+
 def initialize(layout: Layout, seed: int = 0) -> None:
     """megatron's process groups (torch.distributed must be initialised) and its RNG tracker."""
     from megarl.backends.megatron.cpu import enable_cpu_mode, silence_known_warnings
@@ -107,16 +120,40 @@ def resolve_impl(requested: str, fp8: str | None = None) -> str:
     return requested
 
 
+def fused_softmax_available() -> bool:
+    """Whether the CUDA extensions behind megatron's fused softmax import here. megatron-core
+    (fusions/fused_softmax.py) imports `scaled_masked_softmax_cuda` to pick the kernel and
+    `scaled_upper_triang_masked_softmax_cuda` to run the causal one; neither ships with
+    megatron-core: Apex (or Megatron-LM's fused_kernels) builds them."""
+    try:
+        import scaled_masked_softmax_cuda  # noqa: F401
+        import scaled_upper_triang_masked_softmax_cuda  # noqa: F401
+    except (ImportError, OSError):
+        return False
+    return True
+
+
+def use_fused_softmax(*, cuda: bool, kernels: bool, explicit_mask: bool, cp: int) -> bool:
+    """megatron's `masked_softmax_fusion` for the local layers' attention (Transformer Engine's
+    attention has its own kernels and ignores it): only on a GPU where the kernels import
+    (`kernels`: fused_softmax_available(); asked for without them, megatron's local attention
+    raises ImportError in a bf16 / fp16 forward whose shapes suit the kernel), and only for the
+    plain causal mask: with masks of megarl's own (`explicit_mask`: packed sequences; cp > 1:
+    context parallelism) the causal kernel would ignore them."""
+    return cuda and kernels and not explicit_mask and cp == 1
+
+
 def transformer_config(spec: ModelSpec, layout: Layout, dtype: str = "float32", recompute: str | None = None,
                        fp8: dict | None = None, explicit_mask: bool = False):
     """megatron's TransformerConfig for `spec`; `fp8` holds TransformerConfig's FP8 fields
     (fp8, fp8_recipe, fp8_param), passed through to Transformer Engine. `explicit_mask`:
-    the local layers get attention masks of their own (packed sequences, context
-    parallelism), which megatron's fused causal softmax kernel would ignore, so it is not used."""
+    the local layers get attention masks of their own (packed sequences); see use_fused_softmax."""
     from megatron.core.transformer import TransformerConfig
 
     torch_dtype = DTYPES[dtype]
     cpu = not torch.cuda.is_available()
+    fused_softmax = use_fused_softmax(cuda=not cpu, kernels=not cpu and fused_softmax_available(),
+                                      explicit_mask=explicit_mask, cp=layout.cp)
     return TransformerConfig(
         num_layers=spec.num_layers, hidden_size=spec.hidden_size, ffn_hidden_size=spec.ffn_hidden_size,
         num_attention_heads=spec.num_heads, num_query_groups=spec.num_kv_heads, kv_channels=spec.head_dim,
@@ -131,8 +168,10 @@ def transformer_config(spec: ModelSpec, layout: Layout, dtype: str = "float32", 
         # them; without the marks the optimizer's grad norm would skip TP shards (weights are then
         # overwritten by load_hf_weights anyway)
         use_cpu_initialization=cpu, perform_initialization=True,
-        bias_activation_fusion=not cpu, bias_dropout_fusion=not cpu, apply_rope_fusion=False,
-        masked_softmax_fusion=not cpu and not explicit_mask and layout.cp == 1, persist_layer_norm=not cpu, gradient_accumulation_fusion=False,
+        bias_activation_fusion=not cpu, bias_dropout_fusion=not cpu, apply_rope_fusion=False,  # (torch-only fusions)
+        # persist_layer_norm: only Apex's FusedLayerNorm has it; megarl's norms are RMSNorm, which megatron's
+        # local spec builds as WrappedTorchNorm (which refuses the flag) and Transformer Engine's as TENorm
+        masked_softmax_fusion=fused_softmax, persist_layer_norm=False, gradient_accumulation_fusion=False,
         recompute_granularity=recompute, recompute_method="uniform" if recompute == "full" else None,
         recompute_num_layers=1 if recompute == "full" else None, **(fp8 or {}),
     )
@@ -235,7 +274,37 @@ def load_hf_weights(chunks: list[torch.nn.Module], spec: ModelSpec, hf_dir: str 
                 if target.shape != shard.shape:
                     raise ValueError(f"{name}: megatron expects {tuple(target.shape)}, the mapping gave "
                                      f"{tuple(shard.shape)}")
-                target.copy_(shard)
+                target.copy_(shard)  # an FP8 parameter quantises it
+                keep_master_source(target, shard)
+
+
+def keep_master_source(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Make `value` the source of `param`'s FP32 master weights. An FP8 parameter
+    (fp8_param_gather) built by megatron inside Transformer Engine's fp8_model_init keeps a
+    high-precision copy of its random initial value (get_high_precision_init_val), and
+    megatron's distributed optimizer builds the FP32 master weights from that copy when it is
+    created (optimizer/distrib_optimizer.py): left alone, the first step writes the random
+    initialisation back. Written here, with the optimizer built after the weights are loaded
+    (the worker's order), the masters start from the loaded values at full precision.
+    (Megatron-LM instead calls optimizer.reload_model_params() after loading, which
+    dequantises the FP8 weights: masters rounded to FP8.) A parameter without the copy (no FP8,
+    or already consumed by an optimizer) is left as it is."""
+    source = getattr(param, "get_high_precision_init_val", None)
+    held = source() if source is not None else None
+    if held is not None:
+        held.copy_(value)
+
+
+def high_precision(param: torch.Tensor) -> torch.Tensor:
+    """`param`'s values as a plain tensor of its nominal dtype. Transformer Engine's FP8
+    parameters (fp8_param_gather: QuantizedTensor, TE >= 2.0) hold FP8 bytes and scales, and are
+    dequantised; megatron's is_float8tensor recognises them (False wherever TE is absent). Not
+    duck typing on `dequantize`: every torch tensor has that method, returning a float32 copy."""
+    from megatron.core.fp8_utils import is_float8tensor
+
+    if is_float8tensor(param):
+        return param.dequantize().detach()
+    return param.detach()
 
 
 def export_hf_tensors(chunks: list[torch.nn.Module], spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
@@ -251,7 +320,7 @@ def export_hf_tensors(chunks: list[torch.nn.Module], spec: ModelSpec) -> Iterato
         for name, rule in chunk_rules(model, spec):
             if name == "output_layer.weight" and spec.tied_embeddings:
                 continue
-            local = params[name].detach()
+            local = high_precision(params[name])
             if rule.tp_axis is None or tp == 1:
                 shards = [local]
             else:

@@ -23,10 +23,16 @@ log = logging.getLogger(__name__)
 
 
 def wrap_for_training(chunks: list[torch.nn.Module], optim: OptimConfig, *, distributed_optimizer: bool = True,
-                      fp8_param_gather: bool = False):
+                      fp8_param_gather: bool = False, fp8_recipe: str | None = None):
     """(DDP-wrapped chunks, megatron Adam optimizer): fp32 gradient reduction, global-norm
     clipping at optim.grad_clip (0 = off), optimizer state sharded over DP when
-    `distributed_optimizer`, and on the CPU when optim.offload."""
+    `distributed_optimizer`, and on the CPU when optim.offload. `fp8_recipe`: the model's FP8
+    recipe (None without FP8), which megatron's distributed optimizer needs to handle FP8
+    parameters (blockwise ones cannot be viewed flat as delayed-scaling ones can).
+
+    The optimizer's FP32 master weights are built here from the chunks' current weights
+    (of FP8 parameters: from the high-precision copy model.keep_master_source wrote), so
+    load the weights first."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, \
         finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -45,7 +51,7 @@ def wrap_for_training(chunks: list[torch.nn.Module], optim: OptimConfig, *, dist
         optimizer="adam", lr=optim.lr, weight_decay=optim.weight_decay, adam_beta1=optim.betas[0],
         adam_beta2=optim.betas[1], adam_eps=optim.eps, clip_grad=optim.grad_clip,
         use_distributed_optimizer=distributed_optimizer, params_dtype=config.params_dtype, bf16=config.bf16,
-        fp16=config.fp16, **offload), wrapped)
+        fp16=config.fp16, fp8_recipe=fp8_recipe, **offload), wrapped)
     return wrapped, optimizer
 
 

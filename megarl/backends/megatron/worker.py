@@ -112,11 +112,12 @@ class MegatronTrainWorker:
         def trained(chunks, worker_cfg, impl):
             distributed = worker_cfg.parallel.use_distributed_optimizer
             model, optimizer = wrap_for_training(chunks, worker_cfg.optim, distributed_optimizer=distributed,
-                                                 fp8_param_gather=bool(worker_cfg.fp8 and worker_cfg.fp8_param_gather))
+                                                 fp8_param_gather=bool(worker_cfg.fp8 and worker_cfg.fp8_param_gather),
+                                                 fp8_recipe=worker_cfg.fp8_recipe if worker_cfg.fp8 else None)
             return _Part(chunks, model, optimizer, worker_cfg, micro_batching(worker_cfg, impl))
 
         chunks = build_model(self.spec, self.layout, **options)
-        load_hf_weights(chunks, self.spec, cfg.model.path)
+        load_hf_weights(chunks, self.spec, cfg.model.path)  # before the optimizer: its masters start from these
         self.actor = trained(chunks, cfg.actor, options["impl"])
         self.reference = None
         self.reference_weights = None  # HostOffloaded with actor.reference_offload

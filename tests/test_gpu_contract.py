@@ -1,0 +1,246 @@
+"""The GPU contract, checked on a CPU: what the GPU-only paths must do, tested through the same
+code with the GPU's answers (CUDA present, kernels importable, FP8 parameters) given by hand."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_dist import run_distributed
+from tiny_models import tiny_hf_model
+
+pytest.importorskip("megatron.core")
+
+
+# -- Megatron on GPUs: FP8 padding, FP8 parameter reload, fused-kernel flags
+
+@pytest.mark.parametrize("tp, cp, sp, recipe, want", [
+    (1, 1, False, None, 1),
+    (2, 1, False, None, 2),  # sequence parallelism splits rows over TP
+    (2, 1, True, None, 2),
+    (2, 2, False, None, 8),  # 2 x CP chunks of a multiple of TP
+    (1, 1, False, "delayed", 16),  # the FP8 GEMM's token dimension
+    (2, 1, False, "tensorwise", 16),  # lcm(2, 16)
+    (3, 1, False, "delayed", 48),  # lcm(3, 16)
+    (4, 1, True, "delayed", 64),  # each TP rank quantises its quarter: 4 x 16
+    (2, 2, False, "delayed", 32),  # lcm(8, 2 x 16): each CP rank holds 16
+    (2, 2, True, "delayed", 64),  # lcm(8, 16 x 2 x 2)
+    (8, 4, True, "tensorwise", 512),  # lcm(64, 16 x 4 x 8)
+    (1, 1, False, "blockwise", 128),  # 1 x 128 tiles
+    (4, 1, False, "blockwise", 128),  # lcm(4, 128)
+    (2, 2, True, "blockwise", 512),  # lcm(8, 128 x 2 x 2)
+])
+def test_token_multiple(tp, cp, sp, recipe, want):
+    from megarl.backends.megatron.forward import token_multiple
+
+    assert token_multiple(tp, cp, sequence_parallel=sp, fp8_recipe=recipe) == want
+
+
+def test_token_multiple_refuses_a_recipe_it_does_not_know():
+    from megarl.backends.megatron.forward import token_multiple
+
+    with pytest.raises(ValueError, match="mxfp8"):
+        token_multiple(2, fp8_recipe="mxfp8")
+
+
+def _layout(monkeypatch, tp: int, cp: int = 1) -> None:
+    """megatron's parallel state as split_batch reads it, for one rank of a tp x cp layout."""
+    from megatron.core import parallel_state
+
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: tp)
+    monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: cp)
+    monkeypatch.setattr(parallel_state, "get_context_parallel_rank", lambda: 0)
+
+
+@pytest.mark.parametrize("tp, cp, sp, fp8, packing, want_shape", [
+    (2, 1, False, None, None, (2, 6)),  # rows of 5 and 3 tokens: the longest rounded up to 2
+    (2, 1, False, "hybrid", None, (2, 16)),  # to 16 under FP8
+    (4, 1, True, "hybrid", None, (2, 64)),  # 16 per TP rank with sequence parallelism
+    (2, 1, False, "hybrid", "thd", (1, 16)),  # packed: 8 real tokens and a padding segment of 8
+    (1, 2, False, "hybrid", None, (2, 16)),  # 32 positions, this CP rank's 16 of them
+])
+def test_micro_batches_follow_the_models_fp8_recipe(monkeypatch, tp, cp, sp, fp8, packing, want_shape):
+    from megarl.backends.batch import TrainBatch
+    from megarl.backends.megatron.forward import split_batch
+
+    _layout(monkeypatch, tp, cp)
+    batch = TrainBatch.from_sequences([[1, 2, 3], [4, 5]], [[6, 7], [8]], [[1, 1], [1]])
+    config = SimpleNamespace(sequence_parallel=sp, fp8=fp8, fp8_recipe="delayed")  # a TransformerConfig's fields
+    (micro,) = split_batch(batch, config, micro_batch_size=2, packing=packing)
+    assert tuple(micro.input_ids.shape) == want_shape
+
+
+def test_context_parallel_rows_need_a_multiple_of_two_cp():
+    from megarl.backends.batch import TrainBatch
+    from megarl.backends.megatron.forward import make_micro_batches
+
+    batch = TrainBatch.from_sequences([[1, 2, 3]], [[4]], [[1]])
+    with pytest.raises(ValueError, match="2 x cp"):
+        make_micro_batches(batch, [[0]], multiple=2, cp=2)
+
+
+@pytest.mark.parametrize("cuda, kernels, explicit_mask, cp, want", [
+    (True, True, False, 1, True),
+    (True, False, False, 1, False),  # a GPU without Apex's kernels: megatron would fail importing them
+    (False, True, False, 1, False),
+    (True, True, True, 1, False),  # packed sequences' own mask
+    (True, True, False, 2, False),  # context parallelism's own mask
+])
+def test_fused_softmax_only_with_its_kernels(cuda, kernels, explicit_mask, cp, want):
+    from megarl.backends.megatron.model import use_fused_softmax
+
+    assert use_fused_softmax(cuda=cuda, kernels=kernels, explicit_mask=explicit_mask, cp=cp) is want
+
+
+@pytest.fixture
+def tiny_spec(tmp_path):
+    from megarl.models import ModelSpec
+
+    tiny_hf_model("qwen2").save_pretrained(tmp_path)
+    return ModelSpec.from_hf(tmp_path)
+
+
+def test_local_layers_build_on_a_gpu_without_apex(monkeypatch, tiny_spec):
+    """The config a GPU without Apex gets builds megatron's local RMSNorm (which refuses
+    persist_layer_norm) and picks the unfused softmax without importing the missing kernels."""
+    from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from megarl.backends.megatron import model
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(model, "fused_softmax_available", lambda: False)
+    config = model.transformer_config(tiny_spec, model.Layout(), dtype="bfloat16")
+    assert not config.persist_layer_norm and not config.masked_softmax_fusion
+    WrappedTorchNorm(config, hidden_size=tiny_spec.hidden_size, eps=tiny_spec.norm_eps)
+    softmax = FusedScaleMaskSoftmax(input_in_fp16=config.fp16, input_in_bf16=config.bf16,
+                                    attn_mask_type=AttnMaskType.causal,
+                                    scaled_masked_softmax_fusion=config.masked_softmax_fusion,
+                                    mask_func=lambda scores, mask: scores, softmax_in_fp32=True, scale=None)
+    assert not softmax.is_kernel_available(None, 1, 4, 32, 32)  # shapes the fused kernel takes
+
+
+def test_fused_softmax_on_a_gpu_with_its_kernels(monkeypatch, tiny_spec):
+    from megarl.backends.megatron import model
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(model, "fused_softmax_available", lambda: True)
+    assert model.transformer_config(tiny_spec, model.Layout(), dtype="bfloat16").masked_softmax_fusion
+    assert not model.transformer_config(tiny_spec, model.Layout(), dtype="bfloat16",
+                                        explicit_mask=True).masked_softmax_fusion
+
+
+@pytest.mark.parametrize("tp, cp, want", [
+    (1, 1, {}),  # data and pipeline parallelism only
+    (2, 1, {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}),
+    (1, 2, {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}),
+    (4, 2, {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}),
+])
+def test_rank_environment(tp, cp, want):
+    from megarl.backends.megatron.model import rank_environment
+
+    assert rank_environment(tp, cp) == want
+
+
+class _CudaAsked(Exception):
+    pass
+
+
+def test_a_train_rank_sets_its_environment_before_cuda_starts(monkeypatch):
+    import megarl.backends.megatron.worker  # noqa: F401 (imported before CUDA is faked)
+    from megarl.runtime import ray_actors
+
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "CUDA_DEVICE_MAX_CONNECTIONS"):
+        monkeypatch.delenv(key, raising=False)  # the rank sets them; restored after the test
+    seen = {}
+
+    def cuda_is_available():
+        seen.update(os.environ)
+        raise _CudaAsked
+
+    monkeypatch.setattr(torch.cuda, "is_available", cuda_is_available)
+    cfg = SimpleNamespace(actor=SimpleNamespace(parallel=SimpleNamespace(tensor_model_parallel_size=2,
+                                                                         context_parallel_size=1)))
+    with pytest.raises(_CudaAsked):
+        ray_actors._megatron_worker(cfg, 1, 0, 2, ("127.0.0.1", 1))
+    assert seen.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1"
+
+
+class _FakeFloat8:
+    """Stands in for Transformer Engine's QuantizedTensor: FP8 codes and a scale, in bf16 when
+    dequantised."""
+
+    def __init__(self, codes: torch.Tensor, scale: float):
+        self.codes, self.scale = codes, scale
+
+    def dequantize(self) -> torch.Tensor:
+        return (self.codes.float() * self.scale).to(torch.bfloat16)
+
+
+def test_export_reads_fp8_parameters_dequantised(monkeypatch):
+    from megatron.core import fp8_utils
+
+    from megarl.backends.megatron.model import high_precision
+
+    monkeypatch.setattr(fp8_utils, "HAVE_TE_FP8_TENSOR_CLASS", True)
+    monkeypatch.setattr(fp8_utils, "FP8_TENSOR_CLASS", _FakeFloat8)
+    fp8 = _FakeFloat8(torch.tensor([[2, -4], [8, 0]], dtype=torch.int8), 0.25)
+    values = high_precision(fp8)
+    assert values.dtype == torch.bfloat16 and values.tolist() == [[0.5, -1.0], [2.0, 0.0]]
+    plain = torch.nn.Parameter(torch.tensor([0.5, 1.5], dtype=torch.bfloat16))
+    kept = high_precision(plain)  # a plain parameter stays in its dtype (torch's own dequantize gives float32)
+    assert kept.dtype == torch.bfloat16 and kept.tolist() == [0.5, 1.5] and not kept.requires_grad
+
+
+def fp8_masters_after_loading(hf_dir: str) -> list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """On one rank: a bf16 model whose linear weights act as Transformer Engine's FP8
+    parameters do for megatron's distributed optimizer (a high-precision copy of their random
+    initial value that the optimizer builds its FP32 masters from), the HF weights loaded, the
+    optimizer built as the worker builds it. Returns (name, master, loaded weight, initial
+    value) of each such shard, flat, in float32."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    from megarl.backends.megatron.model import Layout, build_model, initialize, load_hf_weights
+    from megarl.backends.megatron.step import wrap_for_training
+    from megarl.config import OptimConfig
+    from megarl.models import ModelSpec
+
+    spec = ModelSpec.from_hf(hf_dir)
+    initialize(Layout(), seed=0)
+    (chunk,) = build_model(spec, Layout(), dtype="bfloat16")
+    initial = {}
+    for name, param in chunk.named_parameters():
+        if "linear" in name and name.endswith("weight"):  # what Transformer Engine's fp8_model_init makes FP8
+            held = [torch.randn(param.shape, generator=torch.Generator().manual_seed(len(initial))).to(param.dtype)]
+            param.get_high_precision_init_val = lambda held=held: held[0]
+            param.clear_high_precision_init_val = lambda held=held: held.__setitem__(0, None)
+            initial[param] = (name, held[0].clone())
+    distrib_optimizer.is_float8tensor = lambda tensor: hasattr(tensor, "get_high_precision_init_val")
+    load_hf_weights([chunk], spec, hf_dir)
+    _, optimizer = wrap_for_training([chunk], OptimConfig(), fp8_recipe="delayed")
+    out = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for params, masters in zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups):
+            for param, master in zip(params, masters):
+                if param in initial:
+                    span = opt._get_model_param_range_map(param)["param"]
+                    name, init = initial[param]
+                    out.append((name, master.detach().clone(), param.detach().float().view(-1)[span.start:span.end],
+                                init.float().view(-1)[span.start:span.end]))
+    return out
+
+
+def test_fp8_master_weights_start_from_the_loaded_weights(tmp_path):
+    """fp8_param_gather: the first optimizer step writes the FP32 masters back to the weights,
+    so the masters must hold the loaded HF weights, not the random initialisation."""
+    model = tiny_hf_model("qwen2")
+    model.save_pretrained(tmp_path)
+    (shards,) = run_distributed(1, fp8_masters_after_loading, str(tmp_path))
+    assert len(shards) == 4 * model.config.num_hidden_layers  # linear_qkv, linear_proj, linear_fc1, linear_fc2
+    for name, master, loaded, init in shards:
+        assert torch.equal(master, loaded), name
+        assert not torch.equal(master, init), name
