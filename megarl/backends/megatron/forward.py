@@ -69,13 +69,13 @@ def token_multiple(tp: int, cp: int = 1, *, sequence_parallel: bool = False, fp8
 
         multiple = lcm(TP x (2 x CP if CP > 1 else 1),  a x CP x (TP if sequence_parallel else 1))
 
-    a = 16 for the per-tensor recipes (delayed, tensorwise): Transformer Engine's FP8 GEMMs
-    take the tokens as the inner dimension of the weight-gradient GEMM, which must be a
-    multiple of 16 (its check: all dimensions but the last a multiple of 8, the last of 16),
-    the alignment megatron-core uses too (fp8_utils.get_fp8_align_size). a = 128 for
-    blockwise: it quantises activations in 1 x 128 tiles and weights in 128 x 128 blocks;
-    megatron-core asks only 16 of it, verl pads each rank's share to 128, and so does megarl
-    (at most 128 x CP x TP - 1 padding tokens per row). MXFP8 (not offered) would need 32.
+    a = 16 for the per-tensor recipes (delayed, tensorwise): Transformer Engine refuses an FP8
+    GEMM operand whose last dimension is not a multiple of 16 (the others' product: of 8), and
+    the weight-gradient GEMM has the tokens last; megatron-core aligns to 16 too
+    (fp8_utils.get_fp8_align_size). a = 128 for blockwise: it quantises activations in 1 x 128
+    tiles and weights in 128 x 128 blocks; megatron-core asks only 16 of it, verl pads each
+    rank's share to 128, and so does megarl (the cost: under `multiple` padding tokens a row).
+    MXFP8 (not offered) would need 32.
     Worked: TP 2 -> 2; TP 2, FP8 -> 16; TP 4 with SP, FP8 -> 64; TP 2, CP 2, FP8 -> 32;
     TP 2, CP 2 with SP, blockwise -> 512.
     """
