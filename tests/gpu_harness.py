@@ -1,9 +1,11 @@
 """The trainer side of the GPU contract harness (tests/test_gpu_contract.py), on CPU processes.
 
-Train ranks are processes joined in one gloo group, each with a simulated GPU identity and a
-test double of a megatron rank's export (`StageExport`: every rank of a pipeline stage's DP-0
-replica iterates its buckets in step, with a collective on its TP group per bucket, as the TP
-gathers are; DP > 0 yields nothing); `ProcessRanks` is the `TrainRanks` the transports drive.
+Train ranks are processes joined in one gloo group, each with a simulated GPU identity and
+either megarl's real `MegatronTrainWorker` over a tiny HF model (megatron-core on CPU: its TP
+gathers, pipeline stages and export are the ones a GPU run has) or a test double of a rank's
+export with mixed dtypes (`StageExport`: every rank of a pipeline stage's DP-0 replica
+iterates its buckets in step, with a collective on its TP group per bucket, as the TP gathers
+are; DP > 0 yields nothing); `ProcessRanks` is the `TrainRanks` the transports drive.
 Engines are tests/sglang_double.py servers behind megarl's real `SGLangFleet`. What runs is
 megarl's: `Runtime.sync_weights`, the transports' driver sides, `RankEndpoint` and the senders.
 """
@@ -109,19 +111,35 @@ class SimHandles:
         return json.dumps({"device": self.device, "path": str(path), "entries": entries})
 
 
-def _rank_main(rank: int, layout: Layout, port: int, conn) -> None:
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                         world_size=layout.world)
+def _export_side(rank: int, layout: Layout, hf_dir: str | None):
+    """This rank's TrainWorker: megarl's megatron worker over `hf_dir`, or the test double."""
+    if hf_dir is not None:
+        from megatron_cases import worker
+
+        torch.set_num_threads(1)
+        return worker(hf_dir, [f"actor.parallel.tensor_model_parallel_size={layout.tp}",
+                               f"actor.parallel.pipeline_model_parallel_size={layout.pp}"])
     tp_groups = [torch.distributed.new_group([s * layout.tp * layout.dp + d * layout.tp + t for t in range(layout.tp)])
                  for s in range(layout.pp) for d in range(layout.dp)]
     _, dp, stage = layout.coords(rank)
-    endpoint = RankEndpoint(StageExport(layout, rank, tp_groups[stage * layout.dp + dp]))
+    return StageExport(layout, rank, tp_groups[stage * layout.dp + dp])
+
+
+def _rank_main(rank: int, layout: Layout, port: int, conn, hf_dir: str | None) -> None:
+    sys.path.insert(0, str(ROOT / "tests"))
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                         world_size=layout.world)
+    try:
+        endpoint = RankEndpoint(_export_side(rank, layout, hf_dir))
+    except Exception as e:  # the driver's first call raises it
+        conn.send(("error", f"rank {rank}: {type(e).__name__}: {e}"))
+        return
     while True:
         command, *args = conn.recv()
         if command == "stop":
             return
         try:
-            result = {"open": endpoint.open_sender, "push": endpoint.push,
+            result = {"open": endpoint.open_sender, "push": endpoint.push, "place": endpoint.place,
                       "free_cache": lambda: time.time()}[command](*args)
             conn.send(("ok", result))
         except Exception as e:  # the driver raises it
@@ -130,23 +148,30 @@ def _rank_main(rank: int, layout: Layout, port: int, conn) -> None:
 
 class ProcessRanks:
     """TrainRanks over rank processes; `handle_dir` set: each sender makes simulated handles
-    on its rank's GPU. Every call waits at most `deadline_s` (a deadlock is a TimeoutError)."""
+    on its rank's GPU; `hf_dir` set: the ranks run megarl's megatron worker over that model.
+    Every call waits at most `deadline_s` (a deadlock is a TimeoutError)."""
 
-    def __init__(self, layout: Layout, gpus: list[str], handle_dir: str | None = None, deadline_s: float = 60.0):
+    def __init__(self, layout: Layout, gpus: list[str], handle_dir: str | None = None, deadline_s: float = 60.0,
+                 hf_dir: str | None = None):
         self.layout, self.gpus, self.handle_dir, self.deadline_s = layout, gpus, handle_dir, deadline_s
         ctx = multiprocessing.get_context("spawn")
         port = free_port()
         self.conns, self.procs = [], []
         for rank in range(layout.world):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_rank_main, args=(rank, layout, port, child), daemon=True)
+            proc = ctx.Process(target=_rank_main, args=(rank, layout, port, child, hf_dir), daemon=True)
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)
         self.freed_at: list[float] = []
+        self._places: list[RankPlace] | None = None
 
     def places(self) -> list[RankPlace]:
-        return self.layout.places(self.gpus)
+        """Each rank's place as the rank itself reports it (its stage, whether it is a source)."""
+        if self._places is None:
+            self._places = [self._call([r], "place", r, NODE, self.gpus[r] if self.gpus else "")[0]
+                            for r in range(self.layout.world)]
+        return self._places
 
     def free_address(self, rank: int) -> tuple[str, int]:
         return "127.0.0.1", free_port()
@@ -234,21 +259,22 @@ def calls(url: str) -> list[dict]:
 
 
 class Trainer:
-    """What Runtime.sync_weights asks of the driver's worker: the trainer's checksums."""
+    """What Runtime.sync_weights asks of the driver's worker: the trainer's checksums (of the
+    tensors the ranks export)."""
 
-    def __init__(self, stages: int):
-        self.stages = stages
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
 
     def weight_checksums(self) -> dict[str, str]:
-        return weight_checksums(sorted(all_tensors(self.stages).items()))
+        return weight_checksums(sorted(self.tensors.items()))
 
 
 class HarnessRuntime(Runtime):
-    """Runtime.sync_weights over the harness's parts."""
+    """Runtime.sync_weights over the harness's parts; `tensors`: what the ranks export."""
 
-    def __init__(self, cfg, engine, ranks, transport, stages: int):
+    def __init__(self, cfg, engine, ranks, transport, tensors: dict[str, torch.Tensor]):
         self.cfg, self.engine, self.ranks, self.transport = cfg, engine, ranks, transport
-        self.worker = Trainer(stages)
+        self.worker = Trainer(tensors)
 
     def release_engine_memory(self) -> None:
         import asyncio

@@ -282,11 +282,13 @@ def nccl_config():
 class Run:
     """Ranks, engines and a runtime; everything stopped at the end."""
 
-    def __init__(self, cfg, transport_class, layout: Layout, rank_gpus, engine_gpus, holds=None, deadline_s=60.0):
+    def __init__(self, cfg, transport_class, layout: Layout, rank_gpus, engine_gpus, holds=None, deadline_s=60.0,
+                 hf_dir: str | None = None):
         self.entries, self.procs = start_engines(engine_gpus, holds)
-        self.ranks = ProcessRanks(layout, rank_gpus, handle_dir(), deadline_s)
+        self.ranks = ProcessRanks(layout, rank_gpus, handle_dir(), deadline_s, hf_dir=hf_dir)
         self.fleet = SGLangFleet(self.entries, cfg.rollout.sglang)
-        self.runtime = HarnessRuntime(cfg, self.fleet, self.ranks, transport_class(cfg, self.fleet), layout.pp)
+        self.exported = hf_tensors(hf_dir) if hf_dir else all_tensors(layout.pp)
+        self.runtime = HarnessRuntime(cfg, self.fleet, self.ranks, transport_class(cfg, self.fleet), self.exported)
 
     def urls(self) -> list[str]:
         return [e[2] for e in self.entries]
@@ -314,6 +316,13 @@ def engine_sums(url: str) -> dict[str, str]:
     return httpx.get(url + "/weight_checksums", timeout=10).json()
 
 
+def hf_tensors(hf_dir: str) -> dict[str, torch.Tensor]:
+    """The HF model's tensors as its safetensors file holds them."""
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(hf_dir, "model.safetensors"))
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("layout", [Layout(tp=2, dp=2, pp=1), Layout(tp=2, dp=1, pp=2)], ids=["pp1", "pp2"])
 def test_colocated_ipc_gives_each_engine_tp_rank_a_handle_from_its_own_gpu(run, layout):
@@ -326,6 +335,21 @@ def test_colocated_ipc_gives_each_engine_tp_rank_a_handle_from_its_own_gpu(run, 
     loads = [c for u in r.urls() for c in calls(u) if c["route"] == "/update_weights_from_tensor"]
     # a stage's 983,072 bytes fit one 1 MiB bucket, sent as two (bf16, fp32): 2 engines x stages x 2
     assert len(loads) == 2 * layout.pp * 2
+
+
+@pytest.mark.timeout(300)
+def test_colocated_ipc_from_megarls_megatron_ranks(run, tmp_path):
+    # the same flow from megarl's MegatronTrainWorker at TP 2 x PP 2 (ranks 0, 1: stage 0 on
+    # GPUs 0, 1; ranks 2, 3: stage 1 on GPUs 2, 3): its TP gathers and per-stage export feed the
+    # broadcasts, and both engines end on the HF model's own tensors, bit for bit
+    tiny_hf_model("qwen2").save_pretrained(tmp_path)
+    layout = Layout(tp=2, dp=1, pp=2)
+    r = run(ipc_config(layout), IpcTransport, layout, ["0", "1", "2", "3"], [["0", "1"], ["2", "3"]],
+            deadline_s=120.0, hf_dir=str(tmp_path))
+    assert [p.is_source for p in r.ranks.places()] == [True, False, True, False]
+    r.runtime.sync_weights(version=1)
+    want = weight_checksums(sorted(hf_tensors(str(tmp_path)).items()))
+    assert [engine_sums(u) for u in r.urls()] == [want, want]
 
 
 @pytest.mark.timeout(300)
