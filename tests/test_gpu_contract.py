@@ -411,6 +411,18 @@ def test_nccl_with_two_stages_and_two_engines_pushes_the_stages_in_turn(run):
 
 
 @pytest.mark.timeout(300)
+def test_nccl_from_megarls_megatron_stages_into_two_engines(run, tmp_path):
+    # megarl's MegatronTrainWorker at PP 2, engines forced into the order that deadlocked
+    tiny_hf_model("qwen2").save_pretrained(tmp_path)
+    layout = Layout(tp=1, dp=1, pp=2)
+    r = run(nccl_config(), GroupTransport, layout, [], [["4"], ["5"]], holds=HOLDS, deadline_s=120.0,
+            hf_dir=str(tmp_path))
+    r.runtime.sync_weights(version=1)
+    want = weight_checksums(sorted(hf_tensors(str(tmp_path)).items()))
+    assert [engine_sums(u) for u in r.urls()] == [want, want]
+
+
+@pytest.mark.timeout(300)
 def test_the_harness_catches_the_nccl_ordering_deadlock(run, monkeypatch):
     # the same run with every stage pushed at once (the code before the fix): each engine waits
     # in the other stage's broadcast, and the sync never ends
