@@ -1,4 +1,5 @@
-"""open-r1 shaping rewards and DAPO soft overlong, with values worked out by hand."""
+"""open-r1 shaping rewards and DAPO soft overlong, with values worked out by hand; the format
+and reasoning-step tables are differential: open-r1's regular expressions read by hand."""
 
 import math
 
@@ -17,22 +18,33 @@ from megarl.reward.open_r1 import (
 STRICT = "<think>\nI add.\n</think>\n<answer>\n42\n</answer>"
 
 
+# open-r1's format_reward: re.match (from the first character) of
+# "^<think>\n.*?\n</think>\n<answer>\n.*?\n</answer>$" under re.DOTALL | re.MULTILINE, so "$"
+# holds at the end and before any newline. strict_end: the same without re.MULTILINE, where "$"
+# holds at the end and before a final newline only.
 @pytest.mark.parametrize(
-    "response, expected",
+    "response, open_r1, strict_end",
     [
-        (STRICT, 1.0),
-        ("<think>\nline 1\nline 2\n</think>\n<answer>\n4\n2\n</answer>", 1.0),
-        ("<think>\n\n</think>\n<answer>\n\n</answer>", 1.0),
-        ("<think>I add.</think><answer>42</answer>", 0.0),  # newlines are part of the format
-        (STRICT + "\n", 0.0),  # exactly: nothing after
-        (STRICT + " extra", 0.0),
-        (" " + STRICT, 0.0),
-        ("<answer>\n42\n</answer>", 0.0),
-        ("", 0.0),
+        (STRICT, 1.0, 1.0),
+        (STRICT + "\n", 1.0, 1.0),  # issue 17: one trailing newline
+        (STRICT + "\n\n", 1.0, 0.0),  # "$" before the first of them
+        (STRICT + "\nMore text after the answer.", 1.0, 0.0),  # what follows the newline is not read
+        (STRICT + " extra", 0.0, 0.0),  # not a newline: "$" fails, and no later "\n</answer>" ends the text
+        (STRICT + " ", 0.0, 0.0),
+        (STRICT + "x\n</answer>", 1.0, 1.0),  # the answer block runs on to the last "\n</answer>"
+        (" " + STRICT, 0.0, 0.0),  # from the first character
+        ("\n" + STRICT, 0.0, 0.0),
+        ("<think>\nline 1\nline 2\n</think>\n<answer>\n4\n2\n</answer>", 1.0, 1.0),
+        ("<think>\n\n</think>\n<answer>\n\n</answer>", 1.0, 1.0),
+        ("<think>I add.</think><answer>42</answer>", 0.0, 0.0),  # newlines are part of the format
+        ("<think>\nI add.\n</think>\n\n<answer>\n42\n</answer>", 0.0, 0.0),  # one newline between blocks
+        ("<answer>\n42\n</answer>", 0.0, 0.0),
+        ("", 0.0, 0.0),
     ],
 )
-def test_format_reward(response, expected):
-    assert format_reward(response) == expected
+def test_format_reward(response, open_r1, strict_end):
+    assert format_reward(response) == open_r1
+    assert format_reward(response, strict_end=True) == strict_end
 
 
 @pytest.mark.parametrize(
@@ -55,7 +67,9 @@ def test_tag_count_reward(response, expected):
         ("Step 1: a. Step 2: b. Step 3: c.", 1.0),
         ("Step 1: a. Step 2: b. Step 3: c. Step 4: d.", 1.0),  # capped at 1
         ("First, a. Next, b.", 2 / 3),
-        ("1. a\n2. b", 2 / 3),  # numbered lines, also the first one
+        ("1. a\n2. b", 1 / 3),  # open-r1's "^\d+\." has no re.MULTILINE: only at the very start
+        ("intro\n1. a\n2. b\n3. c", 0.0),
+        ("1. a\n- b\n* c", 1.0),
         ("intro\n- a\n* b", 2 / 3),  # bullets after a newline
         ("Finally, done.", 1 / 3),
         ("step 1: lowercase does not count", 0.0),

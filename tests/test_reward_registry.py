@@ -60,6 +60,8 @@ def test_routes_point_at_registered_scorers():
         ("hotpotqa", "<answer>Lyon</answer>", ["Paris"], {"format_score": 0.1}, {"score": 0.1, "acc": False, "pred": "Lyon"}),
         ("math_dapo", "Answer: 7", "7", {}, {"score": 1.0, "acc": True, "pred": "7"}),
         ("aime24", "Answer: 8", "7", {"format_score": 0.1}, {"score": -1.0, "acc": False, "pred": "8"}),  # option not taken
+        ("math_dapo", "Answer: 7.", "7", {}, {"score": -1.0, "acc": False, "pred": "7."}),  # verl's normalisation
+        ("math_dapo", "Answer: 7.", "7", {"dapo_math_normalization": "lenient"}, {"score": 1.0, "acc": True, "pred": "7"}),
     ],
 )
 def test_compute_score_routes_and_passes_options(data_source, response, ground_truth, options, expected):
@@ -72,7 +74,9 @@ def test_compute_score_rejects_unknown_options():
 
 
 def test_scorer_options_exist_on_every_scorer():
-    assert set(SCORER_OPTION_NAMES) == {"format_score", "structure_format_score", "final_format_score", "retrieval_score"}
+    assert set(SCORER_OPTION_NAMES) == {
+        "format_score", "structure_format_score", "final_format_score", "retrieval_score", "dapo_math_normalization",
+    }
 
 
 def test_named_scorer_ignores_data_source():

@@ -7,7 +7,7 @@ import pytest
 
 import reward_fixtures
 from megarl.reward.registry import SCORER_OPTION_NAMES
-from megarl.config import AlgorithmConfig, OverlongConfig
+from megarl.config import AlgorithmConfig, ConfigError, OverlongConfig, load_config
 from megarl.experience import shape_overlong
 from megarl.reward.scoring import (
     COMPONENT_NAMES,
@@ -83,6 +83,15 @@ def test_spec_has_a_field_for_every_scorer_option():
         (RewardConfig(weights={"accuracy": 0.0, "cosine_scaled": 1.0}, cosine_max_len=len(STRICT_BOXED_2)),
          RewardRequest("any", STRICT_BOXED_2, "3"),
          RewardResult(-0.5, False, None, {"accuracy": 0.0, "cosine_scaled": -0.5})),
+        # the DAPO normalisation and the format check's end, as the config picks them
+        (RewardConfig(), RewardRequest("math_dapo", "Answer: 628.", "628"),
+         RewardResult(-1.0, False, "628.", {"task_score": -1.0})),
+        (RewardConfig(dapo_math_normalization="lenient"), RewardRequest("math_dapo", "Answer: 628.", "628"),
+         RewardResult(1.0, True, "628", {"task_score": 1.0})),
+        (RewardConfig(weights={"format": 1.0}), RewardRequest("any", STRICT_BOXED_2 + "\nP.S.", "2"),
+         RewardResult(1.0, False, None, {"format": 1.0})),
+        (RewardConfig(weights={"format": 1.0}, format_strict_end=True), RewardRequest("any", STRICT_BOXED_2 + "\nP.S.", "2"),
+         RewardResult(0.0, False, None, {"format": 0.0})),
         (RewardConfig(weights={"repetition_penalty": 1.0}, repetition_ngram_size=1, repetition_max_penalty=-2.0),
          RewardRequest("any", "x x x x x", "1"),
          RewardResult(-1.6, False, None, {"repetition_penalty": -1.6})),
@@ -142,8 +151,17 @@ def test_group_step_is_a_no_op_without_len():
         ({"weights": {"len": 1.0}}, "nothing measures correctness"),
         ({"cosine_max_len": 0}, "reward.cosine_max_len: 0 is out of range"),
         ({"custom_function": "dapo_math", "weights": {"format": 1.0}}, "is never called"),
+        ({"dapo_math_normalization": "minerva"}, "reward.dapo_math_normalization: 'minerva' is not a normalisation"),
     ],
 )
 def test_spec_validation(kwargs, message):
     with pytest.raises(ValueError, match=message):
         RewardConfig(**kwargs)
+
+
+def test_the_reward_options_from_the_run_config():
+    cfg = load_config(None, ["reward.dapo_math_normalization=lenient", "reward.format_strict_end=true"])
+    assert (cfg.reward.dapo_math_normalization, cfg.reward.format_strict_end) == ("lenient", True)
+    assert (RewardConfig().dapo_math_normalization, RewardConfig().format_strict_end) == ("verl", False)
+    with pytest.raises(ConfigError, match="reward.dapo_math_normalization: expects one of 'verl', 'lenient'"):
+        load_config(None, ["reward.dapo_math_normalization=minerva"])

@@ -16,7 +16,7 @@ Nothing here imports the rest of megarl except megarl.config_loader (the `param`
 RewardConfig) and megarl.algo's overlong_penalty (only when soft_overlong_reward is called).
 """
 
-from megarl.reward.dapo_math import dapo_math_score, normalize_final_answer
+from megarl.reward.dapo_math import dapo_math_score, normalize_answer_lenient, normalize_answer_verl
 from megarl.reward.math_verify_reward import math_verify_accuracy
 from megarl.reward.open_r1 import (
     cosine_scaled_reward,
@@ -58,7 +58,8 @@ __all__ = [
     "load_custom_function",
     "math_verify_accuracy",
     "normalize_answer",
-    "normalize_final_answer",
+    "normalize_answer_lenient",
+    "normalize_answer_verl",
     "reasoning_steps_reward",
     "repetition_penalty_reward",
     "score_guarded",

@@ -6,8 +6,15 @@ after the reward (megarl.experience.shape_overlong), not as a reward weight.
 A function returns None when it does not apply to a sample; the combination
 (megarl.reward.scoring.combine_rewards) then leaves it out.
 
-Lengths are in tokens when the trainer gives them (RewardRequest.response_length), as
-the length penalties are meant to act on generation cost; open-r1 counts characters.
+Each gives open-r1's value (src/open_r1/rewards.py) except where written here, with the reason:
+- lengths are in tokens when the trainer gives them (RewardRequest.response_length), as
+  the length penalties are meant to act on generation cost; open-r1 counts characters;
+- len and cosine_scaled give None (skipped) when the gold answer does not parse, where
+  open-r1 counts the response as correct (len) or gives 1.0 (cosine): a broken label should
+  move the policy neither way;
+- cosine_scaled clamps the length at max_len (see its docstring);
+- format_reward's open-r1 reading can be made strict about what follows </answer>
+  (reward.format_strict_end).
 """
 
 from __future__ import annotations
@@ -16,18 +23,34 @@ import math
 import re
 from collections.abc import Sequence
 
-_STRICT_FORMAT = re.compile(r"<think>\n.*?\n</think>\n<answer>\n.*?\n</answer>", re.DOTALL)
+_FORMAT = r"<think>\n.*?\n</think>\n<answer>\n.*?\n</answer>"
+# open-r1 matches its pattern from the start (re.match) with a "$" after </answer> under
+# re.MULTILINE, and "$" then matches before any newline: "</answer>\n" ends the format and
+# whatever follows that newline is never read.
+_FORMAT_OPEN_R1 = re.compile(_FORMAT + "$", re.DOTALL | re.MULTILINE)
+# The same pattern read without re.MULTILINE: one newline at most after </answer>, then the end.
+_FORMAT_STRICT_END = re.compile(_FORMAT + r"\n?", re.DOTALL)
 # The exact forms the format reward asks for; each appearing once is worth a quarter.
 _FORMAT_TAGS = ("<think>\n", "\n</think>\n", "\n<answer>\n", "\n</answer>")
-# "Step 1:", a numbered line "1.", a bullet line "- " / "* ", and ordinal transitions.
-_REASONING_STEP = re.compile(r"Step \d+:|^\d+\.|\n-|\n\*|First,|Second,|Next,|Finally,", re.MULTILINE)
+# "Step 1:", "1." opening the response, a bullet line "- " / "* ", and ordinal transitions.
+# open-r1 means "^\d+\." for numbered lines but compiles it without re.MULTILINE, so only a
+# number at the very start counts; kept as it is, so that the reward is open-r1's.
+_REASONING_STEP = re.compile(r"Step \d+:|^\d+\.|\n-|\n\*|First,|Second,|Next,|Finally,")
 _STEPS_FOR_FULL_REWARD = 3
 
 
-def format_reward(response: str) -> float:
-    """1.0 when the whole response is exactly
-    "<think>\\n…\\n</think>\\n<answer>\\n…\\n</answer>", else 0.0."""
-    return 1.0 if _STRICT_FORMAT.fullmatch(response) else 0.0
+def format_reward(response: str, strict_end: bool = False) -> float:
+    """1.0 when the response is "<think>\\n…\\n</think>\\n<answer>\\n…\\n</answer>" from its
+    first character, else 0.0.
+
+    What may follow "</answer>": by default what open-r1's format_reward accepts, the end of
+    the response or a newline, after which anything goes ("…</answer>\\nmore" scores 1.0).
+    strict_end=True (reward.format_strict_end) accepts the end or one newline and nothing else,
+    for runs where text after the answer should cost the format reward.
+    """
+    if strict_end:
+        return 1.0 if _FORMAT_STRICT_END.fullmatch(response) else 0.0
+    return 1.0 if _FORMAT_OPEN_R1.match(response) else 0.0
 
 
 def tag_count_reward(response: str) -> float:
@@ -37,7 +60,8 @@ def tag_count_reward(response: str) -> float:
 
 
 def reasoning_steps_reward(response: str) -> float:
-    """min(1, steps / 3) where steps counts step markers: "Step k:", numbered lines,
+    """min(1, steps / 3) where steps counts step markers: "Step k:", a number and a period
+    at the start of the response ("1."; later numbered lines do not count, as in open-r1),
     bullet lines and First, / Second, / Next, / Finally,."""
     steps = len(_REASONING_STEP.findall(response))
     return min(1.0, steps / _STEPS_FOR_FULL_REWARD)

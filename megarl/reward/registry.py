@@ -40,7 +40,7 @@ SCORERS: dict[str, Scorer] = {
     "search_r1_format": Scorer(
         search_r1_format_score, ("structure_format_score", "final_format_score", "retrieval_score")
     ),
-    "dapo_math": Scorer(dapo_math_score),
+    "dapo_math": Scorer(dapo_math_score, ("dapo_math_normalization",)),
 }
 SCORER_OPTION_NAMES = tuple(sorted({option for scorer in SCORERS.values() for option in scorer.options}))
 

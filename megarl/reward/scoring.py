@@ -101,7 +101,7 @@ def score_one(cfg: RewardConfig, request: RewardRequest) -> RewardResult:
     correct = _correctness(components, task["acc"] if task else None)
     text = request.solution_str
     if "format" in weights:
-        components["format"] = format_reward(text)
+        components["format"] = format_reward(text, strict_end=cfg.format_strict_end)
     if "tag_count" in weights:
         components["tag_count"] = tag_count_reward(text)
     if "reasoning_steps" in weights:

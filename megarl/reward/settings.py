@@ -16,9 +16,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
 from megarl.config_loader import Problems, check_ranges, param
+from megarl.reward.dapo_math import DapoMathNormalization
 from megarl.reward.registry import SCORER_OPTION_NAMES, SCORERS
 
 # Components scored one sample at a time, then the ones that need the whole group.
@@ -56,6 +57,13 @@ class RewardConfig:
     final_format_score: float = param(0.0, "search_r1_format: score of a wrong answer in an invalid structure.")
     retrieval_score: float = param(
         0.0, "search_r1_format: bonus when retrieval surfaced a golden answer (valid structure, wrong answer).")
+    dapo_math_normalization: DapoMathNormalization = param(
+        "verl", "dapo_math: how answers are normalised before they are compared. verl = verl's math_dapo "
+        "answer for answer (DAPO's reward: '628.' is not '628', '3, 4' is '34'); lenient = megarl's, which also "
+        "accepts '628.', '\\dfrac{3}{4}' for '\\frac{3}{4}' and keeps lists as lists (its scores are not DAPO's).")
+    format_strict_end: bool = param(
+        False, "format: false = open-r1's check, which ends at '</answer>' followed by the end or a newline (what "
+        "follows that newline is not read); true = nothing but one newline may follow '</answer>'.")
     repetition_ngram_size: int = param(3, "repetition_penalty: n-gram size in words.", gt=0)
     repetition_max_penalty: float = param(
         -1.0, "repetition_penalty: reward (<= 0) of a response whose every n-gram is a repeat.", le=0.0)
@@ -112,6 +120,10 @@ def check_reward_config(cfg: RewardConfig, problems: Problems, prefix: str = "re
     for name, weight in weights.items():
         if not isinstance(weight, (int, float)) or not math.isfinite(weight):
             problems.add(f"{prefix}weights.{name}", f"{weight!r} must be a finite number", "give a finite number")
+    normalizations = get_args(DapoMathNormalization)
+    if cfg.dapo_math_normalization not in normalizations:
+        problems.add(f"{prefix}dapo_math_normalization", f"{cfg.dapo_math_normalization!r} is not a normalisation",
+                     f"use one of {list(normalizations)}")
     custom = cfg.custom_function
     if custom is not None and custom not in SCORERS and ":" not in custom:
         problems.add(f"{prefix}custom_function", f"{custom!r} is neither a built-in scorer {sorted(SCORERS)} "
