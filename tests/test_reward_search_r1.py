@@ -36,19 +36,25 @@ def test_normalize_answer(text, expected):
     assert normalize_answer(text) == expected
 
 
+# Search-R1's extract_solution, read by hand: non-overlapping matches of
+# <answer>(.*?)</answer> (re.DOTALL) from the left, the last one stripped (one pair is enough
+# here, as megarl scores the response without the prompt's example answer).
 @pytest.mark.parametrize(
     "response, expected",
     [
         ("<answer>Paris</answer>", "Paris"),
         ("<answer>  Paris \n</answer>", "Paris"),
+        ("<answer>\nNew\nYork\n</answer>", "New\nYork"),  # the content may span lines
         ("<answer>a</answer> then <answer>b</answer>", "b"),  # the last one
         ("<answer>a</answer> then <answer>b", "a"),  # trailing unclosed tag ignored
         ("<answer>b", None),  # unclosed only: no answer
         ("b</answer>", None),
         ("</answer><answer>", None),
-        ("<answer><answer>x</answer></answer>", "x"),  # nested: innermost
-        ("<answer>x<answer>y</answer>z</answer>", "y"),
+        ("<answer>wrong<answer>Paris</answer>", "wrong<answer>Paris"),  # issue 17: the outer pair, tag and all
+        ("<answer><answer>x</answer></answer>", "<answer>x"),  # the first </answer> closes the first <answer>
+        ("<answer>x<answer>y</answer>z</answer>", "x<answer>y"),
         ("<answer>a</answer></answer>", "a"),  # stray closing tag
+        ("<answer>a</answer><answer>b</answer>c</answer>", "b"),
         ("<answer></answer>", ""),
         ("<answer>東京</answer>", "東京"),
         ("", None),
@@ -92,6 +98,9 @@ def test_golden_answers_dict_without_target_says_what_to_store():
         ("<answer>zürich</answer>", "Zürich", 0.0, 1.0, True),
         ("<answer>東京</answer>", ["東京"], 0.0, 1.0, True),
         ("<answer>Paris</answer><answer>London</answer>", "Paris", 0.0, 0.0, False),  # the last answer counts
+        ("<answer>wrong<answer>Paris</answer>", "Paris", 0.0, 0.0, False),  # issue 17: "wrong answer paris" ≠ "paris"
+        ("<answer>wrong<answer>Paris</answer>", "Paris", 0.1, 0.1, False),  # an answer, a wrong one
+        ("<answer>Paris<answer>Paris</answer>", "Paris", 0.0, 0.0, False),
         ("", "Paris", 0.0, 0.0, False),
     ],
 )
@@ -185,10 +194,11 @@ def test_one_megabyte_responses_score_fast():
         "<answer>" * 100_000 + "</answer>" * 100_000,
         "<think>x</think>" * 60_000,
         "<answer>" + filler + "</answer>",
+        "<answer>" * 100_000,  # no pair: a scan that restarts at every opening tag would be quadratic
     ]
     started = time.perf_counter()
     results = [search_r1_format_score(r, {"target": ["Paris"]}) for r in responses]
     results += [search_r1_em_score(r, {"target": ["Paris"]}) for r in responses]
     assert time.perf_counter() - started < 2.0
-    assert [r["score"] for r in results[5:]] == [1.0, 0.0, 0.0, 0.0, 0.0]
+    assert [r["score"] for r in results[6:]] == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
     assert results[0]["score"] == 1.0

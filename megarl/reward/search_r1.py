@@ -8,6 +8,8 @@ Main entry points: `search_r1_em_score` (data_source routing) and `search_r1_for
 `solution_str` is the decoded response only (special tokens skipped), never the prompt:
 the original code received prompt + response and had to skip the few-shot <answer> of
 the prompt; here every <answer> in the text was written by the policy or the agent loop.
+Otherwise the exact match gives Search-R1's answers (verl/utils/reward_score/qa_em.py):
+the same answer extraction and the same SQuAD normalisation.
 """
 
 from __future__ import annotations
@@ -60,24 +62,26 @@ def golden_answers(ground_truth: Any) -> list[str]:
 
 
 def extract_answer(response: str) -> str | None:
-    """Content of the last complete, innermost <answer>…</answer> pair, stripped.
-
-    Innermost pairs (content without any <answer> or </answer>) never overlap, so "last"
-    is well defined: it opens at the last <answer> before the last </answer>. A trailing
-    unclosed <answer> is ignored; an earlier complete pair still counts. None when the
+    """Content of the last <answer>…</answer> pair, stripped, with pairs read as Search-R1
+    reads them (qa_em.extract_solution): from the left, each <answer> closed by the first
+    </answer> after it, the next pair searched after that close. A nested or repeated opening
+    tag is part of the content ("<answer>wrong<answer>Paris</answer>" → "wrong<answer>Paris",
+    which matches no golden answer); a trailing unclosed <answer> is ignored. None when the
     response holds no complete pair.
+
+    Search-R1 scores the prompt and the response together and so skips the prompt's example
+    answer (no answer unless there are two pairs); megarl scores the response alone, so one
+    pair is enough.
     """
-    last_close = response.rfind(_ANSWER_CLOSE)
-    if last_close < 0:
-        return None
-    open_at = response.rfind(_ANSWER_OPEN, 0, last_close)
-    if open_at < 0:
-        return None
-    content_start = open_at + len(_ANSWER_OPEN)
-    # The pair opened at open_at closes at the first </answer> after it, which may come
-    # before last_close when a stray </answer> follows (e.g. "<answer>a</answer></answer>").
-    close_at = response.find(_ANSWER_CLOSE, content_start)
-    return response[content_start:close_at].strip()
+    answer = None
+    start = response.find(_ANSWER_OPEN)
+    while start >= 0:
+        close = response.find(_ANSWER_CLOSE, start + len(_ANSWER_OPEN))
+        if close < 0:
+            break
+        answer = response[start + len(_ANSWER_OPEN):close]
+        start = response.find(_ANSWER_OPEN, close + len(_ANSWER_CLOSE))
+    return None if answer is None else answer.strip()
 
 
 def exact_match(prediction: str, answers: list[str]) -> bool:
