@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megarl.checkpoint import CheckpointError
 from megarl.config import ConfigError, RunConfig, load_config
 from megarl.config_loader import dump_config
 from megarl.planner import add_plan_command
@@ -47,7 +48,7 @@ def run_training(cfg: RunConfig) -> int:
 
     try:
         train(cfg)
-    except (TrainingStopped, ComponentDied) as e:
+    except (TrainingStopped, ComponentDied, CheckpointError) as e:
         print(f"megarl: training stopped: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"megarl: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    except (FileNotFoundError, NotImplementedError, ValueError) as e:  # bad paths, data, unsupported setups
+    except (FileNotFoundError, NotImplementedError, ValueError, CheckpointError) as e:  # bad paths, data, setups
         print(f"megarl: error: {e}", file=sys.stderr)
         return 1
 

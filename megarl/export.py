@@ -2,7 +2,8 @@
 
 Reads the run's resolved config (for the base model's architecture and tokenizer) and the
 checkpoint's actor weights (the torch backend's safetensors, or the megatron backend's
-distributed checkpoint in any layout). Main entry point: `export_checkpoint`.
+distributed checkpoint in any layout), its files verified first (megarl.checkpoint.verify).
+Main entry point: `export_checkpoint`.
 """
 
 from __future__ import annotations
@@ -19,10 +20,13 @@ def export_checkpoint(run_dir: str | Path, out_dir: str | Path, step_dir: str | 
 
     run_dir = Path(run_dir)
     cfg = load_config(run_dir / "config.yaml", [])
-    source = Path(step_dir) if step_dir else checkpoint.latest_checkpoint(run_dir / "checkpoints")
+    if step_dir:
+        source = Path(step_dir)
+        checkpoint.verify(source)
+    else:
+        source = checkpoint.newest_intact(run_dir / "checkpoints")  # a damaged newer one skipped, with a warning
     if source is None:
         raise FileNotFoundError(f"no complete checkpoint under {run_dir / 'checkpoints'}")
-    checkpoint.read_meta(source)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model.path))
     if (source / "megatron_trainer.json").exists():  # written by actor.backend=megatron, any layout
         from megarl.backends.megatron.dist_format import actor_checkpoint, read_hf_tensors

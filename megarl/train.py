@@ -38,9 +38,9 @@ class TrainingStopped(RuntimeError):
 def train(cfg: RunConfig) -> dict[str, float]:
     out = Path(cfg.trainer.output_dir)
     save_config(cfg, out / "config.yaml")
-    c = build_components(cfg)
     ckpt_root = out / "checkpoints"
-    resume_from = _resume_path(cfg, ckpt_root)
+    resume_from = _resume_path(cfg, ckpt_root)  # verified before anything is started
+    c = build_components(cfg)
     meta = checkpoint.read_meta(resume_from) if resume_from else {}
     tracker = open_tracker(cfg.tracking, out, run_id=meta.get("run_id"))
     step, bad_steps, history = meta.get("step", 0), 0, meta.get("history", [])
@@ -279,9 +279,9 @@ def _resume_path(cfg: RunConfig, root: Path) -> Path | None:
     if mode == "disable":
         return None
     if mode == "auto":
-        return checkpoint.latest_checkpoint(root)
+        return checkpoint.newest_intact(root)  # a damaged newer one is skipped with a warning
     path = Path(mode)
-    checkpoint.read_meta(path)  # a clear error when it is not a checkpoint
+    checkpoint.verify(path)  # a clear error when it is not a checkpoint or a file of it is damaged
     return path
 
 

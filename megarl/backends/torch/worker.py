@@ -8,6 +8,7 @@ megatron backend's MegatronTrainWorker does. Main entry point: `TorchTrainWorker
 from __future__ import annotations
 
 import copy
+import pickle
 from collections.abc import Iterator
 from contextlib import nullcontext
 from pathlib import Path
@@ -20,6 +21,7 @@ from megarl.backends.offload import HostOffloaded
 from megarl.backends.rng import rng_state, set_rng_state
 from megarl.backends.torch.actor import TorchActor
 from megarl.backends.torch.critic import TorchCritic
+from megarl.checkpoint import unreadable
 from megarl.config import RunConfig
 from megarl.weights.buckets import group_tensors, hf_tensors, weight_checksums
 
@@ -116,11 +118,30 @@ class TorchTrainWorker:
             missing = [f for f in (f"{name}.safetensors", f"{name}_optim.pt") if not (directory / f).exists()]
             if missing:
                 raise FileNotFoundError(f"checkpoint {directory} lacks {missing}; was it written by another config?")
-            absent, unexpected = load_model(part.model, str(directory / f"{name}.safetensors"), strict=False)
+            weights = directory / f"{name}.safetensors"
+            absent, unexpected = _read_weights(part.model, weights)
             if absent or unexpected:  # load_model already left out the tied copies
-                raise ValueError(f"checkpoint {directory / (name + '.safetensors')} does not match the model: "
+                raise ValueError(f"checkpoint {weights} does not match the model: "
                                  f"missing {sorted(absent)[:5]}, unexpected {sorted(unexpected)[:5]}")
-            state = torch.load(directory / f"{name}_optim.pt", weights_only=True)
+            state = _read_state(directory / f"{name}_optim.pt")
             part.optimizer.load_state_dict(state["optimizer"])
             part.scheduler.load_state_dict(state["scheduler"])
-        set_rng_state(torch.load(directory / "rng.pt", weights_only=True))
+        set_rng_state(_read_state(directory / "rng.pt"))
+
+
+# A file that cannot be parsed is named in one line instead of the reader's traceback (a
+# checkpoint recording sizes and hashes has been verified before; older ones get here).
+def _read_weights(model: torch.nn.Module, path: Path):
+    from safetensors import SafetensorError
+
+    try:
+        return load_model(model, str(path), strict=False)
+    except SafetensorError as e:
+        raise unreadable(path, e) from None
+
+
+def _read_state(path: Path):
+    try:
+        return torch.load(path, weights_only=True)
+    except (RuntimeError, EOFError, pickle.UnpicklingError) as e:
+        raise unreadable(path, e) from None
