@@ -64,6 +64,33 @@ def test_recipe_assembles_a_valid_run_with_the_planned_layout(recipe, algo):
         assert cfg["agent"]["retrieval"]["topk"] == 3 and cfg["agent"]["mask_observations"] is True
 
 
+def planned_layout(model: str, nodes: int, cfg: dict, *extra: str) -> list[str]:
+    args = ["--max-prompt-length", str(cfg["data"]["max_prompt_length"]),
+            "--max-response-length", str(cfg["rollout"]["max_response_length"]),
+            "--max-tokens-per-gpu", str(cfg["actor"]["max_tokens_per_gpu"]), *extra]
+    return subprocess.run([sys.executable, "-m", "megarl.cli", "plan", "--model", model, "--nodes", str(nodes),
+                           *args, "--overrides"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+
+
+@pytest.mark.parametrize("config", sorted((ROOT / "examples").glob("*/*_qwen2.5_*.yaml")), ids=lambda p: p.name)
+def test_an_example_config_holds_the_planned_layout_of_its_nodes(config):
+    # run without its recipe (megarl train CONFIG on a cluster of cluster.nnodes nodes), a
+    # config must hold what the planner recommends there, engine memory fraction included
+    from megarl.config import load_config
+
+    raw = yaml.safe_load(config.read_text())
+    resolved = load_config(str(config), [])
+    model = "Qwen/Qwen2.5-32B" if "32b" in config.name else "Qwen/Qwen2.5-7B"
+    for override in planned_layout(model, raw["cluster"]["nnodes"], raw):
+        key, value = override.split("=")
+        found = resolved
+        for part in key.split("."):
+            found = getattr(found, part)
+        if key.endswith("data_parallel_size") and not found:
+            continue  # not given: the rest of the world, as planned
+        assert str(found).lower() == value.lower(), f"{config.name}: {override}"
+
+
 def test_a_recipe_refuses_a_node_count_other_than_the_jobs():
     recipe = ROOT / "examples/dapo/run_dapo_qwen2.5_32b.sh"
     result = run_recipe(recipe, NNODES="4", SLURM_JOB_NUM_NODES="8")
