@@ -1,10 +1,14 @@
-"""math-verify accuracy with open-r1 semantics, and megarl's timeout around it."""
+r"""math-verify accuracy with open-r1 semantics, and megarl's timeout around it.
+
+Differential: a gold with a delimiter or one that reads as text gets open-r1's answer (the gold
+parsed as it is; None when nothing parses); a bare formula is read inside $…$, megarl's
+documented difference (open-r1 would read "2\pi" as 2 and skip "\sqrt{2}")."""
 
 import threading
 
 import pytest
 
-from megarl.reward.math_verify_reward import gold_as_latex, math_verify_accuracy
+from megarl.reward.math_verify_reward import gold_as_latex, is_text, math_verify_accuracy
 
 
 @pytest.mark.parametrize(
@@ -25,6 +29,21 @@ from megarl.reward.math_verify_reward import gold_as_latex, math_verify_accuracy
         ("\\boxed{5}", "", None),  # unparseable gold: skipped, not 0
         ("\\boxed{5}", "\\", None),
         ("\\boxed{5}", "{", None),
+        # text golds: as open-r1, parsed as they are, skipped when nothing parses (issue 17)
+        ("\\boxed{no math here}", "no math here", None),  # was 1: "$no math here$" is a product of letters
+        ("\\boxed{7}", "no math here", None),
+        ("\\boxed{Paris}", "Paris", None),
+        ("The answer is Paris.", "Paris", None),
+        ("\\boxed{\\text{Paris}}", "Paris", None),
+        ("\\boxed{5}", "The answer is 5", 1.0),  # open-r1 reads a number out of the text
+        ("\\boxed{6}", "The answer is 5", 0.0),
+        ("\\boxed{5}", "5 cm", 1.0),
+        ("\\boxed{xy}", "xy", None),  # read as a word: skipped, as open-r1 skips it
+        # bare formulas: inside $…$ (megarl's difference)
+        ("\\boxed{3, 4}", "3 \\text{ and } 4", 1.0),
+        ("\\boxed{x^2+7x+10}", "x^2+7x+10", 1.0),
+        ("\\boxed{(-\\infty, 2]}", "(-\\infty, 2]", 1.0),
+        ("\\boxed{\\sqrt{2}}", "\\sqrt{2}", 1.0),
     ],
 )
 def test_math_verify_accuracy(response, gold, expected):
@@ -38,10 +57,39 @@ def test_math_verify_accuracy(response, gold, expected):
         ("The answer is $4$.", "The answer is $4$."),
         ("\\boxed{4}", "\\boxed{4}"),
         ("\\(4\\)", "\\(4\\)"),
+        ("Paris", "Paris"),  # text is not wrapped
+        ("no math here", "no math here"),
+        ("3 \\text{ and } 4", "$3 \\text{ and } 4$"),
     ],
 )
-def test_gold_as_latex_wraps_only_bare_answers(gold, expected):
+def test_gold_as_latex_wraps_only_bare_formulas(gold, expected):
     assert gold_as_latex(gold) == expected
+
+
+@pytest.mark.parametrize(
+    "gold, text",
+    [
+        ("Paris", True),
+        ("no math here", True),
+        ("The answer is 5", True),
+        ("Zürich", True),
+        ("東京", True),
+        ("xy", True),  # two letters in a row read as a word
+        ("5 cm", True),
+        ("x", False),
+        ("42", False),
+        ("2\\pi", False),  # command names are not words
+        ("\\sqrt{2}", False),
+        ("x^2+7x+10", False),
+        ("(-\\infty, 2]", False),
+        ("3 \\text{ and } 4", False),  # nor the argument of a text command
+        ("\\text{(C)}", False),
+        ("\\mathrm{km}", False),
+        ("", False),
+    ],
+)
+def test_is_text(gold, text):
+    assert is_text(gold) is text
 
 
 def test_works_off_the_main_thread():

@@ -1,7 +1,14 @@
-"""math-verify accuracy with open-r1 semantics: symbolic equivalence of the response's
+r"""math-verify accuracy with open-r1 semantics: symbolic equivalence of the response's
 final LaTeX answer with the gold answer.
 
 Main entry point: `math_verify_accuracy`.
+
+open-r1's accuracy_reward (src/open_r1/rewards.py) parses the gold as it is and skips the
+sample (None) when nothing parses; so does megarl, with one deliberate difference: a gold
+that is a bare formula (no $, \(, \[ or \boxed: "2\pi", "\sqrt{2}", as math data sets store
+it) is read inside $…$, since math-verify alone reads "2\pi" as 2 and "\sqrt{2}" as nothing.
+A gold that reads as text ("Paris", "no math here") is not wrapped, so it is not taken for a
+product of symbols; it is parsed as open-r1 parses it, and skipped when nothing parses.
 
 math-verify guards parse/verify with its own SIGALRM timers, which raise outside the
 main thread and would fight megarl's own guard (megarl.reward.timeout); both are turned
@@ -12,11 +19,17 @@ megarl's timeout instead.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from functools import cache
 from typing import Any
 
 _MATH_DELIMITERS = ("$", "\\(", "\\[", "\\boxed")
+# Commands whose argument is words even inside a formula ("3 \text{ and } 4"), then any command.
+_TEXT_ARGUMENT = re.compile(r"\\(?:text|textbf|textit|textrm|mathrm|mbox|operatorname)\s*\{[^{}]*\}")
+_LATEX_COMMAND = re.compile(r"\\[A-Za-z]+")
+# Two letters in a row, in any script: a formula names its variables with one letter each.
+_WORD = re.compile(r"[^\W\d_]{2,}")
 
 
 def _drop_disabled_timeout_notice(record: logging.LogRecord) -> bool:
@@ -48,24 +61,34 @@ def _math_verify() -> tuple[Callable, Callable, list]:
     return parse, verify, response_config
 
 
-def gold_as_latex(ground_truth: Any) -> str:
-    """The gold answer as text math-verify can anchor on.
+def is_text(gold: str) -> bool:
+    r"""Whether a gold answer reads as text rather than as a formula: it holds a word of two
+    or more letters outside LaTeX command names and the arguments of text commands.
 
-    open-r1's golds are full solutions with $…$ or \\boxed; math data sets (DAPO-Math,
-    MATH) store the bare answer, which math-verify does not read as LaTeX without
-    delimiters ("2\\pi" would parse as 2, "\\sqrt{2}" as nothing), so a gold without any
-    delimiter is taken to be one formula and wrapped in $…$.
+    Text: "Paris", "no math here", "The answer is 5", "Zürich", also "xy" (a product of two
+    variables, rare as an answer, is read as a word). Formulas: "2\pi", "x^2+7x+10",
+    "(-\infty, 2]", "3 \text{ and } 4".
+    """
+    formula = _LATEX_COMMAND.sub(" ", _TEXT_ARGUMENT.sub(" ", gold))
+    return _WORD.search(formula) is not None
+
+
+def gold_as_latex(ground_truth: Any) -> str:
+    r"""The gold answer as the text math-verify parses: as it is when it has a math delimiter
+    ($…$, \(…\), \[…\], \boxed, as open-r1's full solutions have) or reads as text;
+    a bare formula ("2\pi") inside $…$, so that math-verify reads it whole.
     """
     gold = str(ground_truth)
-    if any(delimiter in gold for delimiter in _MATH_DELIMITERS):
+    if any(delimiter in gold for delimiter in _MATH_DELIMITERS) or is_text(gold):
         return gold
     return f"${gold}$"
 
 
 def math_verify_accuracy(response: str, ground_truth: Any) -> float | None:
     """1.0 when the response's answer is equivalent to the gold answer, else 0.0; None
-    (skip this component) when the gold answer itself does not parse to math, since a
-    reward of 0 would then punish the policy for a broken label."""
+    (skip this component) when the gold answer does not parse to math (a broken label, or a
+    text answer such as "Paris"), as open-r1 skips it: a reward of 0 would punish the policy
+    for the label, a reward of 1 would pay it for anything."""
     parse, verify, response_config = _math_verify()
     # no_fallback: a gold that yields only its raw text is unparseable, not a string to match
     gold = parse(
