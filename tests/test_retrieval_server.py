@@ -2,6 +2,12 @@
 
 Shapes (search_r1/search/retrieval_server.py): POST /retrieve {"queries", "topk", "return_scores"}
 → {"result": [[{"document": {...}, "score": s}, ...]]} with scores, {"result": [[{...}, ...]]} without.
+
+Differential: what Search-R1's server takes, read by hand from its request model
+(`queries: List[str]`, `topk: Optional[int] = None`, `return_scores: bool = False`, validated
+by pydantic in lax mode, whose conversion table says: an int field takes whole numbers, 3.0
+and numeric strings; a bool field takes 0 / 1, 0.0 / 1.0 and, in any case, the strings
+0 off f false n no / 1 on t true y yes) and from its handler (`if not request.topk`: the default).
 """
 
 import math
@@ -65,6 +71,55 @@ def test_defaults_are_the_servers_topk_and_no_scores(server):
     }
 
 
+def test_no_queries_no_results(server):
+    # Search-R1's generation loop posts this when no trajectory of a turn searched (issue 17)
+    for body in ({"queries": []}, {"queries": [], "topk": 3, "return_scores": True}):
+        response = post(server, body)
+        assert (response.status_code, response.json()) == (200, {"result": []})
+
+
+# Search-R1's server takes these topk values; 0 and null mean its default (2 in the fixture).
+@pytest.mark.parametrize(
+    "topk, documents",
+    [
+        (None, 2),
+        (0, 2),  # issue 17: zero is the default
+        (1, 1),
+        (3, 2),  # only two documents match
+        (1.0, 1),  # a whole float
+        ("1", 1),  # a numeric string
+        (" 1 ", 1),
+        ("0", 2),
+        (True, 1),  # pydantic reads a boolean as 0 / 1
+        (False, 2),
+    ],
+)
+def test_topk_as_search_r1_reads_it(server, topk, documents):
+    response = post(server, {"queries": ["capital paris france berlin"], "topk": topk})
+    assert response.status_code == 200
+    assert len(response.json()["result"][0]) == documents
+
+
+# ... and these return_scores values; a string boolean is any case of the words.
+@pytest.mark.parametrize(
+    "return_scores, scored",
+    [
+        (True, True), (False, False), (1, True), (0, False), (1.0, True), (0.0, False),
+        ("true", True), ("True", True), ("TRUE", True), ("false", False), ("False", False),
+        ("yes", True), ("no", False), ("y", True), ("n", False), ("on", True), ("off", False),
+        ("t", True), ("f", False), ("1", True), ("0", False),
+        (None, False),  # megarl's difference: null is the default (Search-R1 refuses it)
+    ],
+)
+def test_return_scores_as_search_r1_reads_it(server, return_scores, scored):
+    response = post(server, {"queries": ["mat"], "return_scores": return_scores})
+    assert response.status_code == 200
+    assert response.json() == {
+        "result": [[{"document": {"id": "2", "contents": CAT.contents}, "score": pytest.approx(IDF1 * 0.4)}]]
+        if scored else [[{"id": "2", "contents": CAT.contents}]]
+    }
+
+
 @pytest.mark.parametrize(
     "body, status, message",
     [
@@ -73,16 +128,19 @@ def test_defaults_are_the_servers_topk_and_no_scores(server):
         ({"query": ["mat"]}, 422, "the body has no 'queries' list (it has ['query'])"),
         ({"queries": None}, 422, "'queries' must be a list of strings, got null"),
         ({"queries": "mat"}, 422, "'queries' must be a list of strings, got string"),
-        ({"queries": []}, 422, "'queries' is empty"),
         ({"queries": ["mat", 3]}, 422, "queries[1] must be a string, got number"),
         ({"queries": ["a"] * 6}, 422, "6 queries in one request; this server takes at most 5"),
-        ({"queries": ["mat"], "topk": 0}, 422, "'topk' must be between 1 and 100, got 0"),
         ({"queries": ["mat"], "topk": -2}, 422, "'topk' must be between 1 and 100, got -2"),
         ({"queries": ["mat"], "topk": 101}, 422, "'topk' must be between 1 and 100, got 101"),
-        ({"queries": ["mat"], "topk": "3"}, 422, "'topk' must be an integer, got string"),
-        ({"queries": ["mat"], "topk": [3]}, 422, "'topk' must be an integer, got array"),
-        ({"queries": ["mat"], "topk": True}, 422, "'topk' must be an integer, got boolean"),
-        ({"queries": ["mat"], "return_scores": "yes"}, 422, "'return_scores' must be true or false, got string"),
+        ({"queries": ["mat"], "topk": 1.5}, 422, "'topk' must be an integer, got number 1.5"),
+        ({"queries": ["mat"], "topk": "three"}, 422, "'topk' must be an integer, got string 'three'"),
+        ({"queries": ["mat"], "topk": ""}, 422, "'topk' must be an integer, got string ''"),
+        ({"queries": ["mat"], "topk": [3]}, 422, "'topk' must be an integer, got array [3]"),
+        ({"queries": ["mat"], "return_scores": "maybe"}, 422, "'return_scores' must be true or false"),
+        ({"queries": ["mat"], "return_scores": " true"}, 422, "got string ' true'"),  # no trimming
+        ({"queries": ["mat"], "return_scores": 2}, 422, "'return_scores' must be true or false"),
+        ({"queries": ["mat"], "return_scores": 0.5}, 422, "'return_scores' must be true or false"),
+        ({"queries": ["mat"], "return_scores": []}, 422, "got array []"),
     ],
 )
 def test_malformed_requests_get_4xx_and_a_message(server, body, status, message):
@@ -105,6 +163,8 @@ def test_health(server):
 def test_parse_retrieve_request_fills_defaults():
     req = parse_retrieve_request({"queries": ["a"]}, default_topk=3)
     assert (req.queries, req.topk, req.return_scores) == (["a"], 3, False)
+    req = parse_retrieve_request({"queries": [], "topk": "4", "return_scores": "yes"}, default_topk=3)
+    assert (req.queries, req.topk, req.return_scores) == ([], 4, True)
     with pytest.raises(RequestError):
         parse_retrieve_request({"queries": ["a"], "topk": 4}, default_topk=3, max_topk=3)
 

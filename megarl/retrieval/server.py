@@ -6,9 +6,18 @@
     GET /health     → {"status": "ok", "kind": ..., "num_docs": ...}
 
 The same shapes as search_r1/search/retrieval_server.py, so clients of either server work
-with both. All queries of a request are searched in one batched call, in a worker thread so
-the event loop (and /health) stays responsive. `BackgroundServer` runs the app in a thread of
-the current process: an in-process retriever for CPU runs, and the tests' real HTTP server.
+with both, and the same requests are taken: `{"queries": []}` (what Search-R1's generation
+loop posts when no trajectory of a turn searched) answers `{"result": []}`; a topk that is
+missing, null or 0 means the server's default; topk and return_scores are read as Search-R1's
+pydantic model reads them (lax mode: topk "3" or 3.0; return_scores 1 / 0, "true", "False",
+"yes", "off", ...). Where megarl differs, it refuses, with HTTP 422 and the reason, requests
+that the reference would serve or fail on later: more than max_topk documents or max_queries
+queries, a negative topk (a search error there). And a null return_scores means the default
+here, where Search-R1 refuses it.
+
+All queries of a request are searched in one batched call, in a worker thread so the event
+loop (and /health) stays responsive. `BackgroundServer` runs the app in a thread of the
+current process: an in-process retriever for CPU runs, and the tests' real HTTP server.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import anyio
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from pydantic import TypeAdapter, ValidationError
 
 from megarl.retrieval.retriever import Retriever
 
@@ -34,6 +44,10 @@ DEFAULT_MAX_TOPK = 100
 # Search-R1 sends every active trajectory's query of a turn in one request: 512 prompts x 5
 # samples = 2,560 queries. Larger requests are refused rather than tying up the server.
 DEFAULT_MAX_QUERIES = 4096
+# Search-R1's request model declares `topk: Optional[int]` and `return_scores: bool`; pydantic's
+# own validators of those types take exactly the values it takes.
+_LAX_INT = TypeAdapter(int)
+_LAX_BOOL = TypeAdapter(bool)
 
 
 @dataclass(frozen=True)
@@ -58,25 +72,26 @@ def parse_retrieve_request(
     queries = body["queries"]
     if not isinstance(queries, list):
         raise RequestError(f"'queries' must be a list of strings, got {_json_type(queries)}")
-    if not queries:
-        raise RequestError("'queries' is empty; send at least one query")
     if len(queries) > max_queries:
         raise RequestError(f"{len(queries)} queries in one request; this server takes at most {max_queries}, split it")
     for i, query in enumerate(queries):
         if not isinstance(query, str):
             raise RequestError(f"queries[{i}] must be a string, got {_json_type(query)}")
     topk = body.get("topk")
-    if topk is None:
+    if topk is not None:
+        topk = _lax(_LAX_INT, topk, "'topk' must be an integer")
+    if not topk:  # missing, null or 0, as Search-R1's `if not request.topk`
         topk = default_topk
-    elif isinstance(topk, bool) or not isinstance(topk, int):
-        raise RequestError(f"'topk' must be an integer, got {_json_type(topk)}")
     elif not 1 <= topk <= max_topk:
         raise RequestError(f"'topk' must be between 1 and {max_topk}, got {topk}")
     return_scores = body.get("return_scores")
     if return_scores is None:
         return_scores = False
-    elif not isinstance(return_scores, bool):
-        raise RequestError(f"'return_scores' must be true or false, got {_json_type(return_scores)}")
+    else:
+        return_scores = _lax(
+            _LAX_BOOL, return_scores, "'return_scores' must be true or false (also 1 / 0 or a string such as \"true\", "
+            "\"no\", \"on\")"
+        )
     return RetrieveRequest(queries=queries, topk=topk, return_scores=return_scores)
 
 
@@ -111,6 +126,8 @@ def create_app(
             req = parse_retrieve_request(body, default_topk=default_topk, max_topk=max_topk, max_queries=max_queries)
         except RequestError as e:
             return _error(422, str(e))
+        if not req.queries:
+            return JSONResponse({"result": []})
         if not limiter:
             limiter.append(anyio.CapacityLimiter(max_concurrent_searches))
         try:
@@ -202,6 +219,14 @@ class BackgroundServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _lax(adapter: TypeAdapter, value: Any, expected: str) -> Any:
+    """`value` read by pydantic's lax validator; RequestError saying `expected` and the value otherwise."""
+    try:
+        return adapter.validate_python(value)
+    except ValidationError:
+        raise RequestError(f"{expected}, got {_json_type(value)} {value!r}") from None
 
 
 def _error(status: int, message: str) -> JSONResponse:
