@@ -201,7 +201,7 @@ class OptimConfig:
     betas: list[float] = param(help="AdamW betas.", factory=lambda: [0.9, 0.999])
     eps: float = param(1e-8, "AdamW epsilon.", gt=0.0)
     grad_clip: float = param(1.0, "Clip the global gradient norm to this; 0 = off.", ge=0.0)
-    offload: bool = param(False, "Keep optimizer state on the CPU (megatron).")
+    offload: bool = param(False, "Adam's state, FP32 masters and step on the host (megatron, distributed optimizer).")
 
 
 @dataclass
@@ -226,7 +226,7 @@ class TrainWorkerConfig:
     transformer_impl: Literal["transformer_engine", "local"] = param("transformer_engine", "megatron layer implementation.")
     fp8: Literal["hybrid", "e4m3"] | None = param(None, "Transformer Engine FP8 format; None = off.")
     fp8_recipe: Literal["delayed", "tensorwise", "blockwise"] = param("delayed", "Transformer Engine FP8 scaling recipe.")
-    fp8_param_gather: bool = param(False, "Keep FP8 copies of the weights and all-gather them in FP8 (with fp8).")
+    fp8_param_gather: bool = param(False, "Weights kept and all-gathered in FP8 (fp8 tensorwise/blockwise, distributed optimizer).")
     parallel: ParallelConfig = param(help="Model parallel layout (megatron backend).", factory=ParallelConfig)
     optim: OptimConfig = param(help="Optimizer and learning-rate schedule.", factory=OptimConfig)
 
@@ -445,6 +445,7 @@ class RunConfig:
                          "rollout.mode=colocated")
 
     def _check_megatron(self, problems: Problems) -> None:
+            _check_fp8_and_offload(name, worker, problems)
         p, world = self.actor.parallel, self.train_world_size()
         if self.cluster.launcher != "ray":
             problems.add("cluster.launcher", "inprocess cannot run the megatron backend (one process per rank)",
@@ -455,6 +456,29 @@ class RunConfig:
                          "choose parallel sizes whose product divides the number of GPUs")
         dp = max(world // p.model_parallel_size, 1)
         for name, worker in (("actor", self.actor), ("critic", self.critic)):
+def _check_fp8_and_offload(name: str, worker: TrainWorkerConfig, problems: Problems) -> None:
+    """FP8 parameters and optimizer offload on the megatron backend (docs/megatron.md, On GPUs)."""
+    fp8_params, distributed = bool(worker.fp8 and worker.fp8_param_gather), worker.parallel.use_distributed_optimizer
+    use_distributed = f"set {name}.parallel.use_distributed_optimizer=true"
+    if fp8_params and worker.fp8_recipe == "delayed":
+        problems.add(f"{name}.fp8_param_gather", "with fp8_recipe=delayed casts the loaded weights to FP8 with the scale "
+                     "delayed scaling starts from (1.0): small weights lose their precision or become 0 until the "
+                     "first step, and in the frozen reference for good",
+                     f"set {name}.fp8_recipe=tensorwise or blockwise (scales from the values), or "
+                     f"{name}.fp8_param_gather=false")
+    if fp8_params and not distributed:
+        problems.add(f"{name}.fp8_param_gather", "needs megatron's distributed optimizer: no other optimizer casts its "
+                     "updates back into FP8 parameters", use_distributed)
+    if worker.optim.offload and not distributed:
+        problems.add(f"{name}.optim.offload", "needs megatron's distributed optimizer: the hybrid device optimizer "
+                     "runs on the precision-aware optimizer's path, which only the distributed optimizer has",
+                     use_distributed)
+    if worker.optim.offload and fp8_params:
+        problems.add(f"{name}.optim.offload", "with fp8_param_gather: megatron hands its hybrid optimizer FP8 "
+                     "parameter shards only under fp8_recipe=delayed, which megarl refuses there",
+                     f"turn off {name}.optim.offload or {name}.fp8_param_gather")
+
+
             if name == "critic" and not self.critic.enable:
                 continue
             mini = worker.ppo_mini_batch_size * self.rollout.n

@@ -142,11 +142,12 @@ def worker_log_probs(hf_dir: str, overrides: list[str], batch):
 
 
 def fp8_params_before_and_after_a_step(hf_dir: str, batch):
-    """Case (one rank): the worker with FP8 parameters; the HF tensors it exports right after
-    loading, and after one actor update at lr 1e-6 (on its own log-probs, random advantages)."""
+    """Case (one rank): the worker with FP8 parameters (tensorwise: the config refuses them with
+    delayed scaling); the HF tensors it exports right after loading, and after one actor update
+    at lr 1e-6 (on its own log-probs, random advantages)."""
     from megatron_cases import worker
 
-    w = worker(hf_dir, FP8_RUN + ["actor.fp8_param_gather=true", "actor.optim.lr=1e-6"])
+    w = worker(hf_dir, FP8_RUN + ["actor.fp8_param_gather=true", "actor.fp8_recipe=tensorwise", "actor.optim.lr=1e-6"])
 
     def exported():
         return {name: t.float().cpu() for bucket in w.export_hf_weights(1 << 30) for name, t in bucket.items()}
