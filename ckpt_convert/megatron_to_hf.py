@@ -8,23 +8,30 @@ megatron's), written in any TP / PP / DP layout. The HF config and tokenizer com
 --hf-config, else from the checkpoint's `hf_config/` (conversion outputs), else from the
 training run's config.yaml (model.path). Tensors are read one at a time (a layer weight one
 layer at a time) and written as safetensors shards of at most --max-shard-gb with an index,
-one shard written while the next is read, so memory stays near two shards. Main entry point:
-`convert`.
+one shard written while the next is read, so memory stays near two shards. The output appears
+whole or not at all (written into a hidden sibling, renamed at the end); a damaged or crafted
+checkpoint is refused naming its file (a training checkpoint's recorded sizes and CRC32s, the
+`.distcp` lengths, `.metadata` read with only the classes DCP metadata holds). Main entry
+point: `convert`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tqdm import tqdm
 
+from megarl import checkpoint
+from megarl.backends.megatron.dist_format import DistCheckpoint, actor_checkpoint, read_hf_tensors
 from megarl.models.hf_files import copy_config_and_tokenizer
-from megarl.backends.megatron.dist_format import actor_checkpoint, read_hf_tensors
 from megarl.models import ModelSpec
 from megarl.models.mapping import all_rules
 
@@ -45,19 +52,38 @@ def find_hf_config(ckpt: Path, hf_config: str | None) -> Path:
 
 def convert(ckpt: str | Path, out: str | Path, hf_config: str | None = None, max_shard_bytes: int = 2 << 30,
             progress: bool = True) -> Path:
-    from safetensors.torch import save_file
-
+    """Write `out` whole or not at all: into a hidden sibling, renamed to `out` at the end."""
     ckpt, out = Path(ckpt), Path(out)
-    dist = actor_checkpoint(ckpt)
-    dist_dir = dist.path
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} is not empty; give a new directory")
+    if (ckpt / checkpoint.META).is_file():  # a megarl training checkpoint: its actor's files as written?
+        checkpoint.verify(ckpt, under="actor")
+    dist = actor_checkpoint(ckpt)  # also checks .metadata (allow-listed classes) and the .distcp lengths
     config_dir = find_hf_config(ckpt, hf_config)
     spec = ModelSpec.from_hf(config_dir)
     rows = dist.shape("embedding.word_embeddings.weight")[0]
     if rows < spec.vocab_size or dist.shape("decoder.final_layernorm.weight") != (spec.hidden_size,):
-        raise ValueError(f"{dist_dir} does not hold the model of {config_dir / 'config.json'} "
+        raise ValueError(f"{dist.path} does not hold the model of {config_dir / 'config.json'} "
                          f"({rows} embedding rows for a vocabulary of {spec.vocab_size}; hidden size "
                          f"{dist.shape('decoder.final_layernorm.weight')} vs {spec.hidden_size})")
-    out.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".tmp-{out.name}-"))
+    try:
+        dtype = write_shards(dist, spec, tmp, max_shard_bytes, progress)
+        copy_config_and_tokenizer(config_dir, tmp, str(dtype).removeprefix("torch."))
+        if out.exists():
+            out.rmdir()  # empty (checked above): rename cannot replace it on every system
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def write_shards(dist: DistCheckpoint, spec: ModelSpec, out: Path, max_shard_bytes: int, progress: bool):
+    """The model's HF tensors as safetensors shards and an index in `out`; returns their dtype."""
+    from safetensors.torch import save_file
+
     shards: list[list[str]] = [[]]
     pending, size, total, dtype = {}, 0, 0, None
     names = [n for r in all_rules(spec) for n in r.hf]
@@ -98,8 +124,7 @@ def convert(ckpt: str | Path, out: str | Path, hf_config: str | None = None, max
         weight_map.update({n: final for n in tensor_names})
     (out / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-    copy_config_and_tokenizer(config_dir, out, str(dtype).removeprefix("torch."))
-    return out
+    return dtype
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     try:
         out = convert(args.ckpt, args.out, args.hf_config, int(args.max_shard_gb * (1 << 30)))
-    except (FileNotFoundError, KeyError, ValueError) as e:
+    except (FileNotFoundError, FileExistsError, KeyError, ValueError, checkpoint.CheckpointError) as e:
         print(f"megatron_to_hf: {e}", file=sys.stderr)
         return 2
     total = json.loads((out / "model.safetensors.index.json").read_text())["metadata"]["total_size"]

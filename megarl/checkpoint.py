@@ -138,7 +138,10 @@ def verify(checkpoint: str | Path, under: str = "") -> dict:
 
 def unreadable(path: str | Path, error: BaseException) -> CheckpointError:
     """The error for a checkpoint file its reader could not parse, in one line."""
-    first = str(error).splitlines()[0] if str(error) else ""
+    text = str(error)
+    if "WeightsUnpickler error:" in text:  # torch.load(weights_only=True): its reason, not its advice
+        text = text.split("WeightsUnpickler error:", 1)[1]
+    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
     return CheckpointError(f"{path} could not be read, it is truncated or damaged ({type(error).__name__}: {first})")
 
 

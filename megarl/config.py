@@ -445,7 +445,6 @@ class RunConfig:
                          "rollout.mode=colocated")
 
     def _check_megatron(self, problems: Problems) -> None:
-            _check_fp8_and_offload(name, worker, problems)
         p, world = self.actor.parallel, self.train_world_size()
         if self.cluster.launcher != "ray":
             problems.add("cluster.launcher", "inprocess cannot run the megatron backend (one process per rank)",
@@ -456,6 +455,19 @@ class RunConfig:
                          "choose parallel sizes whose product divides the number of GPUs")
         dp = max(world // p.model_parallel_size, 1)
         for name, worker in (("actor", self.actor), ("critic", self.critic)):
+            if name == "critic" and not self.critic.enable:
+                continue
+            _check_fp8_and_offload(name, worker, problems)
+            mini = worker.ppo_mini_batch_size * self.rollout.n
+            if mini % dp:
+                problems.add(f"{name}.ppo_mini_batch_size", f"a mini batch of {mini} samples does not split over "
+                             f"{dp} data-parallel ranks", "make ppo_mini_batch_size * rollout.n a multiple of DP")
+        if self.critic.enable and self.critic.backend == "megatron":
+            if asdict(self.critic.parallel) != asdict(p):
+                problems.add("critic.parallel", "differs from actor.parallel (actor and critic share one layout)",
+                             "give the critic the actor's parallel settings")
+
+
 def _check_fp8_and_offload(name: str, worker: TrainWorkerConfig, problems: Problems) -> None:
     """FP8 parameters and optimizer offload on the megatron backend (docs/megatron.md, On GPUs)."""
     fp8_params, distributed = bool(worker.fp8 and worker.fp8_param_gather), worker.parallel.use_distributed_optimizer
@@ -477,18 +489,6 @@ def _check_fp8_and_offload(name: str, worker: TrainWorkerConfig, problems: Probl
         problems.add(f"{name}.optim.offload", "with fp8_param_gather: megatron hands its hybrid optimizer FP8 "
                      "parameter shards only under fp8_recipe=delayed, which megarl refuses there",
                      f"turn off {name}.optim.offload or {name}.fp8_param_gather")
-
-
-            if name == "critic" and not self.critic.enable:
-                continue
-            mini = worker.ppo_mini_batch_size * self.rollout.n
-            if mini % dp:
-                problems.add(f"{name}.ppo_mini_batch_size", f"a mini batch of {mini} samples does not split over "
-                             f"{dp} data-parallel ranks", "make ppo_mini_batch_size * rollout.n a multiple of DP")
-        if self.critic.enable and self.critic.backend == "megatron":
-            if asdict(self.critic.parallel) != asdict(p):
-                problems.add("critic.parallel", "differs from actor.parallel (actor and critic share one layout)",
-                             "give the critic the actor's parallel settings")
 
 
 def load_config(path: str | None, overrides: list[str] | None = None) -> RunConfig:

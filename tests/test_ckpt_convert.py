@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -97,4 +98,63 @@ def test_hf_to_megatron_says_what_is_wrong(tmp_path, capsys):
     (tmp_path / "o").mkdir()
     (tmp_path / "o" / "x").write_text("")
     assert hf_to_megatron(["--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "o")]) == 2
+    assert "is not empty" in capsys.readouterr().err
+
+
+def convert_fails(args, tmp_path, capsys) -> str:
+    """megatron_to_hf exits 2 and leaves neither the output directory nor a temporary one."""
+    assert megatron_to_hf(args + ["--out", str(tmp_path / "out")]) == 2
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name == "out" or p.name.startswith(".tmp-")) == []
+    return capsys.readouterr().err
+
+
+def test_megatron_to_hf_names_a_truncated_distcp_and_leaves_no_output(checkpoint, tmp_path, capsys):
+    root, _ = checkpoint
+    step = tmp_path / "step"
+    shutil.copytree(root / "step", step)
+    distcp = step / "actor" / "__0_0.distcp"
+    size = distcp.stat().st_size
+    with open(distcp, "r+b") as fh:
+        fh.truncate(size // 2)
+    err = convert_fails(["--ckpt", str(step), "--hf-config", str(root / "hf")], tmp_path, capsys)
+    assert err.startswith(f"megatron_to_hf: {distcp} is truncated: {size // 2} bytes, but "
+                          f"{step / 'actor' / '.metadata'} places chunks up to byte ")
+    assert len(err.splitlines()) == 1
+
+
+def test_megatron_to_hf_fails_mid_way_on_a_damaged_chunk_and_leaves_no_output(checkpoint, tmp_path, capsys):
+    from megarl.backends.megatron.dist_format import read_dist_metadata
+
+    root, _ = checkpoint
+    step = tmp_path / "step"
+    shutil.copytree(root / "step", step)
+    # the final norm is read last (after the layers): tiny shards were written before it fails
+    (info,) = [i for x, i in read_dist_metadata(step / "actor").storage_data.items()
+               if x.fqn == "decoder.final_layernorm.weight"]
+    with open(step / "actor" / info.relative_path, "r+b") as fh:
+        fh.seek(info.offset)
+        fh.write(b"\0" * info.length)  # same length: only reading the chunk finds it
+    err = convert_fails(["--ckpt", str(step), "--hf-config", str(root / "hf"), "--max-shard-gb", str(20_000 / 2**30)],
+                        tmp_path, capsys)
+    last = err.splitlines()[-1]  # after the progress bar
+    assert last.startswith(f"megatron_to_hf: {step / 'actor' / info.relative_path} (the chunk of decoder."
+                           f"final_layernorm.weight at byte {info.offset}) could not be read, it is truncated or "
+                           "damaged (UnpicklingError: ")  # then torch's reason
+
+
+def test_megatron_to_hf_checks_a_training_checkpoints_recorded_files(checkpoint, tmp_path, capsys):
+    from megarl.checkpoint import save_atomically
+
+    root, _ = checkpoint
+    step = save_atomically(tmp_path / "checkpoints", 1, lambda d: shutil.copytree(root / "step", d, dirs_exist_ok=True),
+                           {})
+    distcp = step / "actor" / "__0_1.distcp"
+    data = bytearray(distcp.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one byte of tensor data: torch would read it without complaint
+    distcp.write_bytes(bytes(data))
+    err = convert_fails(["--ckpt", str(step), "--hf-config", str(root / "hf")], tmp_path, capsys)
+    assert err.startswith(f"megatron_to_hf: {distcp} is damaged: its CRC32 is ")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "x").write_text("")
+    assert megatron_to_hf(["--ckpt", str(root / "step"), "--out", str(tmp_path / "out")]) == 2
     assert "is not empty" in capsys.readouterr().err

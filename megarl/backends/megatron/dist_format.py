@@ -9,18 +9,23 @@ byte ranges of the `__R_K.distcp` files, located by DCP's metadata. Reading a te
 assembles its chunks, so memory stays at one tensor (one layer's slice) plus one chunk.
 Writing (`write_hf_as_dist`) plans every chunk from the HF files' headers and produces each
 chunk only when DCP's writer asks for it, so it never holds more than one rule's tensors.
-Main entry points: `DistCheckpoint`, `read_hf_tensors`, `write_hf_as_dist`.
+DCP's `.metadata` index is a pickle: it is read by an allow-list unpickler (`read_dist_metadata`,
+the classes DCP metadata holds and nothing else), so a crafted one is refused without running
+anything; `check_dist_checkpoint` does that and more before megatron itself loads a checkpoint.
+Main entry points: `DistCheckpoint`, `read_hf_tensors`, `write_hf_as_dist`, `check_dist_checkpoint`.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import pickle
 import re
 from pathlib import Path
 
 import torch
 
+from megarl.checkpoint import CheckpointError, unreadable
 from megarl.models import ModelSpec
 from megarl.models.mapping import all_rules, hf_from_shards, te_name
 
@@ -38,8 +43,6 @@ class DistCheckpoint:
     """A megatron distributed checkpoint directory (metadata.json, .metadata, *.distcp)."""
 
     def __init__(self, path: str | Path):
-        from torch.distributed.checkpoint import FileSystemReader
-
         self.path = Path(path)
         meta = self.path / "metadata.json"
         if not meta.exists():
@@ -47,7 +50,8 @@ class DistCheckpoint:
         backend = json.loads(meta.read_text()).get("sharded_backend")
         if backend != "torch_dist":
             raise ValueError(f"{self.path}: sharded_backend {backend!r} is not supported (only torch_dist)")
-        self.metadata = FileSystemReader(str(self.path)).read_metadata()
+        self.metadata = read_dist_metadata(self.path)
+        check_storage_files(self.path, self.metadata)
         self._where = {}
         for index, info in self.metadata.storage_data.items():
             self._where.setdefault(index.fqn, []).append((tuple(index.offset or ()), info))
@@ -101,7 +105,11 @@ class DistCheckpoint:
                                      "(compression?), which this reader does not undo")
                 with open(self.path / info.relative_path, "rb", buffering=0) as fh:
                     window = io.BufferedReader(_FileWindow(fh, info.offset, info.length), 1 << 20)
-                    return torch.load(window, weights_only=True)
+                    try:
+                        return torch.load(window, weights_only=True)
+                    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as e:
+                        raise unreadable(f"{self.path / info.relative_path} (the chunk of {key} at byte "
+                                         f"{info.offset})", e) from None
         raise KeyError(f"{self.path}: no stored chunk of {key} at {offsets}")
 
 
@@ -134,6 +142,101 @@ class _FileWindow(io.RawIOBase):
         got = self.fh.readinto(memoryview(buffer)[:n])
         self.pos += got
         return got
+
+
+# What a DCP `.metadata` pickle names: torch's metadata and save-plan classes (megatron keeps
+# every rank's plan in it), torch.Size, dtypes and layouts, the checkpoint's path (torch's own
+# save records it as a Path), and megatron's two empty marker classes of older checkpoints.
+# Found by listing what real megatron, megarl and torch DCP checkpoints hold.
+METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "ChunkStorageMetadata", "StorageMeta",
+                                              "TensorStorageMetadata", "BytesStorageMetadata", "TensorProperties",
+                                              "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.distributed.checkpoint.planner": {"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData",
+                                             "BytesIOWriteData"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath"},
+    "megatron.core.dist_checkpointing.strategies.torch": {"MCoreMetadata", "MCoreSavePlan"},
+}
+
+
+class _Refused(pickle.UnpicklingError):
+    pass
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if name in METADATA_CLASSES.get(module, ()) or (
+                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise _Refused(f"{module}.{name}")
+
+
+def read_dist_metadata(directory: str | Path):
+    """The DCP `Metadata` of a distributed checkpoint directory, unpickled with only the
+    classes DCP metadata holds: a `.metadata` naming anything else (a crafted pickle whose
+    reduce calls os.system) raises CheckpointError before any of it runs."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    path = Path(directory) / ".metadata"
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory} is not a complete distributed checkpoint (no .metadata)")
+    try:
+        with open(path, "rb") as fh:
+            metadata = _MetadataUnpickler(fh).load()
+    except _Refused as e:
+        raise CheckpointError(f"{path} refused: it asks to load {e}, which DCP checkpoint metadata never holds "
+                              "(a crafted or foreign file; nothing in it was run)") from None
+    except Exception as e:  # noqa: BLE001 (a damaged pickle fails in many ways)
+        raise unreadable(path, e) from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP checkpoint metadata")
+    return metadata
+
+
+def check_storage_files(directory: Path, metadata) -> None:
+    """Every .distcp file the metadata points into is there and long enough (a truncated one
+    is named before anything is read from it)."""
+    ends: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        path = directory / name
+        if not path.is_file():
+            raise CheckpointError(f"{path} is missing: {directory / '.metadata'} places chunks in it")
+        size = path.stat().st_size
+        if size < end:
+            raise CheckpointError(f"{path} is truncated: {size} bytes, but {directory / '.metadata'} places chunks "
+                                  f"up to byte {end}")
+
+
+def check_dist_checkpoint(directory: str | Path) -> None:
+    """What megatron's loader would unpickle without limits, checked first: the `.metadata`
+    (allow-listed) and the stored objects (layers' extra state), which DCP loads with
+    torch.load(weights_only=False) and must load with weights_only=True; the files' lengths.
+    CheckpointError naming the file otherwise."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    directory = Path(directory)
+    metadata = read_dist_metadata(directory)
+    check_storage_files(directory, metadata)
+    objects = {k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)}
+    for index, info in metadata.storage_data.items():
+        if index.fqn not in objects:
+            continue
+        path = directory / info.relative_path
+        with open(path, "rb") as fh:
+            fh.seek(info.offset)
+            data = fh.read(info.length)
+        try:
+            torch.load(io.BytesIO(data), weights_only=True)
+        except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as e:
+            if str(e).startswith("Weights only load failed"):
+                raise CheckpointError(f"{path} refused: the stored object {index.fqn} names more than tensors and "
+                                      "plain values (megatron would unpickle it in full and run it)") from None
+            raise unreadable(f"{path} (the object {index.fqn} at byte {info.offset})", e) from None
 
 
 def read_hf_tensors(dist: DistCheckpoint, spec: ModelSpec):

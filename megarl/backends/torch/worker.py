@@ -143,5 +143,5 @@ def _read_weights(model: torch.nn.Module, path: Path):
 def _read_state(path: Path):
     try:
         return torch.load(path, weights_only=True)
-    except (RuntimeError, EOFError, pickle.UnpicklingError) as e:
+    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as e:
         raise unreadable(path, e) from None
