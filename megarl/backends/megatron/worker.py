@@ -339,6 +339,8 @@ class MegatronTrainWorker:
         (RNG states are restored only where the world size is the same)."""
         from megatron.core import dist_checkpointing
 
+        from megarl.backends.megatron.dist_format import check_dist_checkpoint
+
         directory = Path(directory)
         state = directory / "megatron_trainer.json"
         if not state.exists():
@@ -348,6 +350,7 @@ class MegatronTrainWorker:
         for name, part in self._parts().items():
             if name not in trainer:
                 raise ValueError(f"checkpoint {directory} has no {name}; was it written by another config?")
+            check_dist_checkpoint(directory / name)  # megatron unpickles its metadata and objects in full
             loaded = dist_checkpointing.load(_sharded_state(part, loading=True), str(directory / name))
             for i, chunk in enumerate(part.chunks):
                 chunk.load_state_dict(loaded[_model_key(part, i)], strict=False)
