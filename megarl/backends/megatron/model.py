@@ -274,25 +274,48 @@ def load_hf_weights(chunks: list[torch.nn.Module], spec: ModelSpec, hf_dir: str 
                 if target.shape != shard.shape:
                     raise ValueError(f"{name}: megatron expects {tuple(target.shape)}, the mapping gave "
                                      f"{tuple(shard.shape)}")
-                target.copy_(shard)  # an FP8 parameter quantises it
+                # an FP8 parameter quantises it: with scales computed from `shard` under the
+                # tensorwise and blockwise recipes (see keep_master_source for delayed)
+                target.copy_(shard)
                 keep_master_source(target, shard)
 
 
 def keep_master_source(param: torch.Tensor, value: torch.Tensor) -> None:
     """Make `value` the source of `param`'s FP32 master weights. An FP8 parameter
     (fp8_param_gather) built by megatron inside Transformer Engine's fp8_model_init keeps a
-    high-precision copy of its random initial value (get_high_precision_init_val), and
-    megatron's distributed optimizer builds the FP32 master weights from that copy when it is
+    high-precision copy of its random initial value (get_high_precision_init_val, in host memory),
+    and megatron's distributed optimizer builds the FP32 master weights from that copy when it is
     created (optimizer/distrib_optimizer.py): left alone, the first step writes the random
     initialisation back. Written here, with the optimizer built after the weights are loaded
     (the worker's order), the masters start from the loaded values at full precision.
     (Megatron-LM instead calls optimizer.reload_model_params() after loading, which
     dequantises the FP8 weights: masters rounded to FP8.) A parameter without the copy (no FP8,
-    or already consumed by an optimizer) is left as it is."""
+    or already consumed by an optimizer) is left as it is.
+
+    The FP8 weight itself is what `copy_` made of `value`. Under the tensorwise and blockwise
+    recipes its scales are computed from `value`, as the optimizer's own re-quantisation of the
+    masters (megatron's quantize_param_shard) computes them. Under delayed scaling both would
+    cast with the scale the recipe holds, 1.0 until an FP8 forward pass has recorded an amax, so
+    the weights until the first step (and a frozen reference's for good) would be cast badly:
+    config validation refuses fp8_param_gather with the delayed recipe."""
     source = getattr(param, "get_high_precision_init_val", None)
     held = source() if source is not None else None
     if held is not None:
         held.copy_(value)
+
+
+def free_master_sources(chunks: list[torch.nn.Module]) -> None:
+    """Free the high-precision copies of the FP8 parameters' initial values (see
+    keep_master_source) once nothing will build master weights from them: after the
+    distributed optimizer is built (it frees only the copies of the parameters whose shard
+    this DP rank updates), and right after loading a frozen model (the reference), which gets
+    no optimizer and would otherwise hold a bf16 copy of its FP8 weights in host memory for the
+    whole run. Parameters without a copy are left alone."""
+    for chunk in chunks:
+        for param in chunk.parameters():
+            clear = getattr(param, "clear_high_precision_init_val", None)
+            if clear is not None:
+                clear()
 
 
 def high_precision(param: torch.Tensor) -> torch.Tensor:

@@ -24,35 +24,57 @@ log = logging.getLogger(__name__)
 
 def wrap_for_training(chunks: list[torch.nn.Module], optim: OptimConfig, *, distributed_optimizer: bool = True,
                       fp8_param_gather: bool = False, fp8_recipe: str | None = None):
-    """(DDP-wrapped chunks, megatron Adam optimizer): fp32 gradient reduction, global-norm
-    clipping at optim.grad_clip (0 = off), optimizer state sharded over DP when
-    `distributed_optimizer`, and on the CPU when optim.offload. `fp8_recipe`: the model's FP8
-    recipe (None without FP8), which megatron's distributed optimizer needs to handle FP8
-    parameters (blockwise ones cannot be viewed flat as delayed-scaling ones can).
+    """(DDP-wrapped chunks, megatron Adam optimizer) as `optimizer_config` describes it.
 
     The optimizer's FP32 master weights are built here from the chunks' current weights
-    (of FP8 parameters: from the high-precision copy model.keep_master_source wrote), so
-    load the weights first."""
+    (of FP8 parameters: from the high-precision copy model.keep_master_source wrote, freed once
+    the masters exist), so load the weights first."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, \
         finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    from megarl.backends.megatron.model import free_master_sources
 
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=distributed_optimizer,
                                                grad_reduce_in_fp32=True, fp8_param_gather=fp8_param_gather)
     wrapped = [DistributedDataParallel(c.config, ddp_config, c) for c in chunks]
     config = chunks[0].config
     config.finalize_model_grads_func = finalize_model_grads  # DP reduction, tied-embedding sync
+    optimizer = get_megatron_optimizer(optimizer_config(optim, config, distributed_optimizer=distributed_optimizer,
+                                                        fp8_recipe=fp8_recipe, cuda=torch.cuda.is_available()),
+                                       wrapped)
+    free_master_sources(chunks)
+    return wrapped, optimizer
+
+
+def optimizer_config(optim: OptimConfig, model_config, *, distributed_optimizer: bool, fp8_recipe: str | None,
+                     cuda: bool):
+    """megatron's OptimizerConfig: Adam with global-norm clipping at optim.grad_clip (0 = off),
+    state sharded over DP when `distributed_optimizer`, the precision of `model_config` (a
+    TransformerConfig), and `fp8_recipe` (the model's FP8 recipe, None without FP8), which the
+    distributed optimizer needs to handle FP8 parameters (blockwise ones cannot be viewed flat
+    as delayed-scaling ones can).
+
+    optim.offload on a GPU: megatron's HybridDeviceOptimizer with all of Adam's state, the FP32
+    master weights and the step on the host. Megatron-LM refuses --optimizer-cpu-offload
+    without --use-precision-aware-optimizer, "as the hybrid device optimizer reuses the code
+    path of this flag": only in that mode does the distributed optimizer hand the hybrid one
+    the model's own parameter shards (without it, FP32 masters are made on the GPU as well, and
+    copied to the host once more). The precision-aware optimizer in turn needs the distributed
+    optimizer (config validation asks for it with offload). Without CUDA the hybrid optimizer
+    cannot run (it uses CUDA streams) and has nothing to do: the state is in host memory already."""
+    from megatron.core.optimizer import OptimizerConfig
+
     offload = {}
-    if optim.offload and torch.cuda.is_available():
-        offload = dict(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0)
-    elif optim.offload:  # megatron's hybrid optimizer needs CUDA streams; without a GPU all state is on the host
+    if optim.offload and cuda:
+        offload = dict(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0, use_precision_aware_optimizer=True)
+    elif optim.offload:
         log.info("optimizer offload has nothing to do without a GPU: the optimizer state is in host memory already")
-    optimizer = get_megatron_optimizer(OptimizerConfig(
+    return OptimizerConfig(
         optimizer="adam", lr=optim.lr, weight_decay=optim.weight_decay, adam_beta1=optim.betas[0],
         adam_beta2=optim.betas[1], adam_eps=optim.eps, clip_grad=optim.grad_clip,
-        use_distributed_optimizer=distributed_optimizer, params_dtype=config.params_dtype, bf16=config.bf16,
-        fp16=config.fp16, fp8_recipe=fp8_recipe, **offload), wrapped)
-    return wrapped, optimizer
+        use_distributed_optimizer=distributed_optimizer, params_dtype=model_config.params_dtype,
+        bf16=model_config.bf16, fp16=model_config.fp16, fp8_recipe=fp8_recipe, **offload)
 
 
 def loss_scale(num_micro_batches: int) -> int:

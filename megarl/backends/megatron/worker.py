@@ -97,7 +97,7 @@ class MegatronTrainWorker:
 
     def __init__(self, cfg: RunConfig, total_steps: int):
         from megarl.backends.megatron.critic import VALUE_HEAD, build_critic
-        from megarl.backends.megatron.model import build_model, initialize, load_hf_weights
+        from megarl.backends.megatron.model import build_model, free_master_sources, initialize, load_hf_weights
         from megarl.backends.megatron.step import wrap_for_training
 
         self.cfg, self.total_steps = cfg, total_steps
@@ -124,6 +124,7 @@ class MegatronTrainWorker:
         if a.use_kl_loss or a.use_kl_in_reward:
             self.reference = build_model(self.spec, self.layout, **options)
             load_hf_weights(self.reference, self.spec, cfg.model.path)
+            free_master_sources(self.reference)  # no optimizer builds masters for the frozen reference
             for chunk in self.reference:
                 chunk.eval().requires_grad_(False)
             if cfg.actor.reference_offload:
