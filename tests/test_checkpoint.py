@@ -4,9 +4,11 @@ intact one found, a full disk named."""
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import uuid
+from contextlib import contextmanager
 
 import pytest
 
@@ -155,16 +157,25 @@ def test_verify_can_check_one_part_and_takes_older_checkpoints_as_they_are(tmp_p
     assert verify(old) == {"step": 0}
 
 
-def test_a_full_disk_names_the_disk_and_keeps_the_previous_checkpoint(tmp_path):
+@contextmanager
+def small_disk(directory, size: str):
+    """A tmpfs of `size` mounted at `directory` (root only: skips the test otherwise, with the reason)."""
     if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    mount = tmp_path / "small_disk"
-    mount.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", f"megarl-test-{uuid.uuid4().hex[:8]}",
-                             str(mount)], capture_output=True, text=True, timeout=30)
+        pytest.skip("a full disk is simulated by mounting a small tmpfs, which needs root")
+    directory.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", f"megarl-test-{uuid.uuid4().hex[:8]}",
+                             str(directory)], capture_output=True, text=True, timeout=30)
     if result.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
     try:
+        yield directory
+    finally:  # lazily: the failed writer's file may still be open in a traceback pytest keeps
+        subprocess.run(["umount", "--lazy", str(directory)], timeout=30, check=True)
+        shutil.rmtree(directory)
+
+
+def test_a_full_disk_names_the_disk_and_keeps_the_previous_checkpoint(tmp_path):
+    with small_disk(tmp_path / "small_disk", "256k") as mount:
         root = mount / "checkpoints"
         save_atomically(root, 1, write_file("w.bin", "a" * 100_000), {})  # 100 kB of 256 kB
 
@@ -184,6 +195,19 @@ def test_a_full_disk_names_the_disk_and_keeps_the_previous_checkpoint(tmp_path):
             assert f"The newest checkpoint is still {root / 'step_000001'}" in message
             assert [p.name for p in root.iterdir()] == ["step_000001"]  # the partial one removed
             assert verify(root / "step_000001")["step"] == 1
-    finally:  # lazily: the failed writer's file may still be open in a traceback pytest keeps
-        subprocess.run(["umount", "--lazy", str(mount)], timeout=30, check=True)
-    shutil.rmtree(mount)
+
+
+def test_a_train_ranks_full_disk_reaches_the_driver_as_text_and_is_named(tmp_path):
+    def rank_failed(directory):  # how a Ray rank's error arrives (megarl.runtime.ray_proxies): text only
+        raise RuntimeError("train worker rank 1 of 2 failed (the other ranks are stopped):\n"
+                           "OSError: [Errno 28] No space left on device: '__1_0.distcp'")
+
+    with pytest.raises(CheckpointError, match=re.escape(f"step 1 was not saved: the disk holding {tmp_path} is full")):
+        save_atomically(tmp_path, 1, rank_failed, {})
+    assert list(tmp_path.iterdir()) == []
+
+    def other_failure(directory):
+        raise RuntimeError("a bug")
+
+    with pytest.raises(RuntimeError, match="^a bug$"):  # not taken for a full disk
+        save_atomically(tmp_path, 1, other_failure, {})

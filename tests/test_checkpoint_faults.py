@@ -87,6 +87,25 @@ def test_a_truncated_file_of_an_unrecorded_checkpoint_is_named_in_one_line(input
         assert "\n" not in str(error.value)
 
 
+@pytest.mark.timeout(120)
+def test_a_full_disk_while_the_worker_saves_names_the_disk_and_keeps_the_last_checkpoint(inputs, tmp_path):
+    from megarl.backends.torch.worker import TorchTrainWorker
+    from test_checkpoint import small_disk
+    from tiny_models import tiny_model
+
+    worker = TorchTrainWorker(tiny_model("qwen2"), load_config(None, tiny_overrides(inputs, tmp_path)), total_steps=2)
+    with small_disk(tmp_path / "small_disk", "640k") as mount:  # one checkpoint of the tiny model is 424 kB
+        root = mount / "checkpoints"
+        save_atomically(root, 1, worker.save_checkpoint, {})
+        with pytest.raises(CheckpointError) as error:
+            save_atomically(root, 2, worker.save_checkpoint, {})
+        assert str(error.value).startswith(f"checkpoint step 2 was not saved: the disk holding {root} is full "
+                                           f"(the filesystem mounted at {mount}: ")
+        assert [p.name for p in root.iterdir()] == ["step_000001"]
+        verify(root / "step_000001")
+        worker.load_checkpoint(root / "step_000001")
+
+
 # -- a crafted distributed checkpoint ------------------------------------------------------------
 
 class RunsACommand:
