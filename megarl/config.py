@@ -76,6 +76,11 @@ class SGLangConfig:
         "cache_aware", "sglang-router's routing policy.")
     host: str | None = param(None, "Address servers and router bind to; None = 127.0.0.1 on a one-node run, the "
                              "node's own address when cluster.nnodes > 1.")
+    api_key: str | None = param(
+        None, "Key every engine server and the router require on all routes but the health checks (SGLang's "
+        "--api-key: 'Authorization: Bearer KEY'); None = $MEGARL_ENGINE_API_KEY if set, else a fresh random key "
+        "for each run. Never in the saved config, MLflow, logs or a server's command line; the environment "
+        "variable keeps it out of your config files too.", secret=True)
     startup_timeout_s: float = param(900.0, "Seconds a server (or the router) may take to answer its health check "
                                      "after launch before the run stops with the tail of its log.", gt=0.0)
     health_timeout_s: float = param(60.0, "Seconds one health check (/health_generate) may take.", gt=0.0)
@@ -422,6 +427,11 @@ class RunConfig:
             return
         if c.launcher != "ray":
             problems.add("cluster.launcher", "inprocess cannot launch engine servers", "use cluster.launcher=ray")
+        if any(a.split("=")[0] in ("--api-key", "--admin-api-key") for a in r.sglang.extra_args):
+            problems.add("rollout.sglang.extra_args", "gives the servers an API key on their command line, where "
+                         "every user of the node can read it (and the saved config records it)",
+                         "remove it: megarl gives the servers and the router a key of its own, or set "
+                         "$MEGARL_ENGINE_API_KEY (or rollout.sglang.api_key)")
         if c.gpus_per_node == 0:
             if r.sglang.server == "sglang":
                 problems.add("rollout.sglang.server", "sglang needs GPUs (cluster.gpus_per_node=0)",

@@ -25,10 +25,12 @@ from typing import Any, Literal
 import yaml
 
 
-def param(default: Any = None, help: str = "", *, factory=None, ge=None, gt=None, le=None, lt=None):
+def param(default: Any = None, help: str = "", *, factory=None, ge=None, gt=None, le=None, lt=None,
+          secret: bool = False):
     """A documented dataclass field: `help` says its meaning and unit; the bounds (>=, >, <=, <)
-    are checked by `check_ranges`. Give mutable defaults as `factory`."""
-    meta = {"help": help, "ge": ge, "gt": gt, "le": le, "lt": lt}
+    are checked by `check_ranges`. Give mutable defaults as `factory`. A `secret` (an API key)
+    is left out of every dump of the config (`config_to_dict`): saved config, tracker params."""
+    meta = {"help": help, "ge": ge, "gt": gt, "le": le, "lt": lt, "secret": secret}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -283,7 +285,20 @@ def check_ranges(cfg: Any, prefix: str, problems: Problems) -> None:
 
 
 def config_to_dict(cfg: Any) -> dict:
-    return dataclasses.asdict(cfg)
+    """The config as plain data, each secret field null (a secret set in the config stays in the
+    file it came from; reloading this dump leaves the field unset)."""
+    out = dataclasses.asdict(cfg)
+    _drop_secrets(cfg, out)
+    return out
+
+
+def _drop_secrets(node: Any, out: dict) -> None:
+    for f in fields(node):
+        value = getattr(node, f.name)
+        if f.metadata.get("secret"):
+            out[f.name] = None
+        elif is_dataclass(value):
+            _drop_secrets(value, out[f.name])
 
 
 def flatten_config(cfg: Any) -> dict[str, Any]:

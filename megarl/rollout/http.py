@@ -6,7 +6,8 @@ megarl.rollout.serve`, the CPU fleet and CI) with the pinned SGLang version's ro
 payloads (`megarl.rollout.sglang_api`): `/generate`, `/health`, `/health_generate`,
 `/flush_cache`, `/pause_generation` (retract), `/continue_generation`, memory release and
 resume, `/get_model_info`, `/get_server_info`, megarl's own `/weight_checksums`, and the
-weight routes of every transport (each served by its module in megarl.weights).
+weight routes of every transport (each served by its module in megarl.weights). Given an
+API key, every route but the health checks requires it, as SGLang's `--api-key` does.
 `HTTPEngine(url)` is the client the SGLang fleet uses for each server; CI runs it against
 the embedded server, and tests/test_sglang_contract.py checks its bodies against SGLang's.
 """
@@ -21,6 +22,7 @@ import httpx
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 
+from megarl.http_auth import bearer, require_api_key
 from megarl.rollout import sglang_api
 from megarl.rollout.engine import GenerationOutput, PauseAroundUpdates, RolloutEngine, SamplingParams
 from megarl.weights import all_transports, disk
@@ -28,8 +30,12 @@ from megarl.weights.buckets import WeightBucket
 from megarl.weights.routes import json_body
 
 
-def create_engine_app(engine: RolloutEngine, tokenizer=None, model_path: str = "") -> FastAPI:
+def create_engine_app(engine: RolloutEngine, tokenizer=None, model_path: str = "",
+                      api_key: str | None = None) -> FastAPI:
+    """The engine behind SGLang's routes; with `api_key`, a request to any route but those
+    SGLang leaves open (sglang_api.open_without_key) needs `Authorization: Bearer <api_key>`."""
     app = FastAPI(title="megarl engine (SGLang-compatible API)")
+    require_api_key(app, api_key, sglang_api.open_without_key)
 
     async def one(ids, params: dict | None, return_logprob: bool) -> dict:
         if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
@@ -131,13 +137,16 @@ class HTTPEngine(PauseAroundUpdates):
 
     `update_weights` takes buckets in this process and sends them through `weight_dir`
     (storage the server can read): each bucket a safetensors file, then one
-    `/update_weights_from_disk`. The fleet's other transports use `post`.
+    `/update_weights_from_disk`. The fleet's other transports use `post`. Every request
+    carries `api_key` (the server's --api-key), when given.
     """
 
-    def __init__(self, base_url: str, *, timeout_s: float = 600.0, weight_dir: str | None = None):
+    def __init__(self, base_url: str, *, timeout_s: float = 600.0, weight_dir: str | None = None,
+                 api_key: str | None = None):
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self.weight_dir = weight_dir
+        self._headers = bearer(api_key)
         self._clients: dict[int, httpx.AsyncClient] = {}
 
     @property
@@ -146,7 +155,8 @@ class HTTPEngine(PauseAroundUpdates):
         (asyncio.run), and an httpx connection belongs to the loop that opened it."""
         loop = id(asyncio.get_running_loop())
         if loop not in self._clients:
-            self._clients = {loop: httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout_s)}
+            self._clients = {loop: httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout_s,
+                                                     headers=self._headers)}
         return self._clients[loop]
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationOutput:

@@ -11,7 +11,7 @@ the request structs of `sglang/srt/managers/io_struct.py` named in `CONTROL_ROUT
 tests/test_sglang_contract.py checks every body against that version's own files.
 
 Main entry points: `generate_body`, `output_from_sglang`, `output_to_sglang`, `CONTROL_ROUTES`,
-and the `*_body` builders of the control routes.
+`open_without_key`, and the `*_body` builders of the control routes.
 """
 
 from __future__ import annotations
@@ -30,6 +30,17 @@ CONTROL_ROUTES = {
 }
 for _transport in all_transports():
     CONTROL_ROUTES |= _transport.request_structs
+# the paths SGLang serves without its API key (sglang/srt/utils/auth.py decide_request_auth:
+# every path that starts with one of these, for k8s probes and Prometheus scrapers); megarl's
+# embedded server leaves open the same ones
+OPEN_PATH_PREFIXES = ("/health", "/ready", "/metrics")
+
+
+def open_without_key(path: str) -> bool:
+    """Whether a server started with an API key answers `path` without it (as SGLang does)."""
+    return path.startswith(OPEN_PATH_PREFIXES)
+
+
 # what release/resume_memory_occupation can free (sglang/srt/constants.py GPU_MEMORY_ALL_TYPES);
 # released and resumed by name, every one of them: no tags means all of them to SGLang
 MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
