@@ -14,7 +14,9 @@
 # repository's .venv, else python3), RAY_PORT (6379), RAY_NUM_CPUS / RAY_NUM_GPUS per node
 # (default: what slurm gives the job on a node; GPUs from SLURM_GPUS_ON_NODE, else 0),
 # RAY_TMPDIR (Ray's session files; default /tmp/ray-$SLURM_JOB_ID, one per job), RAY_AUTH_TOKEN
-# (default: a fresh random token per job; Ray's token authentication is on).
+# (default: a fresh random token per job; Ray's token authentication is on),
+# RAY_enable_metrics_collection (default 0: Ray's per-node Prometheus exporter, which answers
+# without a token on every interface, is off; docs/slurm.md says which ports of Ray stay open).
 
 _ray_on_slurm_steps=()
 
@@ -59,6 +61,9 @@ ray_on_slurm() {
     # every step, so the nodes, the driver and the actors share it and nobody else can connect
     export RAY_AUTH_MODE=token
     export RAY_AUTH_TOKEN=${RAY_AUTH_TOKEN:-$("$py" -c 'import secrets; print(secrets.token_hex(32))')}
+    # Ray binds its metrics exporter to every interface of a node whose address is not loopback
+    # and has no option to bind it to the node's address: off unless asked for
+    export RAY_enable_metrics_collection=${RAY_enable_metrics_collection:-0}
 
     trap '_ray_on_slurm_stop; exit 143' TERM INT
     _ray_on_slurm_log "Ray head on $head ($head_ip:$port), ${#nodes[@]} node(s), $cpus CPUs and $gpus GPUs each"

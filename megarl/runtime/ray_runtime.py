@@ -1,6 +1,6 @@
 """The run as Ray actors in one placement group (cluster.launcher=ray).
 
-On one CPU machine Ray starts locally and everything fits one node; with
+On one machine Ray starts locally, on loopback only (megarl.runtime.local_ray); with
 `cluster.ray_address=auto` (the slurm recipes) the same code joins a multi-node cluster.
 The train ranks, the engine (the embedded one in an actor, or the SGLang fleet's servers),
 the retrieval server and the reward workers are actors (megarl.runtime.ray_actors), reached
@@ -22,6 +22,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from megarl.config import RunConfig
 from megarl.runtime.base import Runtime
+from megarl.runtime.local_ray import init_local_ray
 from megarl.runtime.ray_actors import EngineActor, RetrievalActor, RewardActor, TrainWorkerActor
 from megarl.runtime.ray_proxies import RayRanks, RemoteEngine, RemoteRewardPool, RemoteTrainWorker, died, gather_ranks
 from megarl.weights import transport_class
@@ -49,8 +50,8 @@ class RayRuntime(Runtime):
             if c.ray_address:
                 ray.init(address=c.ray_address, log_to_driver=True)
             else:
-                ray.init(num_cpus=c.cpus_per_node or max(len(placement_bundles(cfg)[0]), os.cpu_count() or 2),
-                         num_gpus=c.gpus_per_node, include_dashboard=False, log_to_driver=True)
+                init_local_ray(num_cpus=c.cpus_per_node or max(len(placement_bundles(cfg)[0]), os.cpu_count() or 2),
+                               num_gpus=c.gpus_per_node, include_dashboard=False, log_to_driver=True)
             self._started_ray = True
         self.pg, self.worker_actors, self.engine_actor, self.reward_actor, self.retrieval_actor = None, [], None, None, None
         self.fleet, self.transport, self.engine, self.reward_pool = None, None, None, None
