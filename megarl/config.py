@@ -23,6 +23,7 @@ from megarl.config_loader import (
     param,
     save_config,
 )
+from megarl.config_cluster import ClusterConfig
 from megarl.reward.settings import RewardConfig, check_reward_config
 
 __all__ = ["RunConfig", "RewardConfig", "ConfigError", "load_config", "save_config", "config_to_dict"]
@@ -280,19 +281,6 @@ class SyncConfig:
         "auto = inprocess for the embedded engine, ipc when colocated on GPUs, nccl otherwise.")
     disk_dir: str | None = param(None, "Shared directory for sync.transport=disk; None = trainer.output_dir/weight_sync.")
     verify: bool = param(False, "Compare per-tensor checksums of engine and trainer weights after each sync.")
-
-
-@dataclass
-class ClusterConfig:
-    launcher: Literal["ray", "inprocess"] = param(
-        "ray", "ray = train worker and engine as Ray actors (any number of nodes); inprocess = one process "
-        "(debugging, tests).")
-    ray_address: str | None = param(None, "Ray cluster to join ('auto' on slurm); None = start a local Ray.")
-    nnodes: int = param(1, "Nodes of the run.", gt=0)
-    gpus_per_node: int = param(0, "GPUs per node; 0 = CPU run.", ge=0)
-    cpus_per_node: int | None = param(
-        None, "CPUs Ray may use per node (logical slots, not cores: one per train rank, one per engine that has no "
-        "GPU of a train rank, one more); None = all, at least that many.", gt=0)
 
 
 @dataclass

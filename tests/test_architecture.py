@@ -19,7 +19,7 @@ LAYERS = [
     ("foundations", ["megarl", "megarl.errors", "megarl.config_loader", "megarl.versions"]),
     ("domain", ["megarl.algo", "megarl.models", "megarl.retrieval", "megarl.reward", "megarl.weights",
                 "megarl.data.prompts", "megarl.data.tokenizer", "megarl.data"]),
-    ("config", ["megarl.config"]),
+    ("config", ["megarl.config", "megarl.config_cluster"]),
     ("parts", ["megarl.backends", "megarl.rollout", "megarl.tracking", "megarl.checkpoint"]),
     ("runtime", ["megarl.runtime"]),
     ("loop", ["megarl.components", "megarl.experience", "megarl.export", "megarl.train"]),

@@ -1,8 +1,13 @@
-"""A dead retrieval server, engine or reward actor stops the run with its name."""
+"""A dead or frozen retrieval server, engine, train rank or reward actor stops the run with its
+name, in bounded time; so does an engine that answers but produces nothing."""
 
+import asyncio
+import os
+import signal
 import time
 from dataclasses import replace
 
+import psutil
 import pytest
 import ray
 
@@ -23,14 +28,18 @@ def world(tmp_path_factory):
 
 
 def config(world, out, launcher):
-    return load_config(None, [
+    return load_config(None, config_overrides(world, out, launcher))
+
+
+def config_overrides(world, out, launcher) -> list[str]:
+    return [
         f"model.path={world / 'model'}", f"data.train_files=[{world / 'data' / 'train.parquet'}]",
         "data.train_batch_size=2", "data.gen_batch_size=2", "data.max_prompt_length=256", "rollout.n=2",
         "rollout.max_response_length=48", "algorithm.overlong.buffer_len=8", "algorithm.dynamic_sampling.enable=false",
         "agent.max_turns=1", "agent.max_turn_length=12", "agent.max_obs_length=32",
         f"agent.retrieval.index_dir={world / 'index'}", "agent.retrieval.port=0", "agent.retrieval.max_retries=0",
         "agent.retrieval.timeout_s=5", "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size=4",
-        f"trainer.output_dir={out}", "tracking.backend=none", f"cluster.launcher={launcher}"])
+        f"trainer.output_dir={out}", "tracking.backend=none", f"cluster.launcher={launcher}"]
 
 
 def test_stopped_in_process_retrieval_server_is_named(world, tmp_path, monkeypatch):
@@ -82,3 +91,60 @@ def test_dead_ray_actors_are_named(world, tmp_path):
     finally:
         c.close()
     assert not ray.is_initialized()
+
+
+LIVENESS = ["cluster.liveness.interval_s=1", "cluster.liveness.timeout_s=3", "cluster.liveness.progress_timeout_s=4"]
+
+
+def pid_of(actor) -> int:
+    return ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+@pytest.mark.parametrize("part, named", [
+    ("engine", r"rollout engine \(Ray actor EngineActor\) did not answer a health ping within 3 s"),
+    ("rank", r"train worker rank 0 \(Ray actor TrainWorkerActor\) did not answer a health ping within 3 s"),
+    ("reward", r"reward workers \(Ray actor RewardActor\) did not answer a health ping within 3 s"),
+])
+def test_a_frozen_actor_stops_the_run_by_name_and_shutdown_is_bounded(world, tmp_path, part, named):
+    # SIGSTOP: the actor's process is alive to Ray and its calls never end; before the
+    # deadlines the step waited forever and shutdown waited on the frozen engine
+    c = build_components(load_config(None, [*config_overrides(world, tmp_path, "ray"), *LIVENESS]))
+    try:
+        train_step(c, 0)
+        runtime = c.runtime
+        actor = {"engine": runtime.engine_actor, "rank": runtime.worker_actors[0], "reward": runtime.reward_actor}[part]
+        pid = pid_of(actor)
+        os.kill(pid, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(ComponentDied, match=named):
+            train_step(c, 1)
+        assert time.monotonic() - started < 60
+    finally:
+        started = time.monotonic()
+        c.close()  # with the actor still frozen
+    assert time.monotonic() - started < 90
+    deadline = time.monotonic() + 30
+    while not gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert gone(pid)
+
+
+def test_an_engine_that_answers_but_produces_nothing_is_named(world, tmp_path):
+    c = build_components(load_config(None, [*config_overrides(world, tmp_path, "ray"), *LIVENESS]))
+    try:
+        asyncio.run(c.engine.pause())  # alive, answers pings, generates no token
+        started = time.monotonic()
+        with pytest.raises(ComponentDied, match=r"rollout engine \(Ray actor EngineActor\) answers but produced no "
+                                                r"token for \d+ s with \d+ generations pending"):
+            train_step(c, 0)
+        assert time.monotonic() - started < 60
+    finally:
+        c.close()

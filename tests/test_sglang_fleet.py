@@ -10,6 +10,8 @@ import os
 import signal
 import sys
 import threading
+import time
+from dataclasses import replace
 
 import pytest
 import ray
@@ -19,7 +21,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from megarl.config import load_config
 from megarl.errors import ComponentDied
 from megarl.rollout.engine import SamplingParams
-from megarl.rollout.sglang import SGLangFleet, ServerProcess, launch_fleet, stop_fleet
+from megarl.rollout.sglang import SGLangFleet
+from megarl.rollout.sglang_launch import ServerProcess, free_port, launch_fleet, stop_fleet
 from megarl.weights.buckets import group_tensors, hf_tensors, weight_checksums
 from megarl.weights.group import (DistributedSender, group_ranks, join_update_group, leave_update_group,
                                   open_update_group)
@@ -135,6 +138,30 @@ def test_a_killed_engine_is_restarted_and_its_requests_resent(fleet_setup, route
         asyncio.run(fleet.close())
 
 
+def test_a_frozen_engine_is_found_by_the_progress_deadline_restarted_and_its_requests_resent(fleet_setup):
+    # SIGSTOP: the server's process lives and holds its connections, so nothing fails by itself;
+    # the requests on it make no progress for progress_timeout_s (2 s), its health check fails,
+    # and they are re-sent after the restart (megarl routes them itself here)
+    fleet, model, cfg, _ = fleet_setup
+    liveness = replace(cfg.cluster.liveness, progress_timeout_s=2.0)
+    direct = SGLangFleet([(s.name, s.actor, s.url, s.tp) for s in fleet.servers],
+                         replace(cfg.rollout.sglang, health_timeout_s=3.0), liveness=liveness)
+    prompts = PROMPTS * 2
+    expected = generate_all(direct, prompts, max_new_tokens=LONG, seed0=700)
+    victim = direct.servers[0]
+    pid = ray.get(victim.actor.pid.remote())
+    timer = threading.Timer(0.5, lambda: os.killpg(pid, signal.SIGSTOP))
+    timer.start()
+    started = time.monotonic()
+    outs = generate_all(direct, prompts, max_new_tokens=LONG, seed0=700)
+    timer.join()
+    assert [o.token_ids for o in outs] == [o.token_ids for o in expected]  # nothing lost, nothing changed
+    assert direct.metrics()["rollout/resent_requests"] >= 1 and direct.metrics()["rollout/engine_restarts"] == 1
+    assert ray.get(victim.actor.pid.remote()) != pid
+    assert time.monotonic() - started < 120  # not request_timeout_s (3600 s)
+    asyncio.run(direct.close())
+
+
 def test_weights_through_disk_then_a_gloo_group(fleet_setup):
     fleet, _, _, _ = fleet_setup
     new = tiny_model("qwen2", vocab_size=fleet_setup[1].config.vocab_size, seed=7, eos_token_id=None)
@@ -147,7 +174,7 @@ def test_weights_through_disk_then_a_gloo_group(fleet_setup):
     newer = tiny_model("qwen2", vocab_size=new.config.vocab_size, seed=8, eos_token_id=None)
     world, offsets = group_ranks(fleet)
     assert (world, offsets) == (3, [1, 2])
-    port = __import__("megarl.rollout.sglang", fromlist=["free_port"]).free_port()
+    port = free_port()
     joined = {}
     trainer = threading.Thread(target=lambda: joined.setdefault(
         "group", open_update_group("gloo", "127.0.0.1", port, 0, world, "test-sync", timeout_s=60)))

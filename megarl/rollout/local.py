@@ -58,6 +58,7 @@ class LocalEngine(PauseAroundUpdates):
         self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else _eos_ids(model, tokenizer))
         self.generator = torch.Generator().manual_seed(seed)
         self.weight_version = 0
+        self.tokens_generated = 0  # over the engine's life: the progress a liveness check watches
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megarl-engine")
@@ -222,6 +223,7 @@ class LocalEngine(PauseAroundUpdates):
             request.output.append(token)
             request.log_probs.append(log_prob)
             request.finish = self._finish_reason(request, token)
+        self.tokens_generated += len(requests)
 
     def _finish_reason(self, request: _Request, token: int) -> tuple[str, object] | None:
         p = request.params

@@ -16,7 +16,7 @@ from megarl.backends.torch.worker import TorchTrainWorker
 from megarl.config import RunConfig
 from megarl.reward import RewardPool
 from megarl.rollout.local import LocalEngine
-from megarl.rollout.sglang import free_port
+from megarl.rollout.sglang_launch import free_port
 from megarl.runtime.base import RankEndpoint, Runtime
 from megarl.weights import transport_class
 from megarl.weights.transport import RankPlace, WeightSender

@@ -14,6 +14,7 @@ from megarl.config import RetrievalConfig, RunConfig
 from megarl.reward.pool import RewardPool
 from megarl.rollout.engine import GenerationOutput, SamplingParams
 from megarl.runtime.base import RankEndpoint
+from megarl.runtime.liveness import HEALTH_GROUP
 from megarl.weights.buckets import FlatBucket, unpack_bucket
 from megarl.weights.transport import RankPlace, WeightSender
 
@@ -27,7 +28,7 @@ def load_model(cfg: RunConfig):
     return AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=getattr(torch, cfg.model.dtype))
 
 
-@ray.remote
+@ray.remote(concurrency_groups=HEALTH_GROUP)
 class TrainWorkerActor:
     """One rank of the train worker group: the torch backend's worker (a group of one) or a
     megatron rank. `setup` builds the worker; with several ranks every rank's setup joins
@@ -54,6 +55,11 @@ class TrainWorkerActor:
 
     def run(self, method: str, *args):
         return getattr(self.worker, method)(*args)
+
+    @ray.method(concurrency_group="health")
+    def ping(self) -> int:
+        """Answered on a thread of its own while a call runs (megarl.runtime.liveness)."""
+        return 0
 
     def place(self, rank: int) -> RankPlace:
         """Where this rank runs (node, GPU) and what it holds of the exported weights."""
@@ -90,7 +96,7 @@ def _megatron_worker(cfg: RunConfig, total_steps: int, rank: int, world_size: in
     return MegatronTrainWorker(cfg, total_steps)
 
 
-@ray.remote
+@ray.remote(concurrency_groups=HEALTH_GROUP)
 class EngineActor:
     """The embedded engine in its own process; an async actor, so many generate calls run at once."""
 
@@ -134,6 +140,11 @@ class EngineActor:
     async def health(self) -> bool:
         return await self.engine.health()
 
+    @ray.method(concurrency_group="health")
+    async def ping(self) -> int:
+        """The tokens generated so far, answered on an event loop of its own (megarl.runtime.liveness)."""
+        return self.engine.tokens_generated
+
     async def weight_checksums(self) -> dict[str, str]:
         return await self.engine.weight_checksums()
 
@@ -162,7 +173,7 @@ class RetrievalActor:
         self.server.stop()
 
 
-@ray.remote
+@ray.remote(concurrency_groups=HEALTH_GROUP)
 class RewardActor:
     """A RewardPool (and its worker processes, if any) in its own process."""
 
@@ -171,6 +182,10 @@ class RewardActor:
 
     def compute(self, requests):
         return self.pool.compute(requests)
+
+    @ray.method(concurrency_group="health")
+    def ping(self) -> int:
+        return 0
 
     def close(self) -> None:
         self.pool.close()

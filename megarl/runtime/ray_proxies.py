@@ -1,9 +1,9 @@
 """Driver-side proxies of the Ray actors (megarl.runtime.ray_actors), each implementing the
 same typed interface as its in-process counterpart: `RemoteTrainWorker` a `TrainWorker`,
 `RemoteEngine` a `RolloutEngine`, `RemoteRewardPool` a `RewardComputer`, `RayRanks` the
-`TrainRanks` a weight transport drives. A rank or actor that dies or fails is reported by
-name (`ComponentDied`) instead of leaving the others waiting in a collective. Main entry
-points: those four, `gather_ranks`.
+`TrainRanks` a weight transport drives. A rank or actor that dies, fails or freezes is
+reported by name (`ComponentDied`, megarl.runtime.liveness) instead of leaving the others
+waiting in a collective or the driver waiting forever. Main entry points: those four.
 """
 
 from __future__ import annotations
@@ -17,51 +17,46 @@ import ray
 import torch
 
 from megarl.backends.batch import TrainBatch
-from megarl.errors import ComponentDied
 from megarl.reward.scoring import RewardRequest, RewardResult
 from megarl.reward.pool import RewardStats
 from megarl.rollout.engine import GenerationOutput, SamplingParams
+from megarl.runtime.liveness import ActorWatch, Liveness, bounded, gather_watched
 from megarl.weights.buckets import WeightBucket, flatten
 from megarl.weights.transport import RankPlace, WeightSender
 
 log = logging.getLogger(__name__)
 
 
-def died(what: str, error: Exception) -> ComponentDied:
-    return ComponentDied(f"{what} died: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+def rank_name(rank: int) -> str:
+    return f"train worker rank {rank} (Ray actor TrainWorkerActor)"
 
 
-def gather_ranks(refs: list) -> list:
-    """Every rank's result, in rank order; the first failure raises ComponentDied naming its rank."""
-    pending = list(refs)
-    while pending:
-        ready, pending = ray.wait(pending, num_returns=1)
-        rank = refs.index(ready[0])
-        try:
-            ray.get(ready[0])
-        except ray.exceptions.RayActorError as e:
-            raise died(f"train worker rank {rank} (Ray actor TrainWorkerActor)", e) from e
-        except ray.exceptions.RayTaskError as e:
-            if len(refs) == 1:
-                raise  # the worker's own exception (Ray's error is also an instance of it)
-            raise ComponentDied(f"train worker rank {rank} of {len(refs)} failed (the other ranks are stopped):\n"
-                                f"{e}") from None
-    return ray.get(refs)
+class _Ranks:
+    """Calls into every rank actor (or some), watched (megarl.runtime.liveness)."""
+
+    def __init__(self, actors: list, liveness: Liveness):
+        self.actors, self.liveness = actors, liveness
+
+    def gather(self, refs: list, ranks: list[int] | None = None) -> list:
+        """Each ref's result; refs[i] is served by rank ranks[i] (all ranks in order by default)."""
+        ranks = list(range(len(self.actors))) if ranks is None else ranks
+        return gather_watched(refs, [self.actors[r] for r in ranks], lambda i: rank_name(ranks[i]), self.liveness)
 
 
-class RemoteTrainWorker:
+class RemoteTrainWorker(_Ranks):
     """A `TrainWorker` whose ranks are actors: each method is a blocking call into every rank
     (they run in lockstep); the answer is rank 0's."""
 
     is_export_source = False  # the driver sends nothing: the rank actors do
     pipeline_stage = 0
 
-    def __init__(self, actors: list, has_reference: bool):
-        self.actors, self.has_reference = actors, has_reference
+    def __init__(self, actors: list, has_reference: bool, liveness: Liveness):
+        super().__init__(actors, liveness)
+        self.has_reference = has_reference
 
     def _on_every_rank(self, method: str, *args):
         args = tuple(ray.put(a) for a in args) if len(self.actors) > 1 else args  # one copy for all ranks
-        return gather_ranks([a.run.remote(method, *args) for a in self.actors])[0]
+        return self.gather([a.run.remote(method, *args) for a in self.actors])[0]
 
     def compute_log_prob(self, batch: TrainBatch, with_entropy: bool = False):
         return self._on_every_rank("compute_log_prob", batch, with_entropy)
@@ -95,52 +90,50 @@ class RemoteTrainWorker:
         self._on_every_rank("load_checkpoint", directory)
 
 
-class RayRanks:
+class RayRanks(_Ranks):
     """The rank actors as a weight transport drives them (megarl.weights.transport.TrainRanks)."""
 
-    def __init__(self, actors: list):
-        self.actors = actors
+    def __init__(self, actors: list, liveness: Liveness):
+        super().__init__(actors, liveness)
         self._places: list[RankPlace] | None = None
 
     def places(self) -> list[RankPlace]:
         if self._places is None:
-            self._places = gather_ranks([a.place.remote(rank) for rank, a in enumerate(self.actors)])
+            self._places = self.gather([a.place.remote(rank) for rank, a in enumerate(self.actors)])
         return self._places
 
     def free_address(self, rank: int) -> tuple[str, int]:
-        return gather_ranks([self.actors[rank].address.remote()])[0]
+        return self.gather([self.actors[rank].address.remote()], [rank])[0]
 
     def open_senders(self, senders: Mapping[int, WeightSender]) -> Callable[[], None]:
-        refs = [self.actors[rank].open_sender.remote(sender) for rank, sender in senders.items()]
+        ranks = list(senders)
+        refs = [self.actors[rank].open_sender.remote(senders[rank]) for rank in ranks]
 
         def wait() -> None:
-            gather_ranks(refs)
+            self.gather(refs, ranks)
         return wait
 
     def push(self, bucket_bytes: int, version: int, stage: int | None = None) -> int:
-        return sum(gather_ranks([a.push_weights.remote(bucket_bytes, version, stage) for a in self.actors]))
+        return sum(self.gather([a.push_weights.remote(bucket_bytes, version, stage) for a in self.actors]))
 
     def free_cache(self) -> None:
-        gather_ranks([a.free_cache.remote() for a in self.actors])
+        self.gather([a.free_cache.remote() for a in self.actors])
 
 
 class RemoteRewardPool:
     """`RewardPool.compute` in the reward actor."""
 
-    def __init__(self, actor):
-        self.actor = actor
+    NAME = "reward workers (Ray actor RewardActor)"
+
+    def __init__(self, actor, liveness: Liveness):
+        self.actor, self.liveness = actor, liveness
 
     def compute(self, requests: list[RewardRequest]) -> tuple[list[RewardResult], RewardStats]:
-        try:
-            return ray.get(self.actor.compute.remote(requests))
-        except ray.exceptions.RayActorError as e:
-            raise died("reward workers (Ray actor RewardActor)", e) from e
+        return gather_watched([self.actor.compute.remote(requests)], [self.actor], lambda _: self.NAME,
+                              self.liveness)[0]
 
     def close(self) -> None:
-        try:
-            ray.get(self.actor.close.remote(), timeout=30)
-        except (ray.exceptions.RayError, TimeoutError) as e:  # already gone: nothing left to close
-            log.debug("reward actor close: %s", e)
+        asyncio.run(bounded(self.actor.close.remote(), 30, "closing the " + self.NAME))
 
 
 class RemoteEngine:
@@ -149,17 +142,15 @@ class RemoteEngine:
 
     NAME = "rollout engine (Ray actor EngineActor)"
 
-    def __init__(self, actor):
+    def __init__(self, actor, liveness: Liveness):
         self.actor = actor
+        self.watch = ActorWatch(actor, self.NAME, liveness)
 
-    async def _call(self, ref):
-        try:
-            return await ref
-        except ray.exceptions.RayActorError as e:
-            raise died(self.NAME, e) from e
+    async def _call(self, ref, generating: bool = False):
+        return await self.watch.wait(ref, generating)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationOutput:
-        return await self._call(self.actor.generate.remote(list(prompt_ids), params))
+        return await self._call(self.actor.generate.remote(list(prompt_ids), params), generating=True)
 
     async def update_weights(self, buckets: Iterable[WeightBucket], version: int) -> None:
         """Each bucket flattened into one buffer; two in flight, so the next is packed while
@@ -202,7 +193,4 @@ class RemoteEngine:
         return {}
 
     async def close(self) -> None:
-        try:
-            await self.actor.close.remote()
-        except ray.exceptions.RayActorError as e:  # already gone: nothing left to close
-            log.debug("engine actor close: %s", e)
+        await bounded(self.actor.close.remote(), 30, "closing the " + self.NAME)

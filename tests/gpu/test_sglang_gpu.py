@@ -26,7 +26,7 @@ import torch
 
 from megarl.rollout.engine import SamplingParams
 from megarl.rollout.http import HTTPEngine
-from megarl.rollout.sglang import ServerProcess, free_port, server_command
+from megarl.rollout.sglang_launch import ServerProcess, free_port, server_command
 from megarl.weights.buckets import group_tensors, hf_tensors
 from tiny_models import reference_log_probs, tiny_tokenizer
 

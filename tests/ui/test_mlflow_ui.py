@@ -21,7 +21,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from megarl.config import load_config
-from megarl.rollout.sglang import free_port
+from megarl.rollout.sglang_launch import free_port
 from megarl.tracking import local_store_uri
 from megarl.train import train
 from train_fixtures import tiny_overrides, write_tiny_run_inputs

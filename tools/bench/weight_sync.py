@@ -90,7 +90,7 @@ def sync_to_server(trainer, bucket_bytes: int, workdir) -> dict[str, float]:
     from pathlib import Path
 
     from megarl.rollout.http import HTTPEngine
-    from megarl.rollout.sglang import ServerProcess, free_port
+    from megarl.rollout.sglang_launch import ServerProcess, free_port
     from megarl.weights.disk import write_buckets
     from megarl.weights.group import DistributedSender, open_update_group
 

@@ -1,0 +1,248 @@
+"""Starting and stopping the SGLang rollout fleet's processes (megarl.rollout.sglang).
+
+Each engine is one server process (`python -m sglang.launch_server`, or megarl's embedded
+engine behind the same API with `rollout.sglang.server=embedded`) kept by a `ServerProcess`
+(a Ray actor, `ServerActor`) on the GPUs of its placement-group bundles; the router, when on,
+is one more. Start-up waits for the health check with a timeout and fails with the tail of the
+server's log. Main entry points: `launch_fleet`, `stop_fleet`, `ServerProcess`,
+`server_command`, `router_command`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import httpx
+
+from megarl.config import RunConfig, SGLangConfig
+from megarl.errors import ComponentDied
+from megarl.rollout.sglang import SGLangFleet
+
+log = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def server_command(cfg: RunConfig, colocated: bool) -> list[str]:
+    """The argv of one engine server, without --host / --port (its actor adds them)."""
+    r, s = cfg.rollout, cfg.rollout.sglang
+    if s.server == "embedded":
+        argv = [sys.executable, "-m", "megarl.rollout.serve", "--model-path", cfg.model.path, "--dtype",
+                cfg.model.dtype, "--max-running-requests", str(min(r.max_concurrency, 256)),
+                "--random-seed", str(cfg.trainer.seed)]
+    else:
+        argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", cfg.model.path,
+                "--tp-size", str(r.tensor_parallel_size), "--dtype", cfg.model.dtype,
+                "--mem-fraction-static", str(r.gpu_memory_utilization), "--random-seed", str(cfg.trainer.seed),
+                "--max-running-requests", str(r.max_concurrency), "--log-level", "warning"]
+        if cfg.model.tokenizer_path:
+            argv += ["--tokenizer-path", cfg.model.tokenizer_path]
+        if cfg.model.trust_remote_code:
+            argv.append("--trust-remote-code")
+        if colocated:  # weights and KV cache can be released while the trainer runs
+            argv.append("--enable-memory-saver")
+    return argv + list(s.extra_args)
+
+
+def router_command(settings: SGLangConfig, worker_urls: Sequence[str], metrics_port: int) -> list[str]:
+    """The argv of sglang-router in front of `worker_urls`, without --host / --port."""
+    return [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls,
+            "--policy", settings.router_policy, "--request-timeout-secs", str(int(settings.request_timeout_s)),
+            "--worker-startup-timeout-secs", str(int(settings.startup_timeout_s)),
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port), "--log-level", "warn"]
+
+
+# the trainer's process settings a server must not inherit: an allocator setting of the
+# trainer (expandable segments, say) changes how SGLang's memory saver maps and releases memory
+TRAINER_ONLY_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def server_env(inherited: Mapping[str, str], own: Mapping[str, str]) -> dict[str, str]:
+    """A server process's environment: what it inherits, less TRAINER_ONLY_ENV, plus its own
+    settings (which may set those again on purpose)."""
+    return {**{k: v for k, v in inherited.items() if k not in TRAINER_ONLY_ENV}, **own}
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGKILL when the launching process dies (Linux), so a
+    server never outlives its Ray actor."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class ServerProcess:
+    """One server process: launched with --host / --port appended, its output in a log file,
+    ready once `health_route` answers 200. Restarts keep the address, so the router's worker
+    list stays valid. Stopped through its own process group only (nothing is killed by name).
+    host None = this node's address (multi-node runs).
+    In Ray it runs as `ServerActor` on the node (and GPUs) of its bundle."""
+
+    def __init__(self, argv: Sequence[str], name: str, *, host: str | None = "127.0.0.1", port: int = 0,
+                 log_dir: str | None = None, env: dict[str, str] | None = None, health_route: str = "/health"):
+        self.argv, self.name, self.health_route = list(argv), name, health_route
+        self.host = host or _node_address()
+        self.port = port or free_port(self.host)
+        self.url = f"http://{self.host}:{self.port}"
+        log_dir = Path(log_dir or tempfile.mkdtemp(prefix="megarl-servers-"))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / f"{name}.log"
+        self.env = dict(env or {})
+        self.process: subprocess.Popen | None = None
+        self.starts = 0
+
+    def start(self, timeout_s: float = 900.0) -> str:
+        """Launch and wait until healthy; the URL, or RuntimeError with the tail of the log."""
+        if self.alive():
+            return self.url
+        self.starts += 1
+        with open(self.log_path, "ab") as out:
+            out.write(f"\n=== megarl: start {self.starts} of {self.name}: {' '.join(self.argv)}\n".encode())
+            out.flush()
+            self.process = subprocess.Popen([*self.argv, "--host", self.host, "--port", str(self.port)],
+                                            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            start_new_session=True, preexec_fn=_die_with_parent,
+                                            env=server_env(os.environ, self.env))
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            code = self.process.poll()
+            if code is not None:
+                raise RuntimeError(f"{self.name} exited with status {code} while starting; the end of "
+                                   f"{self.log_path}:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + self.health_route, timeout=5.0).status_code == 200:
+                    return self.url
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"{self.name} did not answer {self.health_route} within {timeout_s:.0f} s "
+                           f"(rollout.sglang.startup_timeout_s); the end of {self.log_path}:\n{self.log_tail()}")
+
+    def restart(self, timeout_s: float = 900.0) -> str:
+        self.stop()
+        return self.start(timeout_s)
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGTERM)  # the server and the workers it forked
+            self.process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=grace_s)
+        except ProcessLookupError:
+            pass
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError as e:
+            return f"(no log: {e})"
+
+
+def _node_address() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+def _bundle_device():
+    """(node address, GPU ids) of the placement-group bundle this task runs in."""
+    import ray
+
+    return ray.util.get_node_ip_address(), [str(g) for g in ray.get_gpu_ids()]
+
+
+def launch_fleet(cfg: RunConfig, placement_group, engine_bundles: list[list[int]], router_bundle: int,
+                 log_dir: str, weight_dir: str) -> SGLangFleet:
+    """Start one server per engine on its bundles (all of one node; the server sees exactly
+    their GPUs), then the router, and return the fleet. `engine_bundles[e]` lists the
+    bundle indices whose GPUs engine e uses (shared with train ranks when colocated)."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    def place(i):
+        return PlacementGroupSchedulingStrategy(placement_group=placement_group, placement_group_bundle_index=i)
+
+    s, gpus = cfg.rollout.sglang, cfg.cluster.gpus_per_node > 0
+    colocated = gpus and cfg.rollout.mode == "colocated"
+    host = s.host or ("127.0.0.1" if cfg.cluster.nnodes == 1 else None)
+    probe = ray.remote(_bundle_device)
+    devices = {i: ray.get(probe.options(num_cpus=0, num_gpus=0.01 if gpus else 0, scheduling_strategy=place(i)).remote())
+               for bundles in engine_bundles for i in bundles}
+    server_actor = ray.remote(ServerProcess)
+    argv = server_command(cfg, colocated)
+    actors, nodes = [], []
+    for e, bundles in enumerate(engine_bundles):
+        where = {devices[i][0] for i in bundles}
+        if len(where) > 1:
+            raise RuntimeError(f"rollout engine {e}'s {len(bundles)} GPUs landed on several nodes {sorted(where)}; "
+                               "an engine's TP ranks must share a node (rollout.tensor_parallel_size)")
+        engine_gpus = [g for i in bundles for g in devices[i][1]]  # TP rank i runs on the i-th
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(engine_gpus)} if gpus else {}
+        actors.append(server_actor.options(num_cpus=0, num_gpus=(0.2 if colocated else 1) if gpus else 0,
+                                           scheduling_strategy=place(bundles[0])).remote(
+            argv, f"engine{e}", host=host, log_dir=log_dir, env=env))
+        nodes.append((where.pop(), engine_gpus))
+    urls = _start_all(actors, [f"rollout engine {e}" for e in range(len(actors))], s.startup_timeout_s)
+    router = None
+    if s.router:
+        actor = server_actor.options(num_cpus=0, scheduling_strategy=place(router_bundle)).remote(
+            router_command(s, urls, free_port()), "router", host=host, log_dir=log_dir)
+        router = (actor, _start_all([actor], ["sglang-router"], s.startup_timeout_s)[0])
+    fleet = SGLangFleet([(f"engine{e}", a, u, cfg.rollout.tensor_parallel_size, node, engine_gpus)
+                         for e, (a, u, (node, engine_gpus)) in enumerate(zip(actors, urls, nodes))], s, router=router,
+                        weight_dir=weight_dir, liveness=cfg.cluster.liveness)
+    log.info("rollout fleet: %d %s engines (TP %d) at %s%s", len(urls), s.server, cfg.rollout.tensor_parallel_size,
+             urls, f", router at {router[1]}" if router else "")
+    return fleet
+
+
+def _start_all(actors: list, names: list[str], timeout_s: float) -> list[str]:
+    import ray
+
+    refs = [a.start.remote(timeout_s) for a in actors]
+    urls = []
+    for name, ref in zip(names, refs):
+        try:
+            urls.append(ray.get(ref))
+        except ray.exceptions.RayError as e:
+            raise ComponentDied(f"{name} failed to start: {e}") from None
+    return urls
+
+
+def stop_fleet(fleet: SGLangFleet) -> None:
+    """Stop the router and every server (each through its own process group), then the actors."""
+    import ray
+
+    actors = ([fleet.router_actor] if fleet.router_actor is not None else []) + [s.actor for s in fleet.servers]
+    try:
+        ray.get([a.stop.remote() for a in actors], timeout=60)
+    except (ray.exceptions.RayError, TimeoutError) as e:  # an actor already gone took its server with it
+        log.debug("fleet stop: %s", e)
+    for actor in actors:
+        ray.kill(actor)
