@@ -24,7 +24,8 @@ from megarl.config import RunConfig
 from megarl.runtime.base import Runtime
 from megarl.runtime.local_ray import init_local_ray
 from megarl.runtime.ray_actors import EngineActor, RetrievalActor, RewardActor, TrainWorkerActor
-from megarl.runtime.ray_proxies import RayRanks, RemoteEngine, RemoteRewardPool, RemoteTrainWorker, died, gather_ranks
+from megarl.runtime.liveness import died, wait_started
+from megarl.runtime.ray_proxies import RayRanks, RemoteEngine, RemoteRewardPool, RemoteTrainWorker
 from megarl.weights import transport_class
 
 log = logging.getLogger(__name__)
@@ -82,13 +83,14 @@ class RayRuntime(Runtime):
         if cfg.agent.max_turns > 0 and cfg.agent.retrieval.url is None:
             self.retrieval_actor = RetrievalActor.options(num_cpus=0.5, scheduling_strategy=place[misc]).remote(
                 cfg.agent.retrieval)
-        master = ray.get(self.worker_actors[0].address.remote())
-        has_reference = gather_ranks([a.setup.remote(cfg, total_steps, r, world, master)
-                                      for r, a in enumerate(self.worker_actors)])[0]
-        self.worker = RemoteTrainWorker(self.worker_actors, has_reference)
-        self.ranks = RayRanks(self.worker_actors)
+        liveness = cfg.cluster.liveness
+        self.ranks = RayRanks(self.worker_actors, liveness)
+        master = self.ranks.free_address(0)
+        has_reference = self.ranks.gather([a.setup.remote(cfg, total_steps, r, world, master)
+                                           for r, a in enumerate(self.worker_actors)])[0]
+        self.worker = RemoteTrainWorker(self.worker_actors, has_reference, liveness)
         if cfg.rollout.engine == "sglang":
-            from megarl.rollout.sglang import launch_fleet
+            from megarl.rollout.sglang_launch import launch_fleet
             from megarl.weights.disk import weight_dir
 
             out = Path(cfg.trainer.output_dir).resolve()
@@ -97,9 +99,13 @@ class RayRuntime(Runtime):
         else:
             self.engine_actor = EngineActor.options(num_cpus=1, num_gpus=gpus, scheduling_strategy=place[world],
                                                     max_concurrency=1000).remote(cfg)
-            self.engine = RemoteEngine(self.engine_actor)
+            self.engine = RemoteEngine(self.engine_actor, liveness)
         self.transport = transport_class(cfg.sync_transport())(cfg, self.engine)
-        self.reward_pool = RemoteRewardPool(self.reward_actor)
+        self.reward_pool = RemoteRewardPool(self.reward_actor, liveness)
+        started = [(self.reward_actor, RemoteRewardPool.NAME)]
+        if self.engine_actor is not None:
+            started.append((self.engine_actor, RemoteEngine.NAME))
+        wait_started(*map(list, zip(*started)), liveness)  # before any call into them is watched
         if self.retrieval_actor is not None:
             try:
                 self.retrieval_url = ray.get(self.retrieval_actor.url.remote())
@@ -132,7 +138,7 @@ class RayRuntime(Runtime):
         if self.reward_pool is not None:
             self.reward_pool.close()
         if self.fleet is not None:
-            from megarl.rollout.sglang import stop_fleet
+            from megarl.rollout.sglang_launch import stop_fleet
 
             stop_fleet(self.fleet)
         for actor in (*self.worker_actors, self.engine_actor, self.reward_actor, self.retrieval_actor):
