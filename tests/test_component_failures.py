@@ -93,6 +93,22 @@ def test_dead_ray_actors_are_named(world, tmp_path):
     assert not ray.is_initialized()
 
 
+def test_an_engine_lost_between_rollouts_and_the_sync_is_named_in_one_line(world, tmp_path):
+    c = build_components(config(world, tmp_path, "ray"))
+    try:
+        train_step(c, 0)
+        c.runtime.transport.connect(c.runtime.ranks)
+        kill(c.runtime.engine_actor)
+        for sync in (lambda: c.runtime.ranks.push(1 << 20, 1),  # the rank's own call into the engine
+                     lambda: c.runtime.sync_weights(1)):  # the whole sync
+            with pytest.raises(ComponentDied) as died:
+                sync()
+            assert str(died.value).startswith("rollout engine (Ray actor EngineActor) died: ")
+            assert len(str(died.value).splitlines()) == 1
+    finally:
+        c.close()
+
+
 LIVENESS = ["cluster.liveness.interval_s=1", "cluster.liveness.timeout_s=3", "cluster.liveness.progress_timeout_s=4"]
 
 

@@ -55,6 +55,8 @@ def gather_watched(refs: list, actors: list, names: Callable[[int], str], livene
         except ray.exceptions.RayActorError as e:
             raise died(names(i), e) from e
         except ray.exceptions.RayTaskError as e:
+            if isinstance(e.cause, ComponentDied):  # another part, named where it was found (e.g. the engine
+                raise ComponentDied(str(e.cause)) from None  # a rank sends weights to): without Ray's traceback
             if len(refs) == 1:
                 raise  # the actor's own exception (Ray's error is also an instance of it)
             raise ComponentDied(f"{names(i)} failed (the others are stopped):\n{e}") from None
