@@ -24,7 +24,7 @@ from megarl.config import RunConfig
 from megarl.runtime.base import Runtime
 from megarl.runtime.local_ray import init_local_ray
 from megarl.runtime.ray_actors import EngineActor, RetrievalActor, RewardActor, TrainWorkerActor
-from megarl.runtime.liveness import died, wait_started
+from megarl.runtime.liveness import died, frozen, wait_started
 from megarl.runtime.ray_proxies import RayRanks, RemoteEngine, RemoteRewardPool, RemoteTrainWorker
 from megarl.weights import transport_class
 
@@ -116,10 +116,13 @@ class RayRuntime(Runtime):
     def check_retrieval(self) -> None:
         if self.retrieval_actor is None:
             return
+        name = f"retrieval server at {self.retrieval_url} (Ray actor RetrievalActor)"
         try:
-            ray.get(self.retrieval_actor.url.remote(), timeout=30)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
-            raise died(f"retrieval server at {self.retrieval_url} (Ray actor RetrievalActor)", e) from e
+            ray.get(self.retrieval_actor.url.remote(), timeout=self.cfg.cluster.liveness.timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise frozen(name, self.cfg.cluster.liveness.timeout_s) from None
+        except ray.exceptions.RayActorError as e:
+            raise died(name, e) from e
 
     def release_engine_memory(self) -> None:
         """Colocated engine servers free their GPU memory (weights and KV cache) for training."""
