@@ -220,3 +220,43 @@ def test_a_key_on_the_servers_command_line_is_refused():
     with pytest.raises(ConfigError, match=r"rollout.sglang.extra_args: gives the servers an API key"):
         load_config(None, ["rollout.engine=sglang", "rollout.sglang.server=embedded", "model.path=m",
                            f"rollout.sglang.extra_args=[--api-key, {KEY}]"])
+
+
+# -- the fleet's key: where it comes from, and the argv that never holds it -------------------
+
+@pytest.mark.parametrize("configured, in_env, expected", [
+    (KEY, "from-the-environment", KEY),
+    (None, "from-the-environment", "from-the-environment"),
+    (None, None, None),  # a fresh key per run
+])
+def test_the_fleets_key(monkeypatch, configured, in_env, expected):
+    from megarl.config import SGLangConfig
+    from megarl.rollout.sglang_launch import fleet_api_key
+
+    if in_env is None:
+        monkeypatch.delenv(http_auth.ENGINE_KEY_ENV, raising=False)
+    else:
+        monkeypatch.setenv(http_auth.ENGINE_KEY_ENV, in_env)
+    settings = SGLangConfig(api_key=configured)
+    if expected is None:
+        first, second = fleet_api_key(settings), fleet_api_key(settings)
+        assert first != second and len(first) >= 43
+    else:
+        assert fleet_api_key(settings) == expected
+
+
+@pytest.mark.parametrize("server", ["sglang", "embedded"])
+def test_the_servers_and_routers_argv_hold_no_key(server):
+    from megarl.rollout.sglang_launch import router_command, server_command
+
+    cfg = load_config(None, ["model.path=m", "rollout.engine=sglang", f"rollout.sglang.server={server}",
+                             f"rollout.sglang.api_key={KEY}", "cluster.gpus_per_node=1" if server == "sglang" else
+                             "cluster.gpus_per_node=0"])
+    engine = server_command(cfg, colocated=False)
+    router = router_command(cfg.rollout.sglang, ["http://127.0.0.1:1"], 9)
+    assert KEY not in " ".join(engine + router) and "--api-key" not in engine + router
+    # SGLang and the router read the key from the environment through with_api_key; the embedded
+    # server reads $MEGARL_ENGINE_API_KEY itself
+    assert engine[1:4] == (["-m", "megarl.rollout.with_api_key", "sglang.launch_server"] if server == "sglang" else
+                           ["-m", "megarl.rollout.serve", "--model-path"])
+    assert router[1:4] == ["-m", "megarl.rollout.with_api_key", "sglang_router.launch_router"]

@@ -12,7 +12,9 @@ import sys
 import threading
 import time
 from dataclasses import replace
+from pathlib import Path
 
+import httpx
 import pytest
 import ray
 import torch
@@ -20,12 +22,13 @@ from ray.util.placement_group import placement_group, remove_placement_group
 
 from megarl.config import load_config
 from megarl.errors import ComponentDied
+from megarl.http_auth import bearer
 from megarl.rollout.engine import SamplingParams
 from megarl.rollout.sglang import SGLangFleet
 from megarl.rollout.sglang_launch import ServerProcess, free_port, launch_fleet, stop_fleet
 from megarl.weights.buckets import group_tensors, hf_tensors, weight_checksums
-from megarl.weights.group import (DistributedSender, group_ranks, join_update_group, leave_update_group,
-                                  open_update_group)
+from megarl.weights.group import (DistributedSender, group_ranks, init_group_body, join_update_group,
+                                  leave_update_group, open_update_group)
 from tiny_models import reference_log_probs, tiny_model, tiny_tokenizer
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11], [12, 13], [14, 15, 16, 17, 18], [19, 20, 21], [22, 23], [24, 25, 26], [27, 28]]
@@ -77,9 +80,50 @@ def test_generate_through_the_router(fleet_setup):
     assert [o.token_ids for o in again] == [o.token_ids for o in outs]
 
 
+def test_the_runs_key_is_required_by_every_server_and_the_router(fleet_setup):
+    """launch_fleet made a key for the run (none in the config or the environment): each engine
+    and the router refuse requests without it or with another (401) and answer their health
+    checks; the fleet's own requests carry it (test_generate_through_the_router). The embedded
+    server's every route is covered in tests/test_api_keys.py."""
+    fleet, _, _, _ = fleet_setup
+    key = fleet.api_key
+    assert key and len(key) >= 43 and key != os.environ.get("MEGARL_ENGINE_API_KEY")
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+    outsiders = [{}, bearer(key[:-1]), bearer(key.upper()), {"Authorization": key}]
+    for url in [*fleet.engine_urls, fleet.router_url]:
+        for headers in outsiders:
+            assert httpx.post(url + "/generate", json=body, headers=headers, timeout=30).status_code == 401, url
+            assert httpx.post(url + "/flush_cache", headers=headers, timeout=30).status_code == 401, url
+        assert httpx.get(url + "/health", timeout=30).status_code == 200
+        assert httpx.post(url + "/generate", json=body, headers=bearer(key), timeout=60).status_code == 200
+    assert httpx.get(fleet.router_url + "/workers", timeout=30).status_code == 401  # the router's worker list
+    control = [("/pause_generation", {"mode": "retract"}), ("/update_weights_from_disk", {"model_path": "/"}),
+               ("/release_memory_occupation", {"tags": None}),
+               ("/init_weights_update_group", init_group_body("192.0.2.1", 9, 1, 2, "outsider", "gloo"))]
+    for url in fleet.engine_urls:
+        for route, request in control:
+            for headers in outsiders:
+                assert httpx.post(url + route, json=request, headers=headers, timeout=30).status_code == 401, route
+    assert_matches(fleet_setup[1], PROMPTS[:2], generate_all(fleet, PROMPTS[:2]))  # nothing was paused or released
+
+
+def test_the_key_is_in_no_log_and_on_no_command_line(fleet_setup):
+    fleet, _, _, root = fleet_setup
+    key = fleet.api_key
+    logs = {p.name: p.read_text(errors="replace") for p in (root / "logs").glob("*.log")}
+    assert {"engine0.log", "engine1.log", "router.log"} <= set(logs)
+    assert all("=== megarl: start 1 of" in text and key not in text for text in logs.values())
+    ray_logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"
+    assert [p for p in ray_logs.rglob("*") if p.is_file() and key.encode() in p.read_bytes()] == []
+    for actor in [s.actor for s in fleet.servers] + [fleet.router_actor]:
+        pid = ray.get(actor.pid.remote())
+        assert key.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
+
+
 def test_without_router_requests_spread_over_engines(fleet_setup):
     fleet, model, cfg, _ = fleet_setup
-    direct = SGLangFleet([(s.name, s.actor, s.url, s.tp) for s in fleet.servers], cfg.rollout.sglang)
+    direct = SGLangFleet([(s.name, s.actor, s.url, s.tp) for s in fleet.servers], cfg.rollout.sglang,
+                         api_key=fleet.api_key)
     seen = []
     for s in direct.servers:  # count what each engine's client is asked
         original = s.client.generate
@@ -120,7 +164,8 @@ def kill_during_generation(fleet, victim, prompts, seed0):
 def test_a_killed_engine_is_restarted_and_its_requests_resent(fleet_setup, router):
     fleet, model, cfg, _ = fleet_setup
     if not router:  # megarl routes and re-sends itself
-        fleet = SGLangFleet([(s.name, s.actor, s.url, s.tp) for s in fleet.servers], cfg.rollout.sglang)
+        fleet = SGLangFleet([(s.name, s.actor, s.url, s.tp) for s in fleet.servers], cfg.rollout.sglang,
+                            api_key=fleet.api_key)
     prompts = PROMPTS * 3
     expected = generate_all(fleet, prompts, max_new_tokens=LONG, seed0=500)
     victim = fleet.servers[0]
@@ -145,7 +190,7 @@ def test_a_frozen_engine_is_found_by_the_progress_deadline_restarted_and_its_req
     fleet, model, cfg, _ = fleet_setup
     liveness = replace(cfg.cluster.liveness, progress_timeout_s=2.0)
     direct = SGLangFleet([(s.name, s.actor, s.url, s.tp) for s in fleet.servers],
-                         replace(cfg.rollout.sglang, health_timeout_s=3.0), liveness=liveness)
+                         replace(cfg.rollout.sglang, health_timeout_s=3.0), liveness=liveness, api_key=fleet.api_key)
     prompts = PROMPTS * 2
     expected = generate_all(direct, prompts, max_new_tokens=LONG, seed0=700)
     victim = direct.servers[0]
@@ -181,7 +226,7 @@ def test_weights_through_disk_then_a_gloo_group(fleet_setup):
     trainer.start()
     asyncio.run(join_update_group(fleet, "127.0.0.1", port, "test-sync", "gloo", timeout_s=60))
     trainer.join()
-    sender = DistributedSender(joined["group"], fleet.engine_urls, "test-sync")
+    sender = DistributedSender(joined["group"], fleet.engine_urls, "test-sync", api_key=fleet.api_key)
     asyncio.run(fleet.pause())
     sent = sender.send(group_tensors(hf_tensors(newer), 20_000), version=4)
     asyncio.run(fleet.flush_cache())
@@ -197,9 +242,10 @@ def test_weights_through_disk_then_a_gloo_group(fleet_setup):
 
 def test_a_server_that_exits_at_start_shows_its_log(tmp_path):
     server = ServerProcess([sys.executable, "-m", "megarl.rollout.serve", "--model-path", str(tmp_path / "missing")],
-                           "engine9", log_dir=str(tmp_path))
-    with pytest.raises(RuntimeError, match=r"engine9 exited with status 1 while starting(.|\n)*cannot load"):
+                           "engine9", log_dir=str(tmp_path), api_key="key-of-engine9")
+    with pytest.raises(RuntimeError, match=r"engine9 exited with status 1 while starting(.|\n)*cannot load") as failed:
         server.start(timeout_s=60)
+    assert "key-of-engine9" not in str(failed.value)  # the log's tail, with the argv it was started with
 
 
 def test_a_server_that_never_answers_times_out_and_is_stopped(tmp_path):
@@ -214,7 +260,7 @@ def test_an_engine_past_its_restart_budget_stops_the_run(fleet_setup):
     fleet, _, cfg, _ = fleet_setup
     settings = type(cfg.rollout.sglang)(**{**cfg.rollout.sglang.__dict__, "max_restarts": 0,
                                            "max_request_retries": 1, "router": False})
-    strict = SGLangFleet([(s.name, s.actor, s.url, s.tp) for s in fleet.servers[:1]], settings)
+    strict = SGLangFleet([(s.name, s.actor, s.url, s.tp) for s in fleet.servers[:1]], settings, api_key=fleet.api_key)
     os.killpg(ray.get(fleet.servers[0].actor.pid.remote()), signal.SIGKILL)
     with pytest.raises(ComponentDied, match="engine0 .* failed again after 0 restarts"):
         generate_all(strict, PROMPTS[:1])

@@ -38,9 +38,9 @@ class _ServerHandle:
     (a megarl.weights.transport.EngineServer)."""
 
     def __init__(self, name: str, actor, url: str, tp: int, settings: SGLangConfig, node: str = "",
-                 gpus: Sequence[str] = ()):
+                 gpus: Sequence[str] = (), *, api_key: str | None = None):
         self.name, self.actor, self.url, self.tp, self.node, self.gpus = name, actor, url, tp, node, tuple(gpus)
-        self.client = HTTPEngine(url, timeout_s=settings.request_timeout_s)
+        self.client = HTTPEngine(url, timeout_s=settings.request_timeout_s, api_key=api_key)
         self.in_flight = 0
         self.restarts = 0
 
@@ -60,19 +60,22 @@ class SGLangFleet:
     `engines`: (name, ServerActor handle, url, tp[, node address[, GPU ids]]) per engine, already
     started; `router`: the router's ServerActor and URL, or None. `weight_dir`: storage every
     engine can read, for `update_weights` from this process and for reloading a restarted
-    engine.
+    engine. `api_key`: the key the servers and the router were started with; every request
+    of the fleet, and of the transports' senders, carries it.
     """
 
     def __init__(self, engines: Sequence[tuple], settings: SGLangConfig, *,
                  router: tuple[object, str] | None = None, weight_dir: str | None = None,
-                 liveness: LivenessConfig | None = None):
+                 liveness: LivenessConfig | None = None, api_key: str | None = None):
         if not engines:
             raise ValueError("an engine fleet needs at least one engine")
         self.settings = settings
         self.liveness = liveness or LivenessConfig()
-        self.servers = [_ServerHandle(*engine[:4], settings, *engine[4:]) for engine in engines]
+        self.api_key = api_key
+        self.servers = [_ServerHandle(*engine[:4], settings, *engine[4:], api_key=api_key) for engine in engines]
         self.router_actor, self.router_url = router if router is not None else (None, None)
-        self.front = HTTPEngine(self.router_url, timeout_s=settings.request_timeout_s) if router else None
+        self.front = HTTPEngine(self.router_url, timeout_s=settings.request_timeout_s,
+                                api_key=api_key) if router else None
         self.weight_dir = weight_dir
         self.last_weights: tuple[str, int] | None = None  # (directory, version) a restarted engine reloads
         self.failed_requests = 0  # requests re-sent after an engine failure (a metric)

@@ -4,8 +4,10 @@ Each engine is one server process (`python -m sglang.launch_server`, or megarl's
 engine behind the same API with `rollout.sglang.server=embedded`) kept by a `ServerProcess`
 (a Ray actor, `ServerActor`) on the GPUs of its placement-group bundles; the router, when on,
 is one more. Start-up waits for the health check with a timeout and fails with the tail of the
-server's log. Main entry points: `launch_fleet`, `stop_fleet`, `ServerProcess`,
-`server_command`, `router_command`.
+server's log. The servers and the router require one API key for the run (`fleet_api_key`),
+handed to each process in its environment, never on its command line (SGLang and the router
+read it through megarl.rollout.with_api_key). Main entry points: `launch_fleet`, `stop_fleet`,
+`ServerProcess`, `server_command`, `router_command`.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import httpx
 
 from megarl.config import RunConfig, SGLangConfig
 from megarl.errors import ComponentDied
+from megarl.http_auth import ENGINE_KEY_ENV, bearer, new_api_key
 from megarl.rollout.sglang import SGLangFleet
 
 log = logging.getLogger(__name__)
@@ -36,15 +39,25 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+# runs a module with --api-key from the environment (SGLang and the router read it nowhere else)
+WITH_API_KEY = [sys.executable, "-m", "megarl.rollout.with_api_key"]
+
+
+def fleet_api_key(settings: SGLangConfig) -> str:
+    """The run's key: rollout.sglang.api_key, else $MEGARL_ENGINE_API_KEY, else a fresh one."""
+    return settings.api_key or os.environ.get(ENGINE_KEY_ENV) or new_api_key()
+
+
 def server_command(cfg: RunConfig, colocated: bool) -> list[str]:
-    """The argv of one engine server, without --host / --port (its actor adds them)."""
+    """The argv of one engine server, without --host / --port (its actor adds them) and without
+    its key (its actor puts that in the server's environment)."""
     r, s = cfg.rollout, cfg.rollout.sglang
-    if s.server == "embedded":
+    if s.server == "embedded":  # reads $MEGARL_ENGINE_API_KEY itself
         argv = [sys.executable, "-m", "megarl.rollout.serve", "--model-path", cfg.model.path, "--dtype",
                 cfg.model.dtype, "--max-running-requests", str(min(r.max_concurrency, 256)),
                 "--random-seed", str(cfg.trainer.seed)]
     else:
-        argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", cfg.model.path,
+        argv = [*WITH_API_KEY, "sglang.launch_server", "--model-path", cfg.model.path,
                 "--tp-size", str(r.tensor_parallel_size), "--dtype", cfg.model.dtype,
                 "--mem-fraction-static", str(r.gpu_memory_utilization), "--random-seed", str(cfg.trainer.seed),
                 "--max-running-requests", str(r.max_concurrency), "--log-level", "warning"]
@@ -58,8 +71,10 @@ def server_command(cfg: RunConfig, colocated: bool) -> list[str]:
 
 
 def router_command(settings: SGLangConfig, worker_urls: Sequence[str], metrics_port: int) -> list[str]:
-    """The argv of sglang-router in front of `worker_urls`, without --host / --port."""
-    return [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls,
+    """The argv of sglang-router in front of `worker_urls`, without --host / --port. Given the
+    workers' key (its --api-key, through WITH_API_KEY), sglang-router 0.3.2 requires it from
+    clients and passes their Authorization header on to the workers."""
+    return [*WITH_API_KEY, "sglang_router.launch_router", "--worker-urls", *worker_urls,
             "--policy", settings.router_policy, "--request-timeout-secs", str(int(settings.request_timeout_s)),
             "--worker-startup-timeout-secs", str(int(settings.startup_timeout_s)),
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port), "--log-level", "warn"]
@@ -91,12 +106,14 @@ class ServerProcess:
     """One server process: launched with --host / --port appended, its output in a log file,
     ready once `health_route` answers 200. Restarts keep the address, so the router's worker
     list stays valid. Stopped through its own process group only (nothing is killed by name).
-    host None = this node's address (multi-node runs).
+    host None = this node's address (multi-node runs). `api_key`: the server's key, in its
+    environment as $MEGARL_ENGINE_API_KEY (never in its argv or the log).
     In Ray it runs as `ServerActor` on the node (and GPUs) of its bundle."""
 
     def __init__(self, argv: Sequence[str], name: str, *, host: str | None = "127.0.0.1", port: int = 0,
-                 log_dir: str | None = None, env: dict[str, str] | None = None, health_route: str = "/health"):
-        self.argv, self.name, self.health_route = list(argv), name, health_route
+                 log_dir: str | None = None, env: dict[str, str] | None = None, health_route: str = "/health",
+                 api_key: str | None = None):
+        self.argv, self.name, self.health_route, self.api_key = list(argv), name, health_route, api_key
         self.host = host or _node_address()
         self.port = port or free_port(self.host)
         self.url = f"http://{self.host}:{self.port}"
@@ -115,10 +132,13 @@ class ServerProcess:
         with open(self.log_path, "ab") as out:
             out.write(f"\n=== megarl: start {self.starts} of {self.name}: {' '.join(self.argv)}\n".encode())
             out.flush()
+            env = server_env(os.environ, self.env)
+            env.pop(ENGINE_KEY_ENV, None)  # the server's own key, or none
+            if self.api_key:
+                env[ENGINE_KEY_ENV] = self.api_key
             self.process = subprocess.Popen([*self.argv, "--host", self.host, "--port", str(self.port)],
                                             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            start_new_session=True, preexec_fn=_die_with_parent,
-                                            env=server_env(os.environ, self.env))
+                                            start_new_session=True, preexec_fn=_die_with_parent, env=env)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             code = self.process.poll()
@@ -126,7 +146,8 @@ class ServerProcess:
                 raise RuntimeError(f"{self.name} exited with status {code} while starting; the end of "
                                    f"{self.log_path}:\n{self.log_tail()}")
             try:
-                if httpx.get(self.url + self.health_route, timeout=5.0).status_code == 200:
+                answer = httpx.get(self.url + self.health_route, headers=bearer(self.api_key), timeout=5.0)
+                if answer.status_code == 200:
                     return self.url
             except httpx.HTTPError:
                 pass
@@ -190,6 +211,7 @@ def launch_fleet(cfg: RunConfig, placement_group, engine_bundles: list[list[int]
 
     s, gpus = cfg.rollout.sglang, cfg.cluster.gpus_per_node > 0
     colocated = gpus and cfg.rollout.mode == "colocated"
+    api_key = fleet_api_key(s)
     host = s.host or ("127.0.0.1" if cfg.cluster.nnodes == 1 else None)
     probe = ray.remote(_bundle_device)
     devices = {i: ray.get(probe.options(num_cpus=0, num_gpus=0.01 if gpus else 0, scheduling_strategy=place(i)).remote())
@@ -206,17 +228,17 @@ def launch_fleet(cfg: RunConfig, placement_group, engine_bundles: list[list[int]
         env = {"CUDA_VISIBLE_DEVICES": ",".join(engine_gpus)} if gpus else {}
         actors.append(server_actor.options(num_cpus=0, num_gpus=(0.2 if colocated else 1) if gpus else 0,
                                            scheduling_strategy=place(bundles[0])).remote(
-            argv, f"engine{e}", host=host, log_dir=log_dir, env=env))
+            argv, f"engine{e}", host=host, log_dir=log_dir, env=env, api_key=api_key))
         nodes.append((where.pop(), engine_gpus))
     urls = _start_all(actors, [f"rollout engine {e}" for e in range(len(actors))], s.startup_timeout_s)
     router = None
     if s.router:
         actor = server_actor.options(num_cpus=0, scheduling_strategy=place(router_bundle)).remote(
-            router_command(s, urls, free_port()), "router", host=host, log_dir=log_dir)
+            router_command(s, urls, free_port()), "router", host=host, log_dir=log_dir, api_key=api_key)
         router = (actor, _start_all([actor], ["sglang-router"], s.startup_timeout_s)[0])
     fleet = SGLangFleet([(f"engine{e}", a, u, cfg.rollout.tensor_parallel_size, node, engine_gpus)
                          for e, (a, u, (node, engine_gpus)) in enumerate(zip(actors, urls, nodes))], s, router=router,
-                        weight_dir=weight_dir, liveness=cfg.cluster.liveness)
+                        weight_dir=weight_dir, liveness=cfg.cluster.liveness, api_key=api_key)
     log.info("rollout fleet: %d %s engines (TP %d) at %s%s", len(urls), s.server, cfg.rollout.tensor_parallel_size,
              urls, f", router at {router[1]}" if router else "")
     return fleet

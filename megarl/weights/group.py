@@ -22,6 +22,7 @@ import httpx
 import torch
 from fastapi import Request
 
+from megarl.http_auth import bearer
 from megarl.weights.buckets import FlatBucket, TensorEntry, WeightBucket, flatten, split_by_dtype, unpack_bucket
 from megarl.weights.routes import json_body, result, version_of
 from megarl.weights.transport import EngineServers, TrainRanks, WeightSender, WeightTransport, needs_engine_servers, \
@@ -117,9 +118,10 @@ class DistributedSender:
     that refused the bucket never joined it, and the broadcast fails with a timeout instead).
     """
 
-    def __init__(self, group, engine_urls: list[str], group_name: str, timeout_s: float = 600.0):
+    def __init__(self, group, engine_urls: list[str], group_name: str, timeout_s: float = 600.0,
+                 api_key: str | None = None):
         self.group, self.engine_urls, self.group_name = group, list(engine_urls), group_name
-        self.client = httpx.Client(timeout=timeout_s)
+        self.client = httpx.Client(timeout=timeout_s, headers=bearer(api_key))
         self.pool = ThreadPoolExecutor(max_workers=max(len(self.engine_urls), 1), thread_name_prefix="megarl-sync")
 
     def send(self, buckets: Iterable[WeightBucket], version: int) -> int:
@@ -147,17 +149,19 @@ class DistributedSender:
 
 class GroupSender(WeightSender):
     """A source rank's end: hosts the group `group_name` as its rank 0 (`open` returns once
-    every engine rank has joined), then broadcasts each bucket (`DistributedSender`)."""
+    every engine rank has joined), then broadcasts each bucket (`DistributedSender`); its
+    requests carry the engines' `api_key`."""
 
     def __init__(self, backend: str, address: str, port: int, world_size: int, group_name: str,
-                 engine_urls: list[str]):
+                 engine_urls: list[str], api_key: str | None = None):
         self.backend, self.address, self.port = backend, address, port
         self.world_size, self.group_name, self.engine_urls = world_size, group_name, list(engine_urls)
+        self.api_key = api_key
         self.sender: DistributedSender | None = None
 
     def open(self) -> None:
         group = open_update_group(self.backend, self.address, self.port, 0, self.world_size, self.group_name)
-        self.sender = DistributedSender(group, self.engine_urls, self.group_name)
+        self.sender = DistributedSender(group, self.engine_urls, self.group_name, api_key=self.api_key)
 
     def send(self, buckets: Iterable[WeightBucket], version: int) -> int:
         return self.sender.send(buckets, version)
@@ -237,7 +241,8 @@ class GroupTransport(WeightTransport):
         for rank in (p.rank for p in sources(ranks)):
             name = f"megarl-sync-rank{rank}"
             address, port = ranks.free_address(rank)
-            opened = ranks.open_senders({rank: GroupSender(self.backend, address, port, world, name, urls)})
+            opened = ranks.open_senders({rank: GroupSender(self.backend, address, port, world, name, urls,
+                                                           self.engines.api_key)})
             asyncio.run(join_update_group(self.engines, address, port, name, self.backend,
                                           self.cfg.rollout.sglang.startup_timeout_s))
             opened()

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import httpx
 import torch
 
+from megarl.http_auth import bearer
 from megarl.versions import SGLANG_VERSION
 from megarl.weights.buckets import FlatBucket, TensorEntry, WeightBucket, flatten, split_by_dtype
 from megarl.weights.group import FLATTENED_BUCKET
@@ -85,11 +86,13 @@ class IpcSender(WeightSender):
 
     `places`: every train rank's place; `rank`: this one; `leads`: the engines whose TP-0 GPU
     is this rank's, each (url, the train rank on the GPU of each of its TP ranks);
-    `makes_handle`: an engine TP rank runs on this rank's GPU."""
+    `makes_handle`: an engine TP rank runs on this rank's GPU; `api_key`: what the engines require."""
 
     def __init__(self, places: Sequence[RankPlace], rank: int, leads: Sequence[tuple[str, list[int]]],
-                 makes_handle: bool, handles: HandleMaker | None = None, timeout_s: float = 600.0):
+                 makes_handle: bool, handles: HandleMaker | None = None, timeout_s: float = 600.0,
+                 api_key: str | None = None):
         self.rank, self.leads, self.makes_handle, self.timeout_s = rank, [tuple(x) for x in leads], makes_handle, timeout_s
+        self.api_key = api_key
         self.stage = places[rank].stage
         self.source_of = {p.stage: p.rank for p in places if p.is_source}
         self.handles = handles
@@ -100,7 +103,7 @@ class IpcSender(WeightSender):
 
     def send(self, buckets: Iterable[WeightBucket], version: int) -> int:
         count = 0
-        with httpx.Client(timeout=self.timeout_s) as client:
+        with httpx.Client(timeout=self.timeout_s, headers=bearer(self.api_key)) as client:
             for stage in sorted(self.source_of):
                 mine = iter(buckets) if stage == self.stage else None
                 for flat in self._stage_buckets(self.source_of[stage], mine):
@@ -221,7 +224,8 @@ class IpcTransport(WeightTransport):
     def senders(self, ranks: TrainRanks) -> dict[int, WeightSender]:
         places = ranks.places()
         leads, makers = ipc_plan(places, self.engines.servers)
-        return {p.rank: IpcSender(places, p.rank, leads[p.rank], p.rank in makers) for p in places}
+        return {p.rank: IpcSender(places, p.rank, leads[p.rank], p.rank in makers, api_key=self.engines.api_key)
+                for p in places}
 
     @staticmethod
     def add_engine_routes(app: Any, engine: Any) -> None:

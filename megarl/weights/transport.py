@@ -99,6 +99,8 @@ class EngineServer(Protocol):
 class EngineServers(Protocol):
     """Engine servers reached over HTTP (the SGLang fleet), as transports see them."""
 
+    api_key: str | None  # what every request to a server carries (Authorization: Bearer); a rank's sender too
+
     @property
     def servers(self) -> Sequence[EngineServer]: ...
 

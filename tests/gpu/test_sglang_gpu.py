@@ -24,6 +24,7 @@ import httpx
 import pytest
 import torch
 
+from megarl.http_auth import bearer
 from megarl.rollout.engine import SamplingParams
 from megarl.rollout.http import HTTPEngine
 from megarl.rollout.sglang_launch import ServerProcess, free_port, server_command
@@ -37,6 +38,7 @@ path = pytest.mark.gpu_path
 
 PROMPT = [5, 6, 7, 8, 9]
 MEM_FRACTION = 0.3
+KEY = "gpu-test-key"  # the server is started with it, as the fleet starts its servers
 KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 128 * 2  # K and V x 2 layers x 2 KV heads x head_dim 512 / 4 x bf16
 
 
@@ -76,10 +78,10 @@ def server(tmp_path_factory):
                              f"rollout.gpu_memory_utilization={MEM_FRACTION}", "trainer.seed=7"])
     gpu = torch.cuda.device_count() - 1
     free_at_start = free_memory(gpu)
-    process = ServerProcess(server_command(cfg, colocated=True), "sglang0", log_dir=str(root),
+    process = ServerProcess(server_command(cfg, colocated=True), "sglang0", log_dir=str(root), api_key=KEY,
                             env={"CUDA_VISIBLE_DEVICES": str(gpu)})
     process.start(timeout_s=900)
-    yield SimpleNamespace(process=process, client=HTTPEngine(process.url), model=model, vocab=len(tok), gpu=gpu,
+    yield SimpleNamespace(process=process, client=HTTPEngine(process.url, api_key=KEY), model=model, vocab=len(tok), gpu=gpu,
                           free_at_start=free_at_start, weight_bytes=sum(t.nbytes for _, t in hf_tensors(model)))
     process.stop()
 
@@ -99,12 +101,27 @@ def test_launch_flags_as_sglang_resolved_them(server):
     `megarl plan` assumes (docs/planning.md): mem_fraction_static x the memory free at start-up
     - the weights. The server measures free memory after its own CUDA context exists (under
     1 GiB here, so 0.3 GiB of the fraction) and rounds the pool to pages: within 5%."""
-    info = httpx.get(server.process.url + "/server_info", timeout=30).json()
+    info = httpx.get(server.process.url + "/server_info", headers=bearer(KEY), timeout=30).json()
     assert (info["mem_fraction_static"], info["enable_memory_saver"], info["tp_size"], info["random_seed"],
             info["dtype"]) == (MEM_FRACTION, True, 1, 7, "bfloat16")
     want = MEM_FRACTION * server.free_at_start - server.weight_bytes
     got = info["max_total_num_tokens"] * KV_BYTES_PER_TOKEN
     assert abs(got - want) < 0.05 * want, (got, want)
+
+
+def test_the_server_requires_its_key_on_control_routes(server):
+    """SGLang started as the fleet starts it (its key from the environment through
+    megarl.rollout.with_api_key): the control routes refuse a request without the key or with
+    another (401, SGLang 0.5.23's middleware), the health checks answer, and the key is not on
+    the server's command line."""
+    url = server.process.url
+    for route in ("/pause_generation", "/update_weights_from_disk", "/release_memory_occupation",
+                  "/init_weights_update_group", "/generate", "/server_info", "/flush_cache"):
+        for headers in ({}, bearer(KEY + "x")):
+            assert httpx.post(url + route, json={}, headers=headers, timeout=30).status_code == 401, route
+    assert httpx.get(url + "/health", timeout=30).status_code == 200
+    with open(f"/proc/{server.process.pid()}/cmdline", "rb") as f:
+        assert KEY.encode() not in f.read()
 
 
 @path("sglang_flags")
@@ -133,7 +150,7 @@ def test_weights_over_an_nccl_group(server):
     client = server.client
     new = small_model(server.vocab, seed=2).cuda(0)
     port = free_port()
-    sender = GroupSender("nccl", "127.0.0.1", port, 2, "megarl-test", [client.base_url])
+    sender = GroupSender("nccl", "127.0.0.1", port, 2, "megarl-test", [client.base_url], KEY)
     opened = threading.Thread(target=sender.open)  # returns once the engine has joined
     opened.start()
     asyncio.run(client.post("/init_weights_update_group", init_group_body("127.0.0.1", port, 1, 2, "megarl-test",
@@ -158,7 +175,7 @@ def test_weights_through_cuda_ipc(server):
     with torch.cuda.device(server.gpu):
         new = small_model(server.vocab, seed=3).cuda(server.gpu)
         place = RankPlace(rank=0, node="127.0.0.1", gpu=str(server.gpu), stage=0, is_source=True)
-        sender = IpcSender([place], 0, [(client.base_url, [0])], makes_handle=True)
+        sender = IpcSender([place], 0, [(client.base_url, [0])], makes_handle=True, api_key=KEY)
         sender.open()
         asyncio.run(client.pause())
         assert sender.send(group_tensors(two_dtypes(new), 8 << 20), version=3) >= 2
@@ -195,7 +212,7 @@ def test_fleet_releases_and_resumes_memory_around_weight_updates(server, tmp_pat
     from megarl.rollout.sglang import SGLangFleet
 
     fleet = SGLangFleet([("engine0", InThisProcess(server.process), server.process.url, 1, "127.0.0.1",
-                          (str(server.gpu),))], SGLangConfig(router=False), weight_dir=str(tmp_path))
+                          (str(server.gpu),))], SGLangConfig(router=False), weight_dir=str(tmp_path), api_key=KEY)
     for version in (4, 5):
         new = small_model(server.vocab, seed=version)
         before = free_memory(server.gpu)
