@@ -219,3 +219,18 @@ def test_the_sglang_internals_ipc_imports_exist_in_the_pinned_version(sglang_fil
     metadata = module_names(srt / "weight_sync/tensor_bucket.py")["FlattenedTensorMetadata"]
     fields = [f.target.id for f in metadata.body if isinstance(f, ast.AnnAssign)]
     assert fields == ["name", "shape", "dtype", "start_idx", "end_idx", "numel"]  # what SGLangHandles fills in
+
+
+def test_the_api_key_is_sglangs(sglang_files):
+    """The fleet starts SGLang with --api-key (the `api_key` option of its serving settings), and
+    megarl's embedded server leaves open exactly the paths SGLang's middleware does: those that
+    start with the prefixes decide_request_auth tests (sglang_api.OPEN_PATH_PREFIXES)."""
+    srt = sglang_files / "sglang/srt"
+    serving = [c for c in module_names(srt / "arg_groups/fields/serving.py").values() if isinstance(c, ast.ClassDef)]
+    assert "api_key" in {f.target.id for c in serving for f in c.body if isinstance(f, ast.AnnAssign)}
+    decide = module_names(srt / "utils/auth.py")["decide_request_auth"]
+    prefixes = {call.args[0].value for call in ast.walk(decide) if isinstance(call, ast.Call)
+                and isinstance(call.func, ast.Attribute) and call.func.attr == "startswith"
+                and isinstance(call.func.value, ast.Name) and call.func.value.id == "path"}
+    assert prefixes == set(sglang_api.OPEN_PATH_PREFIXES)
+    assert "bearer" in {c.value for c in ast.walk(decide) if isinstance(c, ast.Constant)}  # Authorization: Bearer

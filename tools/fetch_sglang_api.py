@@ -6,7 +6,8 @@ Downloads the pinned wheel (megarl.versions.SGLANG_VERSION) from the package ind
 its dependencies and keeps a few files of it: the HTTP server's routes
 (`srt/entrypoints/http_server.py`), the request structs of the control routes
 (`srt/managers/io_struct.py`), the /generate JSON contract (`api/v1/api_types.py`), the
-memory tags (`srt/constants.py`) and the internals megarl.weights.ipc imports.
+memory tags (`srt/constants.py`), the internals megarl.weights.ipc imports, and the API key's
+option and middleware (`srt/arg_groups/fields/serving.py`, `srt/utils/auth.py`).
 tests/test_sglang_contract.py checks megarl's payloads against them. Nothing of SGLang is
 installed or imported here (only api_types.py is imported, and it needs msgspec alone).
 """
@@ -25,7 +26,9 @@ from megarl.versions import SGLANG_VERSION  # noqa: E402
 FILES = ("sglang/srt/entrypoints/http_server.py", "sglang/srt/managers/io_struct.py", "sglang/api/v1/api_types.py",
          # the memory tags, and the internals the ipc transport imports to serialise CUDA handles
          "sglang/srt/constants.py", "sglang/srt/utils/__init__.py", "sglang/srt/utils/common.py",
-         "sglang/srt/utils/patch_torch.py", "sglang/srt/weight_sync/tensor_bucket.py")
+         "sglang/srt/utils/patch_torch.py", "sglang/srt/weight_sync/tensor_bucket.py",
+         # --api-key: the server option, and the paths the server leaves open without it
+         "sglang/srt/arg_groups/fields/serving.py", "sglang/srt/utils/auth.py")
 
 
 def fetch(dest: Path) -> Path:
