@@ -29,11 +29,12 @@ def param(default: Any = None, help: str = "", *, factory=None, ge=None, gt=None
           secret: bool = False):
     """A documented dataclass field: `help` says its meaning and unit; the bounds (>=, >, <=, <)
     are checked by `check_ranges`. Give mutable defaults as `factory`. A `secret` (an API key)
-    is left out of every dump of the config (`config_to_dict`): saved config, tracker params."""
+    is left out of every dump of the config (`config_to_dict`: saved config, tracker params) and
+    of its repr."""
     meta = {"help": help, "ge": ge, "gt": gt, "le": le, "lt": lt, "secret": secret}
     if factory is not None:
-        return dataclasses.field(default_factory=factory, metadata=meta)
-    return dataclasses.field(default=default, metadata=meta)
+        return dataclasses.field(default_factory=factory, metadata=meta, repr=not secret)
+    return dataclasses.field(default=default, metadata=meta, repr=not secret)
 
 
 class ConfigError(ValueError):

@@ -212,6 +212,7 @@ def test_a_key_in_the_config_is_in_no_dump():
     assert KEY not in dump_config(cfg)  # config.yaml, the tracker's config.yaml artifact, --dry-run
     params = flatten_config(cfg)  # MLflow params
     assert params["rollout.sglang.api_key"] is None and KEY not in repr(params)
+    assert KEY not in repr(cfg)  # an error or a log line that prints the config
 
 
 def test_a_key_on_the_servers_command_line_is_refused():
