@@ -10,6 +10,7 @@ whether the parts run in this process or as Ray actors. Main entry point: `build
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from megarl.backends.base import TrainWorker
 from megarl.config import RunConfig
 from megarl.data.prompts import PromptOrder, PromptRecord, load_prompts
 from megarl.errors import ComponentDied
+from megarl.http_auth import RETRIEVAL_KEY_ENV
 from megarl.retrieval.client import RetrievalClient
 from megarl.reward.pool import RewardComputer
 from megarl.rollout.agent import AgentSettings
@@ -111,8 +113,14 @@ def build_components(cfg: RunConfig) -> Components:
     if cfg.agent.max_turns > 0:
         r = cfg.agent.retrieval
         url = r.url or runtime.retrieval_url
+        key = runtime.retrieval_api_key if r.url is None else r.api_key or os.environ.get(RETRIEVAL_KEY_ENV)
         log.info("retrieval server on %s%s", url, f" serving {r.index_dir}" if r.url is None else "")
-        searcher = RetrievalClient(url, timeout_s=r.timeout_s, max_retries=r.max_retries)
+        searcher = RetrievalClient(url, timeout_s=r.timeout_s, max_retries=r.max_retries, api_key=key)
+        refused = searcher.check_access() if r.url is not None else None
+        if refused:
+            runtime.shutdown()
+            raise ComponentDied(f"the retrieval server refuses megarl's requests ({refused}): give megarl the key it "
+                                f"was started with (${RETRIEVAL_KEY_ENV} or agent.retrieval.api_key)")
     return Components(cfg, tokenizer, train_records, val_records,
                       PromptOrder(len(train_records), cfg.trainer.seed, d.shuffle), runtime, searcher,
                       total_steps, dropped)

@@ -120,6 +120,11 @@ class RetrievalConfig:
     index_dir: str | None = param(None, "Index built by `megarl retrieval build` (used when url is None).")
     kind: Literal["bm25", "dense"] = param("bm25", "Index kind: bm25 (bm25s) or dense (E5 + faiss).")
     host: str = param("127.0.0.1", "Address the started retrieval server binds to.")
+    api_key: str | None = param(
+        None, "Key of the retrieval server ('Authorization: Bearer KEY' on /retrieve). With url: the key it was "
+        "started with; None = $MEGARL_RETRIEVAL_API_KEY, else none. The server megarl starts from index_dir always "
+        "takes one: this, else that variable, else a fresh key per run. Never in the saved config or MLflow.",
+        secret=True)
     port: int = param(8000, "Port of the started retrieval server; 0 = any free port.", ge=0, lt=65536)
     topk: int = param(3, "Documents returned per search.", gt=0)
     timeout_s: float = param(30.0, "Timeout of one retrieval request in seconds.", gt=0.0)

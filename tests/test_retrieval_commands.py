@@ -53,10 +53,11 @@ def test_serve_loads_the_index_and_serves_it_on_localhost(corpus, tmp_path, monk
     args.func(args)
     served = {}
     monkeypatch.setattr("megarl.retrieval.server.serve", lambda retriever, **kw: served.update(kw, n=len(retriever)))
+    monkeypatch.delenv("MEGARL_RETRIEVAL_API_KEY", raising=False)
     args = parse(["retrieval", "serve", "--index", str(out)])
     assert args.func(args) == 0
     assert served == {"host": "127.0.0.1", "port": 8000, "default_topk": 3, "max_topk": 100, "max_queries": 4096,
-                      "n": 2}
+                      "api_key": None, "allow_unauthenticated": False, "n": 2}
 
 
 def test_serve_errors(tmp_path, capsys):

@@ -156,6 +156,8 @@ megarl_train_on_slurm() {
 # step on NODE (default the job's last node), bound to that node's address; waits for its
 # /health (RETRIEVAL_START_TIMEOUT seconds, default 1800: a dense wiki-18 index takes minutes to
 # load), exports RETRIEVAL_URL, and is stopped with the Ray steps. RETRIEVAL_ARGS go to serve.
+# The server requires MEGARL_RETRIEVAL_API_KEY (default: a fresh one per job), which srun hands
+# to it and the run's retrieval client reads from the same environment.
 retrieval_on_slurm() {
     local index=$1 node=${2:-}
     local repo=${MEGARL_HOME:-${SLURM_SUBMIT_DIR:-$PWD}}
@@ -166,6 +168,7 @@ retrieval_on_slurm() {
         return
     fi
     [[ -n "$node" ]] || node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | tail -n 1)
+    export MEGARL_RETRIEVAL_API_KEY=${MEGARL_RETRIEVAL_API_KEY:-$("$py" -c 'import secrets; print(secrets.token_urlsafe(32))')}
     address=$(srun --overlap --nodes=1 --ntasks=1 -w "$node" "$py" -c \
         "from ray._private.services import get_node_ip_address; print(get_node_ip_address())")
     _ray_on_slurm_log "retrieval server for $index on $node ($address:$port)"

@@ -5,7 +5,9 @@ raises into the agent and never hangs: every request is bounded by `timeout_s`, 
 errors, timeouts and HTTP 5xx are retried `max_retries` times with exponential backoff, and a
 search that still fails comes back as `SearchResult(docs=[], error=...)` for each of its
 queries, counted in `client.stats` so the trainer can log it. HTTP 4xx is not retried: the
-request itself is wrong and sending it again cannot help.
+request itself is wrong and sending it again cannot help. With `api_key`, every request
+carries `Authorization: Bearer <api_key>`; `check_access` tells at start whether the server
+takes it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 import httpx
 
+from megarl.http_auth import bearer
 from megarl.retrieval.documents import Document
 from megarl.retrieval.retriever import check_search_args
 
@@ -59,6 +62,7 @@ class RetrievalClient:
     max_retries: repeats of a failed request; the delay before repeat n is about backoff_s * 2**(n-1)
         (between half and all of it, so that many clients do not retry in step), at most max_backoff_s.
     batch_size: queries per HTTP request; larger searches are split and sent max_concurrency at a time.
+    api_key: the server's key (megarl retrieval serve --api-key / $MEGARL_RETRIEVAL_API_KEY); None = none.
     """
 
     def __init__(
@@ -71,6 +75,7 @@ class RetrievalClient:
         max_backoff_s: float = 8.0,
         batch_size: int = 512,
         max_concurrency: int = 4,
+        api_key: str | None = None,
     ):
         if timeout_s <= 0 or max_retries < 0 or backoff_s < 0 or batch_size < 1 or max_concurrency < 1:
             raise ValueError(
@@ -88,6 +93,7 @@ class RetrievalClient:
         self.batch_size = batch_size
         self.max_concurrency = max_concurrency
         self.stats = ClientStats()
+        self._headers = bearer(api_key)
         self._http: httpx.AsyncClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -121,7 +127,7 @@ class RetrievalClient:
         # asyncio.run() per step gets a fresh one instead of "Event loop is closed" errors.
         loop = asyncio.get_running_loop()
         if self._http is None or self._loop is not loop:
-            self._http = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s))
+            self._http = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s), headers=self._headers)
             self._loop = loop
         return self._http
 
@@ -160,6 +166,18 @@ class RetrievalClient:
                 return self._failed(queries, f"malformed answer from {self.url}: {e}")
         return self._failed(queries, f"retrieval failed after {self.max_retries} retries: {last_error}")
 
+    def check_access(self) -> str | None:
+        """At start: why the server refuses this client's key (HTTP 401 or 403 to an empty
+        search, which takes no time), or None; a server that does not answer is left to the
+        searches' own retries."""
+        try:
+            response = httpx.post(self.url, json={"queries": []}, headers=self._headers, timeout=self.timeout_s)
+        except httpx.HTTPError:
+            return None
+        if response.status_code in (401, 403):
+            return f"{self.url} answered HTTP {response.status_code}: {_detail(response)}"
+        return None
+
     def _failed(self, queries: list[str], error: str) -> list[SearchResult]:
         self.stats.failures += 1
         self.stats.failed_queries += len(queries)
@@ -193,6 +211,7 @@ def parse_retrieve_response(body: Any, num_queries: int) -> list[SearchResult]:
 
 def _detail(response: httpx.Response) -> str:
     try:
-        return str(response.json().get("detail", response.text))[:500]
+        body = response.json()
+        return str(body.get("detail") or body.get("message") or response.text)[:500]
     except (ValueError, AttributeError):
         return response.text[:500]

@@ -3,6 +3,7 @@
     megarl retrieval build --corpus wiki-18.jsonl --out indexes/wiki18-bm25
     megarl retrieval build --corpus wiki-18.jsonl --out indexes/wiki18-e5 --kind dense --encoder e5-base-v2 [--hnsw]
     megarl retrieval serve --index indexes/wiki18-bm25 [--host 127.0.0.1 --port 8000 --topk 3]
+    MEGARL_RETRIEVAL_API_KEY=... megarl retrieval serve --index ... --host 10.0.0.5   (a key beyond loopback)
 
 Each sub-command sets `func(args) -> exit status`. Problems with the user's input (corpus,
 index directory, options) print one message and return 2, without a traceback.
@@ -11,10 +12,12 @@ index directory, options) print one message and return 2, without a traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 from pathlib import Path
 
+from megarl.http_auth import RETRIEVAL_KEY_ENV
 from megarl.retrieval.errors import RetrievalError
 
 EXIT_USAGE_ERROR = 2
@@ -63,6 +66,12 @@ def add_retrieval_commands(subparsers: argparse._SubParsersAction) -> argparse.A
     serve.add_argument("--encoder", default=None, help="dense: encoder directory, if moved since the build")
     serve.add_argument("--device", default=None, help="dense: encoder device")
     serve.add_argument("--ef-search", type=int, default=None, help="dense HNSW: candidates per query")
+    serve.add_argument("--api-key", default=None,
+                       help=f"require 'Authorization: Bearer KEY' on /retrieve (default ${RETRIEVAL_KEY_ENV}, which "
+                       "keeps it off the command line); needed to bind beyond loopback")
+    serve.add_argument("--allow-unauthenticated", action="store_true",
+                       help="bind beyond loopback without a key: anyone who reaches the port may search (Search-R1's "
+                       "own client sends no key)")
     serve.set_defaults(func=run_serve)
     return retrieval
 
@@ -109,13 +118,15 @@ def run_build(args: argparse.Namespace) -> int:
 
 def run_serve(args: argparse.Namespace) -> int:
     from megarl.retrieval.index import load_index
-    from megarl.retrieval.server import serve
+    from megarl.retrieval.server import check_bind, serve
 
     if not 1 <= args.topk <= args.max_topk:
         print(f"megarl retrieval serve: --topk {args.topk} must be between 1 and --max-topk {args.max_topk}",
               file=sys.stderr)
         return EXIT_USAGE_ERROR
+    api_key = args.api_key or os.environ.get(RETRIEVAL_KEY_ENV) or None
     try:
+        check_bind(args.host, api_key, args.allow_unauthenticated)  # before minutes of loading an index
         retriever = load_index(
             args.index, mmap=not args.no_mmap, search_threads=args.search_threads,
             encoder=args.encoder, device=args.device, ef_search=args.ef_search,
@@ -125,11 +136,12 @@ def run_serve(args: argparse.Namespace) -> int:
         return EXIT_USAGE_ERROR
     print(
         f"megarl retrieval serve: {retriever.kind} index of {len(retriever)} documents on "
-        f"http://{args.host}:{args.port}/retrieve",
+        f"http://{args.host}:{args.port}/retrieve{' (API key required)' if api_key else ''}",
         file=sys.stderr,
     )
     serve(
         retriever, host=args.host, port=args.port, default_topk=args.topk,
-        max_topk=args.max_topk, max_queries=args.max_queries,
+        max_topk=args.max_topk, max_queries=args.max_queries, api_key=api_key,
+        allow_unauthenticated=args.allow_unauthenticated,
     )
     return 0

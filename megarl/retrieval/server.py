@@ -15,6 +15,12 @@ that the reference would serve or fail on later: more than max_topk documents or
 queries, a negative topk (a search error there). And a null return_scores means the default
 here, where Search-R1 refuses it.
 
+With an API key (`create_app(..., api_key=)`, `megarl retrieval serve` with
+$MEGARL_RETRIEVAL_API_KEY or --api-key), /retrieve requires `Authorization: Bearer <key>`
+(401 otherwise) and /health stays open. Search-R1's own client sends no key, so a key is
+optional on loopback; bound to any other address, `serve` refuses to start without one
+unless told `allow_unauthenticated` (`check_bind`).
+
 All queries of a request are searched in one batched call, in a worker thread so the event
 loop (and /health) stays responsive. `BackgroundServer` runs the app in a thread of the
 current process: an in-process retriever for CPU runs, and the tests' real HTTP server.
@@ -22,6 +28,7 @@ current process: an in-process retriever for CPU runs, and the tests' real HTTP 
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import socket
@@ -36,6 +43,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import TypeAdapter, ValidationError
 
+from megarl.http_auth import require_api_key
+from megarl.retrieval.errors import RetrievalError
 from megarl.retrieval.retriever import Retriever
 
 logger = logging.getLogger(__name__)
@@ -102,14 +111,17 @@ def create_app(
     max_topk: int = DEFAULT_MAX_TOPK,
     max_queries: int = DEFAULT_MAX_QUERIES,
     max_concurrent_searches: int = 4,
+    api_key: str | None = None,
 ) -> FastAPI:
     """A FastAPI app serving `retriever` (see the module docstring for the API).
 
     default_topk: documents per query when a request has no topk.
     max_topk, max_queries: larger requests get HTTP 422.
     max_concurrent_searches: requests searched at once; more wait their turn.
+    api_key: required (Authorization: Bearer) on every route but /health; None = no key.
     """
     app = FastAPI(title="megarl retrieval", docs_url=None, redoc_url=None)
+    require_api_key(app, api_key, lambda path: path == "/health")
     limiter: list[anyio.CapacityLimiter] = []  # created on first use: it belongs to the server's loop
 
     @app.get("/health")
@@ -153,10 +165,38 @@ def serve(
     port: int = 8000,
     default_topk: int = 3,
     log_level: str = "info",
+    api_key: str | None = None,
+    allow_unauthenticated: bool = False,
     **app_options: Any,
 ) -> None:
-    """Serve `retriever` over HTTP until interrupted (binds localhost unless told otherwise)."""
-    uvicorn.run(create_app(retriever, default_topk, **app_options), host=host, port=port, log_level=log_level)
+    """Serve `retriever` over HTTP until interrupted (binds localhost unless told otherwise);
+    `check_bind` first."""
+    check_bind(host, api_key, allow_unauthenticated)
+    uvicorn.run(create_app(retriever, default_topk, api_key=api_key, **app_options), host=host, port=port,
+                log_level=log_level)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is reachable from this machine only (a name other than localhost counts
+    as reachable: it may resolve to any address)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(host: str, api_key: str | None, allow_unauthenticated: bool = False) -> None:
+    """RetrievalError unless the server may bind `host`: anything beyond loopback needs a key
+    (or the explicit choice to serve anyone who reaches the port)."""
+    if api_key or allow_unauthenticated or is_loopback(host):
+        return
+    raise RetrievalError(
+        f"--host {host} can be reached from other machines, and without a key anyone who reaches the port can use "
+        f"this server: set $MEGARL_RETRIEVAL_API_KEY (megarl's retrieval client sends it as 'Authorization: Bearer', "
+        f"from the same variable or agent.retrieval.api_key), or pass --allow-unauthenticated (Search-R1's own "
+        f"client sends no key), or bind 127.0.0.1")
 
 
 class BackgroundServer:

@@ -12,12 +12,14 @@ on any number of nodes, the SGLang fleet). The weight sync is written once, here
 from __future__ import annotations
 
 import asyncio
+import os
 from abc import ABC, abstractmethod
 
 import torch
 
 from megarl.backends.base import TrainWorker
-from megarl.config import RunConfig
+from megarl.config import RetrievalConfig, RunConfig
+from megarl.http_auth import RETRIEVAL_KEY_ENV, new_api_key
 from megarl.reward.pool import RewardComputer
 from megarl.rollout.engine import RolloutEngine
 from megarl.weights.buckets import verify_engine
@@ -34,6 +36,7 @@ class Runtime(ABC):
     ranks: TrainRanks  # the train worker group, as the weight transport sees it
     transport: WeightTransport  # sync.transport, feeding `engine`
     retrieval_url: str | None = None  # the retrieval server this runtime hosts, if any
+    retrieval_api_key: str | None = None  # and the key it requires (hosted_retrieval_key)
     retrieval_where: str = ""  # how an error names that server's host, e.g. " (Ray actor RetrievalActor)"
 
     def sync_weights(self, version: int) -> None:
@@ -66,6 +69,12 @@ class Runtime(ABC):
     @abstractmethod
     def shutdown(self) -> None:
         """Stop every part this runtime started; safe to call twice."""
+
+
+def hosted_retrieval_key(r: RetrievalConfig) -> str:
+    """The key of the retrieval server a runtime starts (it always takes one, whatever address
+    it binds): agent.retrieval.api_key, else $MEGARL_RETRIEVAL_API_KEY, else a fresh one."""
+    return r.api_key or os.environ.get(RETRIEVAL_KEY_ENV) or new_api_key()
 
 
 class RankEndpoint:

@@ -17,7 +17,7 @@ from megarl.config import RunConfig
 from megarl.reward import RewardPool
 from megarl.rollout.local import LocalEngine
 from megarl.rollout.sglang_launch import free_port
-from megarl.runtime.base import RankEndpoint, Runtime
+from megarl.runtime.base import RankEndpoint, Runtime, hosted_retrieval_key
 from megarl.weights import transport_class
 from megarl.weights.transport import RankPlace, WeightSender
 
@@ -73,8 +73,9 @@ class InProcessRuntime(Runtime):
         from megarl.retrieval.index import load_index
         from megarl.retrieval.server import BackgroundServer, create_app
 
-        self.retrieval_server = BackgroundServer(create_app(load_index(r.index_dir), default_topk=r.topk),
-                                                 host=r.host, port=r.port)
+        self.retrieval_api_key = hosted_retrieval_key(r)
+        self.retrieval_server = BackgroundServer(create_app(load_index(r.index_dir), default_topk=r.topk,
+                                                            api_key=self.retrieval_api_key), host=r.host, port=r.port)
         self.retrieval_server.start()
         self.retrieval_url = self.retrieval_server.url
 

@@ -154,14 +154,15 @@ class EngineActor:
 
 @ray.remote
 class RetrievalActor:
-    """megarl's retrieval server (FastAPI + uvicorn, as `megarl retrieval serve`) in its own process."""
+    """megarl's retrieval server (FastAPI + uvicorn, as `megarl retrieval serve`) in its own process,
+    requiring `api_key` on /retrieve."""
 
-    def __init__(self, r: RetrievalConfig):
+    def __init__(self, r: RetrievalConfig, api_key: str):
         from megarl.retrieval.index import load_index
         from megarl.retrieval.server import BackgroundServer, create_app
 
-        self.server = BackgroundServer(create_app(load_index(r.index_dir), default_topk=r.topk), host=r.host,
-                                       port=r.port).start()
+        self.server = BackgroundServer(create_app(load_index(r.index_dir), default_topk=r.topk, api_key=api_key),
+                                       host=r.host, port=r.port).start()
 
     def url(self) -> str:
         host = self.server.host

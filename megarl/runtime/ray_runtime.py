@@ -21,7 +21,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from megarl.config import RunConfig
-from megarl.runtime.base import Runtime
+from megarl.runtime.base import Runtime, hosted_retrieval_key
 from megarl.runtime.local_ray import init_local_ray
 from megarl.runtime.ray_actors import EngineActor, RetrievalActor, RewardActor, TrainWorkerActor
 from megarl.runtime.liveness import died, frozen, wait_started
@@ -81,8 +81,9 @@ class RayRuntime(Runtime):
         self.reward_actor = RewardActor.options(num_cpus=0.5, scheduling_strategy=place[misc]).remote(
             cfg.reward, cfg.reward.num_workers, cfg.reward.timeout_s)
         if cfg.agent.max_turns > 0 and cfg.agent.retrieval.url is None:
+            self.retrieval_api_key = hosted_retrieval_key(cfg.agent.retrieval)
             self.retrieval_actor = RetrievalActor.options(num_cpus=0.5, scheduling_strategy=place[misc]).remote(
-                cfg.agent.retrieval)
+                cfg.agent.retrieval, self.retrieval_api_key)
         liveness = cfg.cluster.liveness
         self.ranks = RayRanks(self.worker_actors, liveness)
         master = self.ranks.free_address(0)
