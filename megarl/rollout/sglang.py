@@ -44,13 +44,17 @@ class _ServerHandle:
         self.in_flight = 0
         self.restarts = 0
 
-    async def call(self, method: str, *args):
+    async def call(self, method: str, *args, timeout_s: float = 60.0):
+        """A call into the engine's ServerActor, within `timeout_s`."""
         import ray
 
         try:
-            return await getattr(self.actor, method).remote(*args)
+            return await asyncio.wait_for(getattr(self.actor, method).remote(*args), timeout_s)
         except ray.exceptions.RayActorError as e:
             raise ComponentDied(f"rollout engine {self.name} (Ray actor ServerActor) died: {e}") from e
+        except asyncio.TimeoutError:
+            raise ComponentDied(f"rollout engine {self.name}'s Ray actor (ServerActor) did not answer {method} within "
+                                f"{timeout_s:.0f} s") from None
 
 
 class SGLangFleet:
@@ -142,11 +146,12 @@ class SGLangFleet:
         import ray
 
         try:
-            if await self.router_actor.alive.remote():
+            if await asyncio.wait_for(self.router_actor.alive.remote(), 60):
                 return
             log.warning("sglang-router at %s is gone: restarting it", self.router_url)
-            await self.router_actor.restart.remote(self.settings.startup_timeout_s)
-        except ray.exceptions.RayError as e:
+            await asyncio.wait_for(self.router_actor.restart.remote(self.settings.startup_timeout_s),
+                                   self.settings.startup_timeout_s + 60)
+        except (ray.exceptions.RayError, asyncio.TimeoutError) as e:
             raise ComponentDied(f"sglang-router at {self.router_url} could not be restarted: {e}") from e
         self.router_restarts += 1
 
@@ -160,7 +165,7 @@ class SGLangFleet:
         server.restarts += 1
         log.warning("rollout engine %s at %s is not healthy: restart %d", server.name, server.url, server.restarts)
         try:
-            await server.call("restart", self.settings.startup_timeout_s)
+            await server.call("restart", self.settings.startup_timeout_s, timeout_s=self.settings.startup_timeout_s + 60)
         except ComponentDied:
             raise
         except Exception as e:  # the actor's RuntimeError carries the log tail

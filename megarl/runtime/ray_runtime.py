@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 from pathlib import Path
 
 import ray
@@ -113,6 +114,18 @@ class RayRuntime(Runtime):
             except ray.exceptions.RayActorError as e:
                 raise died(f"retrieval server (Ray actor RetrievalActor serving {cfg.agent.retrieval.index_dir})",
                            e) from e
+        print(f"megarl placement: {self.placement()}", file=sys.stderr, flush=True)  # where to find each part's logs
+
+    def placement(self) -> str:
+        """Which node (address) each part runs on, in one line."""
+        parts = {"train ranks": ", ".join(sorted({p.node for p in self.ranks.places()}))}
+        own = {"rollout engine": self.engine_actor, "reward workers": self.reward_actor,
+               "retrieval server": self.retrieval_actor}
+        refs = {name: a.__ray_call__.remote(lambda _: ray.util.get_node_ip_address()) for name, a in own.items() if a}
+        parts |= dict(zip(refs, ray.get(list(refs.values()), timeout=self.cfg.cluster.liveness.timeout_s)))
+        if self.fleet is not None:
+            parts["rollout engines"] = ", ".join(sorted({s.node for s in self.fleet.servers}))
+        return "; ".join(f"{name} on {where}" for name, where in parts.items())
 
     def check_retrieval(self) -> None:
         if self.retrieval_actor is None:
