@@ -13,6 +13,7 @@ heavy is imported, with exit status 2.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from megarl.checkpoint import CheckpointError
@@ -51,10 +52,11 @@ def run_training(cfg: RunConfig) -> int:
     except (TrainingStopped, ComponentDied, CheckpointError) as e:
         print(f"megarl: training stopped: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("megarl: interrupted; actors and servers are shut down, the newest checkpoint is intact",
-              file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # Ctrl-C, or the signal in megarl.termination.Stopped
+        signum = getattr(e, "signum", signal.SIGINT)
+        print(f"megarl: stopped by {signal.Signals(signum).name}; the run's processes are stopped and the newest "
+              f"checkpoint is intact: the same command resumes from it", file=sys.stderr)
+        return 128 + signum  # what a shell reports for a process ended by that signal
     return 0
 
 

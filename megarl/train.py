@@ -26,7 +26,8 @@ from megarl.config import RunConfig, TrackingConfig, save_config
 from megarl.config_loader import dump_config, flatten_config
 from megarl.experience import Sample, compute_advantages, reward_requests, shape_overlong, to_train_batch
 from megarl.rollout.agent import run_trajectories
-from megarl.tracking import open_tracker, ui_command
+from megarl.termination import closing, deferred, received, reclaim_handlers, stop_on_signals
+from megarl.tracking import NullTracker, open_tracker, ui_command
 
 log = logging.getLogger(__name__)
 
@@ -35,24 +36,28 @@ class TrainingStopped(RuntimeError):
     """The run stopped on purpose (e.g. too many bad steps); the last good state is saved."""
 
 
+@stop_on_signals  # SIGTERM / SIGINT stop it like Ctrl-C, even inside a blocking wait (megarl.termination)
 def train(cfg: RunConfig) -> dict[str, float]:
     out = Path(cfg.trainer.output_dir)
     save_config(cfg, out / "config.yaml")
     ckpt_root = out / "checkpoints"
     resume_from = _resume_path(cfg, ckpt_root)  # verified before anything is started
-    c = build_components(cfg)
     meta = checkpoint.read_meta(resume_from) if resume_from else {}
-    tracker = open_tracker(cfg.tracking, out, run_id=meta.get("run_id"))
+    c = build_components(cfg)
+    reclaim_handlers()  # ray.init put its own SIGTERM handler (sys.exit) in place of megarl.termination's
     step, bad_steps, history = meta.get("step", 0), 0, meta.get("history", [])
-    status = "FAILED"
+    status, tracker, params = "FAILED", NullTracker(), flatten_config(cfg)
     try:
+        # from step 0 with trainer.resume=auto: the output directory's run, if stopped before its first checkpoint
+        rerun = params if not resume_from and cfg.trainer.resume == "auto" else None
+        tracker = open_tracker(cfg.tracking, out, run_id=meta.get("run_id"), rerun_params=rerun)
         if resume_from:
             c.worker.load_checkpoint(resume_from)
             c.prompt_order.load_state_dict(meta["sampler"])
             c.sync_weights(version=step)
             log.info("resumed from %s (step %d)", resume_from, step)
         else:
-            tracker.log_params(flatten_config(cfg))
+            tracker.log_params(params)
             tracker.log_text(dump_config(cfg), "config.yaml")
             if cfg.trainer.val_before_train and c.val_records:
                 first = validate(c)
@@ -87,8 +92,9 @@ def train(cfg: RunConfig) -> dict[str, float]:
         status = "KILLED"
         raise
     finally:
-        tracker.close(status)
-        c.close()
+        with closing():  # a signal from here on kills the run's processes at once instead
+            tracker.close(status, stop_signal=received() if status == "KILLED" else None)
+            c.close()
         print(summary(status, out, history, cfg.tracking))
 
 
@@ -263,8 +269,9 @@ def plot_curves(history: list[dict], path: Path) -> Path:
 
 def _save(c: Components, root: Path, step: int, run_id: str | None, history: list) -> None:
     meta = {"run_id": run_id, "sampler": c.prompt_order.state_dict(), "history": history}  # key as in old checkpoints
-    checkpoint.save_atomically(root, step, c.worker.save_checkpoint, meta)
-    checkpoint.prune(root, c.cfg.trainer.max_ckpt_to_keep)
+    with deferred():  # a first signal waits for the checkpoint to be complete (megarl.termination)
+        checkpoint.save_atomically(root, step, c.worker.save_checkpoint, meta)
+        checkpoint.prune(root, c.cfg.trainer.max_ckpt_to_keep)
 
 
 def export_hf(c: Components, directory: Path) -> Path:
