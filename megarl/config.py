@@ -119,7 +119,8 @@ class RetrievalConfig:
     url: str | None = param(None, "Retriever endpoint (POST /retrieve); None = start megarl's server from index_dir.")
     index_dir: str | None = param(None, "Index built by `megarl retrieval build` (used when url is None).")
     kind: Literal["bm25", "dense"] = param("bm25", "Index kind: bm25 (bm25s) or dense (E5 + faiss).")
-    host: str = param("127.0.0.1", "Address the started retrieval server binds to.")
+    host: str = param("auto", "Address the started retrieval server binds to; auto = 127.0.0.1 when the run is on "
+                      "one node (cluster.nnodes), the address of the node it runs on otherwise.")
     api_key: str | None = param(
         None, "Key of the retrieval server ('Authorization: Bearer KEY' on /retrieve). With url: the key it was "
         "started with; None = $MEGARL_RETRIEVAL_API_KEY, else none. The server megarl starts from index_dir always "

@@ -33,5 +33,8 @@ class ClusterConfig:
     cpus_per_node: int | None = param(
         None, "CPUs Ray may use per node (logical slots, not cores: one per train rank, one per engine that has no "
         "GPU of a train rank, one more); None = all, at least that many.", gt=0)
+    placement_strategy: Literal["PACK", "SPREAD"] = param(
+        "PACK", "How Ray places the run's actors on the nodes: PACK = on as few nodes as fit them (the engines next to "
+        "the train ranks whose GPUs they share), SPREAD = over as many nodes as it can.")
     liveness: LivenessConfig = param(help="Deadlines on calls into the run's actors and servers.",
                                      factory=LivenessConfig)

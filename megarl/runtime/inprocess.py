@@ -75,7 +75,8 @@ class InProcessRuntime(Runtime):
 
         self.retrieval_api_key = hosted_retrieval_key(r)
         self.retrieval_server = BackgroundServer(create_app(load_index(r.index_dir), default_topk=r.topk,
-                                                            api_key=self.retrieval_api_key), host=r.host, port=r.port)
+                                                            api_key=self.retrieval_api_key),
+                                                  host="127.0.0.1" if r.host == "auto" else r.host, port=r.port)
         self.retrieval_server.start()
         self.retrieval_url = self.retrieval_server.url
 

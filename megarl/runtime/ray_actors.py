@@ -157,12 +157,15 @@ class RetrievalActor:
     """megarl's retrieval server (FastAPI + uvicorn, as `megarl retrieval serve`) in its own process,
     requiring `api_key` on /retrieve."""
 
-    def __init__(self, r: RetrievalConfig, api_key: str):
+    def __init__(self, r: RetrievalConfig, api_key: str, nnodes: int):
         from megarl.retrieval.index import load_index
         from megarl.retrieval.server import BackgroundServer, create_app
 
+        host = r.host
+        if host == "auto":  # reachable from the driver's node, wherever Ray placed this actor
+            host = ray.util.get_node_ip_address() if nnodes > 1 else "127.0.0.1"
         self.server = BackgroundServer(create_app(load_index(r.index_dir), default_topk=r.topk, api_key=api_key),
-                                       host=r.host, port=r.port).start()
+                                       host=host, port=r.port).start()
 
     def url(self) -> str:
         host = self.server.host

@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 class RayRuntime(Runtime):
     """Starts (or joins) Ray, reserves a placement group, and creates the actors.
 
-    Bundles, packed onto as few nodes as possible: each train rank (one with the torch
+    Bundles, packed onto as few nodes as possible (cluster.placement_strategy): each train rank (one with the torch
     backend, TP x PP x CP x DP with megatron) and the engine get one each ({"CPU": 1}, plus
     {"GPU": 1} when cluster.gpus_per_node > 0); the retrieval server and the reward actor
     share a {"CPU": 1} bundle. A local Ray is started with at least as many logical CPUs
@@ -69,7 +69,7 @@ class RayRuntime(Runtime):
         world, gpus = cfg.train_world_size(), 1 if cfg.cluster.gpus_per_node else 0
         bundles, engine_bundles = placement_bundles(cfg)
         misc = len(bundles) - 1
-        self.pg = placement_group(bundles, strategy="PACK", name="megarl")
+        self.pg = placement_group(bundles, strategy=cfg.cluster.placement_strategy, name="megarl")
         ready, _ = ray.wait([self.pg.ready()], timeout=120)
         if not ready:
             raise RuntimeError(f"Ray could not reserve {bundles} within 120 s; available: "
@@ -84,7 +84,7 @@ class RayRuntime(Runtime):
         if cfg.agent.max_turns > 0 and cfg.agent.retrieval.url is None:
             self.retrieval_api_key = hosted_retrieval_key(cfg.agent.retrieval)
             self.retrieval_actor = RetrievalActor.options(num_cpus=0.5, scheduling_strategy=place[misc]).remote(
-                cfg.agent.retrieval, self.retrieval_api_key)
+                cfg.agent.retrieval, self.retrieval_api_key, cfg.cluster.nnodes)
         liveness = cfg.cluster.liveness
         self.ranks = RayRanks(self.worker_actors, liveness)
         master = self.ranks.free_address(0)
