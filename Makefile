@@ -45,6 +45,12 @@ test-ui: $(STAMP)
 test-slurm: $(STAMP)
 	MEGARL_PYTHON=$(abspath $(BIN))/python bash tests/slurm/run.sh
 
+# A simulated slurm cluster of several nodes on this machine (network namespaces, a slurmd each;
+# needs root), the CPU quickstart recipe submitted across two nodes (tests/multinode/run.sh).
+.PHONY: test-multinode
+test-multinode: $(STAMP)
+	MEGARL_PYTHON=$(abspath $(BIN))/python bash tests/multinode/run.sh
+
 # Search-R1 + DAPO on the CPU: build the search world, index and warmed-up tiny model
 # (skipped when already built), then train with the example config (resumes if interrupted).
 quickstart: $(STAMP)

@@ -1,0 +1,41 @@
+"""Checks one run of tests/multinode/run.sh: its MLflow run FINISHED with train/reward_mean at
+steps 1..N and val/acc, and (with --nodes) the parts of the run placed on every one of those
+node addresses (the driver's "megarl placement:" line in the job's output).
+
+    python tests/multinode/check_run.py TRACKING_URI JOB_OUTPUT --steps N [--nodes A,B]
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+from mlflow.tracking import MlflowClient
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("tracking_uri")
+    parser.add_argument("job_output")
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--nodes", default="")
+    args = parser.parse_args()
+    client = MlflowClient(tracking_uri=args.tracking_uri)
+    runs = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
+    assert len(runs) == 1, f"expected one MLflow run, found {len(runs)}"
+    run = runs[0]
+    assert run.info.status == "FINISHED", run.info.status
+    steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, "train/reward_mean"))
+    assert steps == list(range(1, args.steps + 1)), steps
+    assert client.get_metric_history(run.info.run_id, "val/acc"), "no val/acc"
+    placement = re.findall(r"megarl placement: (.*)", open(args.job_output, errors="replace").read())
+    assert placement, "the job's output has no 'megarl placement:' line"
+    for node in filter(None, args.nodes.split(",")):
+        assert re.search(rf"\b{re.escape(node)}\b", placement[-1]), f"nothing placed on {node}: {placement[-1]}"
+    print(f"test-multinode: MLflow run {run.info.run_id} FINISHED, train/reward_mean at steps {steps}, "
+          f"placement: {placement[-1]}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
