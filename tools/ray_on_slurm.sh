@@ -10,6 +10,14 @@
 # cancelled, the Ray steps it started are stopped (by their own process ids; nothing is killed
 # by name) and the command's exit status is returned.
 #
+# Signals: the command runs in the background and the shell waits for it, so a SIGTERM or SIGINT
+# to the batch shell (`scancel --batch --signal=TERM`, `#SBATCH --signal=B:TERM@300` before the
+# time limit) is handled at once: passed on to the command as SIGTERM (`megarl train` then stops
+# like Ctrl-C: MLflow status, its actors and servers, exit 143), Ray stopped once it has exited,
+# and its status returned. A plain `scancel` or the time limit sends SIGTERM to every process of
+# the job at once (the driver and the Ray steps too), then SIGKILL KillWait seconds later;
+# megarl counts the copy passed on as the same request (docs/slurm.md).
+#
 # Settings (environment): MEGARL_PYTHON (the python with megarl installed; default the
 # repository's .venv, else python3), RAY_PORT (6379), RAY_NUM_CPUS / RAY_NUM_GPUS per node
 # (default: what slurm gives the job on a node; GPUs from SLURM_GPUS_ON_NODE, else 0),
@@ -19,18 +27,42 @@
 # without a token on every interface, is off; docs/slurm.md says which ports of Ray stay open).
 
 _ray_on_slurm_steps=()
+_ray_on_slurm_command=""  # the process id of the command while it runs
 
 _ray_on_slurm_log() { echo "[ray_on_slurm $(date +%H:%M:%S)] $*" >&2; }
 
+# The Ray steps (and the retrieval server's): SIGTERM to each srun, which passes it to its task
+# (`ray start --block` then stops that node's Ray processes, as `ray stop` does for them); those
+# still running after RAY_STOP_TIMEOUT seconds (default 60) get SIGKILL.
 _ray_on_slurm_stop() {
-    local pid
+    local pid deadline=$((SECONDS + ${RAY_STOP_TIMEOUT:-60}))
     for pid in "${_ray_on_slurm_steps[@]}"; do
         kill -TERM "$pid" 2>/dev/null || true
     done
     for pid in "${_ray_on_slurm_steps[@]}"; do
+        while kill -0 "$pid" 2>/dev/null && (( SECONDS < deadline )); do
+            sleep 1
+        done
+        if kill -0 "$pid" 2>/dev/null; then
+            _ray_on_slurm_log "step process $pid did not stop within ${RAY_STOP_TIMEOUT:-60} s; killing it"
+            kill -KILL "$pid" 2>/dev/null || true
+        fi
         wait "$pid" 2>/dev/null || true
     done
     _ray_on_slurm_steps=()
+}
+
+# A signal to this shell: passed on to the command as SIGTERM while it runs (ray_on_slurm then
+# waits for it and stops Ray); before it started, Ray is stopped and the shell exits 128 + signal.
+_ray_on_slurm_signal() {
+    if [[ -n "$_ray_on_slurm_command" ]] && kill -0 "$_ray_on_slurm_command" 2>/dev/null; then
+        _ray_on_slurm_log "SIG$1: passing SIGTERM to the command (pid $_ray_on_slurm_command); Ray is stopped once it exits"
+        kill -TERM "$_ray_on_slurm_command" 2>/dev/null || true
+        return
+    fi
+    _ray_on_slurm_log "SIG$1: stopping Ray"
+    _ray_on_slurm_stop
+    exit $((128 + $(kill -l "$1")))
 }
 
 ray_on_slurm() {
@@ -65,7 +97,8 @@ ray_on_slurm() {
     # and has no option to bind it to the node's address: off unless asked for
     export RAY_enable_metrics_collection=${RAY_enable_metrics_collection:-0}
 
-    trap '_ray_on_slurm_stop; exit 143' TERM INT
+    trap '_ray_on_slurm_signal TERM' TERM
+    trap '_ray_on_slurm_signal INT' INT
     _ray_on_slurm_log "Ray head on $head ($head_ip:$port), ${#nodes[@]} node(s), $cpus CPUs and $gpus GPUs each"
     srun --overlap --nodes=1 --ntasks=1 -w "$head" \
         "$ray" start --head --block --node-ip-address="$head_ip" --port="$port" --num-cpus="$cpus" \
@@ -103,8 +136,22 @@ EOF
         sleep 3
     done
     _ray_on_slurm_log "Ray is up on ${#nodes[@]} node(s); running: $*"
-    status=0
-    RAY_ADDRESS="$head_ip:$port" "$@" || status=$?
+    # in the background, so that a signal is handled now (bash runs a trap only once a foreground
+    # command has ended); the trap passes SIGTERM on (a background command ignores SIGINT)
+    RAY_ADDRESS="$head_ip:$port" "$@" &
+    _ray_on_slurm_command=$!
+    # errexit off while waiting: bash 5.2 with `set -e` (the recipes) exits when a trap has run
+    # during `wait`, even inside `wait || true`, which would leave the command and Ray behind
+    local errexit=0
+    [[ $- == *e* ]] && errexit=1
+    set +e
+    while kill -0 "$_ray_on_slurm_command" 2>/dev/null; do
+        wait "$_ray_on_slurm_command"  # back early when a signal came; the trap passed it on
+    done
+    wait "$_ray_on_slurm_command"  # the command's own status (bash keeps it)
+    status=$?
+    (( errexit )) && set -e
+    _ray_on_slurm_command=""
     _ray_on_slurm_log "command exited with status $status; stopping Ray"
     _ray_on_slurm_stop
     trap - TERM INT

@@ -5,6 +5,7 @@
 #SBATCH --gpus-per-node=8
 #SBATCH --exclusive
 #SBATCH --time=7-00:00:00
+#SBATCH --signal=B:TERM@300
 #SBATCH --output=%x-%j.out
 #
 # DAPO on Qwen2.5-7B base with the paper's settings (examples/dapo/dapo_qwen2.5_7b.yaml):
@@ -19,6 +20,10 @@
 # Environment (defaults): MODEL_PATH [models/Qwen2.5-7B], DATA_DIR [data/dapo],
 # OUTPUT_DIR [outputs/dapo_qwen2.5_7b], MLFLOW_TRACKING_URI [a store in OUTPUT_DIR],
 # NNODES [the job's nodes], GPUS_PER_NODE [8], GPU_MEMORY [80GB], LAYOUT [megarl plan's].
+#
+# To stop the run cleanly (MLflow status, actors, exit 143; the same command resumes it):
+# scancel --batch --signal=TERM JOBID. --signal above does the same 5 minutes before the time
+# limit (docs/slurm.md#stopping-a-run).
 set -euo pipefail
 cd "${MEGARL_HOME:-${SLURM_SUBMIT_DIR:-$(dirname "$0")/../..}}"
 

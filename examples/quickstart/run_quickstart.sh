@@ -3,6 +3,7 @@
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=1
 #SBATCH --time=01:00:00
+#SBATCH --signal=B:TERM@300
 #SBATCH --output=megarl-quickstart-%j.out
 #
 # The CPU quickstart (Search-R1 + DAPO on a tiny model) as a slurm job on one node, run the
@@ -15,6 +16,10 @@
 # DATA_DIR [outputs/quickstart or outputs/quickstart_math] built by `python -m megarl.quickstart
 # prepare` (prepare-math) when missing, with PREPARE_ARGS, OUTPUT_DIR [DATA_DIR/run_slurm],
 # MLFLOW_TRACKING_URI [a store inside OUTPUT_DIR], RAY_NUM_CPUS [8 scheduling slots].
+#
+# To stop the run cleanly (MLflow status, actors, exit 143; the same command resumes it):
+# scancel --batch --signal=TERM JOBID. --signal above does the same 5 minutes before the time
+# limit (docs/slurm.md#stopping-a-run).
 set -euo pipefail
 cd "${MEGARL_HOME:-${SLURM_SUBMIT_DIR:-$(dirname "$0")/../..}}"
 source tools/ray_on_slurm.sh

@@ -5,6 +5,7 @@
 #SBATCH --gpus-per-node=8
 #SBATCH --exclusive
 #SBATCH --time=3-00:00:00
+#SBATCH --signal=B:TERM@300
 #SBATCH --output=%x-%j.out
 #
 # Search-R1 on NQ + HotpotQA with Qwen2.5-7B base (examples/search_r1/search_r1_qwen2.5_7b.yaml):
@@ -21,6 +22,10 @@
 # INDEX_DIR [indexes/wiki18_bm25], ALGO [dapo | ppo], OUTPUT_DIR [outputs/search_r1_qwen2.5_7b_$ALGO],
 # MLFLOW_TRACKING_URI [a store in OUTPUT_DIR], NNODES [the job's nodes], GPUS_PER_NODE [8],
 # GPU_MEMORY [80GB], RETRIEVAL_PORT [8000], RETRIEVAL_ARGS [], LAYOUT [megarl plan's].
+#
+# To stop the run cleanly (MLflow status, actors, exit 143; the same command resumes it):
+# scancel --batch --signal=TERM JOBID. --signal above does the same 5 minutes before the time
+# limit (docs/slurm.md#stopping-a-run).
 set -euo pipefail
 cd "${MEGARL_HOME:-${SLURM_SUBMIT_DIR:-$(dirname "$0")/../..}}"
 

@@ -1,0 +1,122 @@
+"""tools/ray_on_slurm.sh and signals, on stand-ins for slurm (srun, scontrol), Ray (`ray start
+--block`) and the driver: a SIGTERM to the batch shell alone (`scancel --batch --signal=TERM`,
+`#SBATCH --signal=B:TERM@300`) reaches the driver at once although bash runs traps only after a
+foreground command, the driver's exit status is the job's, and Ray is stopped after the driver
+has exited (its cleanup still reaches the actors). The real slurm path is `make test-slurm`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SRUN = """#!/usr/bin/env bash
+# srun [options] command: runs the command here
+while [[ $# -gt 0 && $1 == -* ]]; do [[ $1 == -w ]] && shift; shift; done
+exec "$@"
+"""
+SCONTROL = "#!/usr/bin/env bash\necho localhost\n"
+PYTHON = """#!/usr/bin/env bash
+# the python ray_on_slurm asks for the node address, a token, and whether Ray sees every node
+case "$*" in
+    *get_node_ip_address*) echo 127.0.0.1 ;;
+    *secrets*) echo token ;;
+    -*) cat > /dev/null ;;
+esac
+"""
+RAY = """#!/usr/bin/env bash
+# ray start --block: until SIGTERM, as Ray's own stops its node's processes then
+trap 'echo "ray stopped $(date +%s.%N)" >> "$EVENTS"; exit 0' TERM
+echo "ray started $(date +%s.%N)" >> "$EVENTS"
+while true; do sleep 0.1; done
+"""
+DRIVER = """import signal, sys, time
+events, stop = sys.argv[1], []
+def note(line):
+    with open(events, "a") as fh:
+        fh.write(f"{line} {time.time():.3f}\\n")
+signal.signal(signal.SIGTERM, lambda s, f: (note("driver got SIGTERM"), stop.append(s)))
+note("driver started")
+deadline = time.time() + float(sys.argv[2])
+while not stop and time.time() < deadline:
+    time.sleep(0.05)
+time.sleep(1.0)  # its cleanup, while Ray is still up
+note("driver exited")
+sys.exit(143 if stop else 0)
+"""
+
+
+def start(tmp_path: Path, run_s: float) -> tuple[subprocess.Popen, Path]:
+    """The shell running ray_on_slurm with the stand-ins; its output goes to tmp_path/output."""
+    bin_dir, events = tmp_path / "bin", tmp_path / "events"
+    bin_dir.mkdir()
+    for name, text in {"srun": SRUN, "scontrol": SCONTROL, "python": PYTHON, "ray": RAY}.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    (tmp_path / "driver.py").write_text(DRIVER)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="1", SLURM_JOB_NODELIST="localhost",
+               MEGARL_PYTHON=str(bin_dir / "python"), EVENTS=str(events), RAY_STOP_TIMEOUT="10")
+    script = (f"set -euo pipefail; source {ROOT / 'tools' / 'ray_on_slurm.sh'}; "  # as the recipes run it
+              f"ray_on_slurm {sys.executable} {tmp_path / 'driver.py'} {events} {run_s}")
+    with open(tmp_path / "output", "w") as output:
+        shell = subprocess.Popen(["bash", "-c", script], env=env, stdout=output, stderr=subprocess.STDOUT)
+    return shell, events
+
+
+def stop(shell: subprocess.Popen, tree: list[psutil.Process]) -> None:
+    """The shell and what it started (recorded in tree while it ran), if still running after a
+    failed case: killed by their own ids."""
+    for process in [*tree, psutil.Process(shell.pid)] if shell.poll() is None else tree:
+        if process.is_running():
+            process.kill()
+    shell.wait(timeout=10)
+
+
+def lines(events: Path) -> list[str]:
+    """The events in order, without their times."""
+    return [line.rsplit(" ", 1)[0] for line in events.read_text().splitlines()] if events.exists() else []
+
+
+def at(events: Path, what: str) -> float:
+    return next(float(line.rsplit(" ", 1)[1]) for line in events.read_text().splitlines() if line.startswith(what))
+
+
+@pytest.mark.timeout(60)
+def test_a_sigterm_to_the_batch_shell_reaches_the_driver_now_and_ray_stops_after_it(tmp_path):
+    shell, events = start(tmp_path, run_s=30)
+    tree = []
+    try:
+        deadline = time.monotonic() + 20
+        while "driver started" not in lines(events):
+            assert time.monotonic() < deadline and shell.poll() is None, (tmp_path / "output").read_text()
+            time.sleep(0.05)
+        tree = psutil.Process(shell.pid).children(recursive=True)
+        os.kill(shell.pid, signal.SIGTERM)  # the batch shell alone
+        status = shell.wait(timeout=20)
+        time.sleep(0.5)  # a command or Ray left running would note itself by now
+    finally:
+        stop(shell, tree)
+    output = (tmp_path / "output").read_text()
+    assert status == 143, output
+    assert lines(events) == ["ray started", "driver started", "driver got SIGTERM", "driver exited", "ray stopped"]
+    assert at(events, "driver got SIGTERM") - at(events, "driver started") < 5  # not after the driver's own end
+    assert "SIGTERM: passing SIGTERM to the command" in output
+
+
+@pytest.mark.timeout(60)
+def test_a_driver_that_ends_by_itself_gives_its_status_and_ray_is_stopped(tmp_path):
+    shell, events = start(tmp_path, run_s=0.5)
+    try:
+        status = shell.wait(timeout=30)
+    finally:
+        stop(shell, [])
+    assert status == 0
+    assert lines(events) == ["ray started", "driver started", "driver exited", "ray stopped"]
