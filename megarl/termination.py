@@ -28,7 +28,7 @@ REPEAT_WINDOW_S of the first is the same request delivered twice (slurm signals 
 of the job and tools/ray_on_slurm.sh passes on what the batch shell receives) and is ignored.
 
 Main entry points: `stop_on_signals` (decorates `megarl.train.train`), `deferred`, `closing`,
-`reclaim_handlers`, `Stopped`.
+`handlers_kept` (around ray.init), `Stopped`.
 """
 
 from __future__ import annotations
@@ -124,16 +124,26 @@ def stop_on_signals(run: Callable[..., T]) -> Callable[..., T]:
             for s in _state.installed:
                 handler = previous[s]
                 signal.signal(s, signal.SIG_DFL if handler is None else handler)
+            _state.installed = set()  # nothing for reclaim_handlers to put back once the run is over
 
     return with_handlers
 
 
 def reclaim_handlers() -> None:
     """After a call that installed handlers of its own (ray.init makes SIGTERM sys.exit(15)):
-    those of `stop_on_signals` again."""
+    those of `stop_on_signals` again, while a run it started is going on."""
     if threading.current_thread() is threading.main_thread():
         for s in _state.installed:
             signal.signal(s, _on_signal)
+
+
+@contextlib.contextmanager
+def handlers_kept() -> Iterator[None]:
+    """Around a call that installs handlers of its own: `reclaim_handlers` as soon as it ends."""
+    try:
+        yield
+    finally:
+        reclaim_handlers()
 
 
 @contextlib.contextmanager

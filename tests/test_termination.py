@@ -311,3 +311,20 @@ def test_a_repeated_sigterm_is_one_request_and_a_later_one_cuts_the_cleanup_shor
     with pytest.raises(termination.Stopped):
         run()
     assert events == ["cleanup went on", "after the cleanup"] and killed == [True]
+
+
+def test_a_handler_installed_during_the_run_gives_way_to_the_runs_own_and_none_after_it():
+    before = signal.getsignal(signal.SIGTERM)
+
+    @termination.stop_on_signals
+    def run():
+        with termination.handlers_kept():  # as around ray.init, which makes SIGTERM sys.exit(15)
+            signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))
+        return signal.getsignal(signal.SIGTERM)
+
+    assert run() is termination._on_signal
+    assert signal.getsignal(signal.SIGTERM) is before
+    with termination.handlers_kept():  # outside a run: whatever the call sets stays
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    signal.signal(signal.SIGTERM, before)

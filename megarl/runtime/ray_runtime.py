@@ -27,6 +27,7 @@ from megarl.runtime.local_ray import init_local_ray
 from megarl.runtime.ray_actors import EngineActor, RetrievalActor, RewardActor, TrainWorkerActor
 from megarl.runtime.liveness import died, frozen, wait_started
 from megarl.runtime.ray_proxies import RayRanks, RemoteEngine, RemoteRewardPool, RemoteTrainWorker
+from megarl.termination import handlers_kept
 from megarl.weights import transport_class
 
 log = logging.getLogger(__name__)
@@ -49,11 +50,13 @@ class RayRuntime(Runtime):
         self._started_ray = False
         if not ray.is_initialized():
             c = cfg.cluster
-            if c.ray_address:
-                ray.init(address=c.ray_address, log_to_driver=True)
-            else:
-                init_local_ray(num_cpus=c.cpus_per_node or max(len(placement_bundles(cfg)[0]), os.cpu_count() or 2),
-                               num_gpus=c.gpus_per_node, include_dashboard=False, log_to_driver=True)
+            with handlers_kept():  # ray.init makes SIGTERM sys.exit(15); the run's stop (megarl.termination) stays
+                if c.ray_address:
+                    ray.init(address=c.ray_address, log_to_driver=True)
+                else:
+                    init_local_ray(num_cpus=c.cpus_per_node or max(len(placement_bundles(cfg)[0]),
+                                                                   os.cpu_count() or 2),
+                                   num_gpus=c.gpus_per_node, include_dashboard=False, log_to_driver=True)
             self._started_ray = True
         self.pg, self.worker_actors, self.engine_actor, self.reward_actor, self.retrieval_actor = None, [], None, None, None
         self.fleet, self.transport, self.engine, self.reward_pool = None, None, None, None
