@@ -48,10 +48,62 @@ def test_bad_rows_name_file_and_row(tmp_path, row, words):
         load_prompts([str(tmp_path / "t.jsonl")], TOK, max_prompt_length=64)
 
 
-def test_bad_json_line(tmp_path):
-    (tmp_path / "t.jsonl").write_text(json.dumps(rows(1)[0]) + "\n{oops\n")
-    with pytest.raises(DataError, match=r"t.jsonl:2: not valid JSON"):
+GOOD_LINE = json.dumps(rows(1)[0]).encode()
+
+
+@pytest.mark.parametrize("second_line, message", [
+    # the byte counted by hand: {"prompt": " is 12 bytes, so the bad byte is the 13th
+    (b'{"prompt": "\xff"}',
+     "t.jsonl:2: not UTF-8 text (byte 0xff at byte 13 of the line); re-encode the file as UTF-8"),
+    ('{"prompt": "café"}'.encode("latin-1"),
+     "t.jsonl:2: not UTF-8 text (byte 0xe9 at byte 16 of the line); re-encode the file as UTF-8"),
+    (b"{oops", "t.jsonl:2: not valid JSON (Expecting property name enclosed in double quotes at column 2)"),
+    (b'{"prompt": "q",', "t.jsonl:2: not valid JSON (Expecting property name enclosed in double quotes at column 16)"),
+    (b"[1, 2]", "t.jsonl:2: a list, not a JSON object (one row per line)"),
+])
+def test_a_bad_jsonl_line_is_named_by_file_and_line(tmp_path, second_line, message):
+    (tmp_path / "t.jsonl").write_bytes(GOOD_LINE + b"\n" + second_line + b"\n" + GOOD_LINE + b"\n")
+    with pytest.raises(DataError) as error:
         load_prompts([str(tmp_path / "t.jsonl")], TOK, max_prompt_length=64)
+    assert str(error.value) == f"{tmp_path}/{message}"
+
+
+def test_a_byte_order_mark_is_not_an_error(tmp_path):
+    (tmp_path / "t.jsonl").write_bytes(b"\xef\xbb\xbf" + GOOD_LINE + b"\n")
+    records, _ = load_prompts([str(tmp_path / "t.jsonl")], TOK, max_prompt_length=64)
+    assert len(records) == 1
+
+
+class AsciiOnly:
+    """A tokenizer with a token per ASCII character and none for anything else (no unknown
+    token, no byte fallback): it drops what it cannot encode."""
+    chat_template = None
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) for c in text if ord(c) < 128]
+
+
+@pytest.mark.parametrize("prompt, tokenizer, message", [
+    ("", TOK, "row 2: prompt is empty (''); give the prompt text or drop the row"),
+    (" \n\t", TOK, "row 2: prompt is empty (' \\n\\t'); give the prompt text or drop the row"),
+    ([], TOK, "row 2: prompt must be a non-empty string or a list of chat messages [{role, content}], got []"),
+    (None, TOK, "row 2: prompt must be a non-empty string or a list of chat messages [{role, content}], got None"),
+    ([{"role": "user", "content": ""}], TOK,
+     "row 2: prompt: every message's content is empty; give the prompt text or drop the row"),
+    ([{"role": "system", "content": " "}, {"role": "user", "content": "\n"}], TOK,
+     "row 2: prompt: every message's content is empty; give the prompt text or drop the row"),
+    ([{"role": "user"}], TOK,
+     "row 2: prompt: message 0 must be {role, content} with a string content, got {'role': 'user'}"),
+    ("\u200b\u200b", AsciiOnly(),  # two zero-width spaces: text to str.strip, nothing to this tokenizer
+     "row 2: prompt '\\u200b\\u200b' is zero tokens once rendered; give the prompt text"),
+])
+def test_an_empty_prompt_is_refused_with_file_and_row(tmp_path, prompt, tokenizer, message):
+    data = rows(2)
+    data[1]["prompt"] = prompt
+    (tmp_path / "t.jsonl").write_text("\n".join(json.dumps(r) for r in data) + "\n")
+    with pytest.raises(DataError) as error:
+        load_prompts([str(tmp_path / "t.jsonl")], tokenizer, max_prompt_length=64)
+    assert str(error.value) == f"{tmp_path}/t.jsonl {message}"
 
 
 def test_prompt_order_epochs_and_resume():

@@ -17,11 +17,12 @@ tools/prepare_search_r1.py are their command lines.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from megarl.data.prompts import DataError, read_rows
+from megarl.data.prompts import CORPUS_METADATA, DataError, read_rows
 from megarl.rollout.agent import SEARCH_INSTRUCTION
 
 log = logging.getLogger(__name__)
@@ -46,9 +47,7 @@ def read_source(source: str, *, split: str = "train", subset: str | None = None)
     """Rows of a local parquet / jsonl file, or of a hub dataset (`name`, with `subset`, `split`)."""
     path = Path(source)
     if path.exists():
-        for number, row in enumerate(read_rows(path), 1):
-            if not isinstance(row, dict):
-                raise DataError(f"{path} row {number}: not a JSON object")
+        for number, row in enumerate(read_rows(path), 1):  # read_rows: JSON objects, else DataError with the line
             yield f"{path} row {number}", row
         return
     if source.endswith((".parquet", ".jsonl", ".json")) or "/" not in source:
@@ -144,8 +143,10 @@ def search_r1_rows(dataset: str, split: str, rows: Iterable[Row]) -> list[dict]:
     return out
 
 
-def write_rows(rows: list[dict], path: str | Path) -> Path:
-    """Parquet, written to a temporary name and renamed (a reader never sees half a file)."""
+def write_rows(rows: list[dict], path: str | Path, corpus: dict | None = None) -> Path:
+    """Parquet, written to a temporary name and renamed (a reader never sees half a file).
+    corpus: the retrieval corpus the questions are answered from (`corpus_info(path)`),
+    recorded in the file so that a run warns when its index was built from another."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -154,6 +155,9 @@ def write_rows(rows: list[dict], path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    pq.write_table(pa.Table.from_pylist(rows), tmp)
+    table = pa.Table.from_pylist(rows)
+    if corpus is not None:
+        table = table.replace_schema_metadata({**(table.schema.metadata or {}), CORPUS_METADATA: json.dumps(corpus)})
+    pq.write_table(table, tmp)
     tmp.rename(path)
     return path

@@ -4,8 +4,10 @@ A row has `data_source`, the prompt (chat messages [{"role", "content"}] or a st
 `prompt_key`, `reward_model: {"ground_truth": ...}` and optional `extra_info`; parquet or
 jsonl. Prompts are rendered with the tokenizer's chat template when asked and available
 (else the message contents are joined), and prompts longer than max_prompt_length tokens
-are dropped and counted. `PromptOrder` (which prompts each step trains on) yields the same
-order after a restart from its `state_dict()`. Main entry points: `load_prompts`, `PromptOrder`.
+are dropped and counted; a line that is not UTF-8 or not a JSON object, and an empty prompt,
+stop the load with the file and line (row). `PromptOrder` (which prompts each step trains
+on) yields the same order after a restart from its `state_dict()`. Main entry points:
+`load_prompts`, `PromptOrder`.
 """
 
 from __future__ import annotations
@@ -26,6 +28,12 @@ class DataError(ValueError):
     """A data file or row that cannot be used; the message names the file and row."""
 
 
+# parquet key-value metadata of a data file: the retrieval corpus its questions are answered
+# from, as the index manifest records it (megarl.retrieval.corpus.corpus_info; written by
+# megarl.data.prepare.write_rows, compared with the index at the start of a run)
+CORPUS_METADATA = b"megarl.corpus"
+
+
 @dataclass
 class PromptRecord:
     prompt_ids: list[int]
@@ -43,15 +51,38 @@ def read_rows(path: str | Path) -> list[dict]:
         return pq.read_table(path).to_pylist()
     if path.suffix in (".jsonl", ".json"):
         rows = []
-        with open(path, encoding="utf-8") as fh:
-            for number, line in enumerate(fh, 1):
-                if line.strip():
-                    try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError as e:
-                        raise DataError(f"{path}:{number}: not valid JSON ({e.msg})") from None
+        with open(path, "rb") as fh:  # decoded line by line, so that an error can name its line
+            for number, raw in enumerate(fh, 1):
+                try:
+                    line = raw.decode("utf-8-sig" if number == 1 else "utf-8")  # a byte-order mark is harmless
+                except UnicodeDecodeError as e:
+                    raise DataError(f"{path}:{number}: not UTF-8 text (byte 0x{raw[e.start]:02x} at byte "
+                                    f"{e.start + 1} of the line); re-encode the file as UTF-8") from None
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line.rstrip("\r\n"))  # so that a column past the end names this line
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}:{number}: not valid JSON ({e.msg} at column {e.colno})") from None
+                if not isinstance(row, dict):
+                    raise DataError(f"{path}:{number}: a {type(row).__name__}, not a JSON object (one row per line)")
+                rows.append(row)
         return rows
     raise DataError(f"{path}: unsupported data file type {path.suffix!r}; use .parquet or .jsonl")
+
+
+def data_corpus(path: str | Path) -> dict | None:
+    """The corpus a parquet data file was prepared against (CORPUS_METADATA), or None: not
+    recorded, or a jsonl file, which has no place to record it."""
+    path = Path(path)
+    if path.suffix != ".parquet" or not path.is_file():
+        return None
+    metadata = pq.read_schema(path).metadata or {}
+    try:
+        record = json.loads(metadata[CORPUS_METADATA])
+    except (KeyError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def render_prompt(tokenizer, prompt: Any, apply_chat_template: bool) -> list[int]:
@@ -80,9 +111,10 @@ def load_prompts(files: list[str], tokenizer, *, prompt_key: str = "prompt", max
             if not isinstance(reward, dict) or "ground_truth" not in reward:
                 raise DataError(f"{where}: reward_model must be a mapping with 'ground_truth'")
             prompt = row[prompt_key]
-            if not prompt or not (isinstance(prompt, str) or all(isinstance(m, dict) and "content" in m for m in prompt)):
-                raise DataError(f"{where}: {prompt_key} must be a non-empty string or a list of chat messages")
+            _check_prompt(prompt, f"{where}: {prompt_key}")
             ids = render_prompt(tokenizer, prompt, apply_chat_template)
+            if not ids:
+                raise DataError(f"{where}: {prompt_key} {prompt!r} is zero tokens once rendered; give the prompt text")
             if len(ids) > max_prompt_length:
                 dropped += 1
                 continue
@@ -93,6 +125,23 @@ def load_prompts(files: list[str], tokenizer, *, prompt_key: str = "prompt", max
     if not records:
         raise DataError(f"no usable prompts in {files} (dropped {dropped} as too long)")
     return records, dropped
+
+
+def _check_prompt(prompt: Any, where: str) -> None:
+    """A prompt is a string or chat messages [{role, content: str}] with some text: an empty
+    one would train the policy on answering nothing."""
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise DataError(f"{where} is empty ({prompt!r}); give the prompt text or drop the row")
+        return
+    if not isinstance(prompt, list | tuple) or not prompt:
+        raise DataError(f"{where} must be a non-empty string or a list of chat messages [{{role, content}}], "
+                        f"got {prompt!r}")
+    for i, message in enumerate(prompt):
+        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+            raise DataError(f"{where}: message {i} must be {{role, content}} with a string content, got {message!r}")
+    if not any(m["content"].strip() for m in prompt):
+        raise DataError(f"{where}: every message's content is empty; give the prompt text or drop the row")
 
 
 class PromptOrder:
