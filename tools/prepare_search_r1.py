@@ -8,7 +8,9 @@ MuSiQue (dev), Bamboogle (test), as Search-R1 evaluates. A local --source holds 
 layout, DATASET/SPLIT.jsonl (or .parquet); rows {id, question, golden_answers}. Each row
 gets the Search-R1 instruction as the user's message and {"target": golden_answers}; the
 data_source (the data set's name) routes the reward to exact match. --train-sets / --test-sets
-choose other sets (name:split, comma-separated).
+choose other sets (name:split, comma-separated). --corpus names the retrieval corpus the
+questions are to be answered from (e.g. wiki-18.jsonl): its SHA-256 goes into both files,
+and `megarl train` warns when its index was built from another corpus.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megarl.data.prepare import SEARCH_R1_TEST, SEARCH_R1_TRAIN, read_source, search_r1_rows, write_rows  # noqa: E402
 from megarl.data.prompts import DataError  # noqa: E402
+from megarl.retrieval.corpus import corpus_info  # noqa: E402
 
 
 def _sets(text: str | None, default: dict[str, str]) -> dict[str, str]:
@@ -49,7 +52,13 @@ def main(argv: list[str] | None = None) -> int:
     where.add_argument("--hub", help="hub dataset with one subset per QA set, e.g. RUC-NLPIR/FlashRAG_datasets")
     parser.add_argument("--train-sets", help="name:split,... (default nq:train,hotpotqa:train)")
     parser.add_argument("--test-sets", help="name:split,... (default: the seven Search-R1 test sets)")
+    parser.add_argument("--corpus", help="the retrieval corpus file (e.g. wiki-18.jsonl) to record in the data "
+                        "(a run warns when its index was built from another)")
     args = parser.parse_args(argv)
+    if args.corpus and not Path(args.corpus).is_file():
+        print(f"prepare_search_r1: --corpus {args.corpus}: no such file", file=sys.stderr)
+        return 1
+    corpus = corpus_info(args.corpus) if args.corpus else None
     try:
         for name, sets in (("train", _sets(args.train_sets, SEARCH_R1_TRAIN)),
                            ("test", _sets(args.test_sets, SEARCH_R1_TEST))):
@@ -58,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                 part = search_r1_rows(dataset, split, _rows(args, dataset, split))
                 rows += part
                 counts.append(f"{dataset} {len(part)}")
-            path = write_rows(rows, Path(args.out) / f"{name}.parquet")
+            path = write_rows(rows, Path(args.out) / f"{name}.parquet", corpus=corpus)
             print(f"{path}: {len(rows)} questions ({', '.join(counts)})")
     except DataError as e:
         print(f"prepare_search_r1: {e}", file=sys.stderr)

@@ -27,7 +27,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from megarl.data.prepare import DAPO_MATH_INSTRUCTION, MATH_DATA_SOURCE
+from megarl.data.prepare import DAPO_MATH_INSTRUCTION, MATH_DATA_SOURCE, write_rows
+from megarl.retrieval.corpus import corpus_info
 from megarl.rollout.agent import SEARCH_INSTRUCTION, format_observation
 
 SYLLABLES = ["zor", "bia", "qua", "lin", "mex", "tor", "vel", "dra", "pon", "kis", "ru", "ta", "nel", "fim", "gar",
@@ -129,8 +130,9 @@ def write_search_world(out_dir: str | Path, num_entities: int = 200, val_fractio
     with open(paths["corpus"], "w", encoding="utf-8") as fh:
         for row in corpus_rows(facts):
             fh.write(json.dumps(row, ensure_ascii=False) + "\n")
-    pq.write_table(pa.Table.from_pylist([question_row(f, k, "train") for k, f in enumerate(train)]), paths["train"])
-    pq.write_table(pa.Table.from_pylist([question_row(f, k, "test") for k, f in enumerate(val)]), paths["val"])
+    corpus = corpus_info(paths["corpus"])  # recorded in the questions' files: a run checks its index against it
+    write_rows([question_row(f, k, "train") for k, f in enumerate(train)], paths["train"], corpus=corpus)
+    write_rows([question_row(f, k, "test") for k, f in enumerate(val)], paths["val"], corpus=corpus)
     return paths
 
 

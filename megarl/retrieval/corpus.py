@@ -71,6 +71,16 @@ def write_jsonl_corpus(path: str | Path, rows: Iterable[Document | dict[str, Any
     return path
 
 
+def corpus_info(path: str | Path, checksum: bool = True) -> dict[str, Any]:
+    """What identifies a corpus file: {"path" (absolute), "bytes", "sha256" (with checksum)}; an
+    index manifest records it, and so can a data file prepared against the corpus."""
+    path = Path(path)
+    info: dict[str, Any] = {"path": str(path.resolve()), "bytes": path.stat().st_size}
+    if checksum:
+        info["sha256"] = file_sha256(path)
+    return info
+
+
 def file_sha256(path: str | Path, chunk_bytes: int = 1 << 20) -> str:
     """Hex SHA-256 of a file's bytes, read in chunks (one extra pass; seconds for wiki-18)."""
     digest = hashlib.sha256()

@@ -4,6 +4,7 @@ An index directory holds the documents (DocStore), the kind's own files (`bm25/`
 `dense/`) and `manifest.json` (kind, sizes, format version, the corpus path and SHA-256,
 the build parameters). The manifest is written last and the directory is built under a
 temporary name and renamed into place, so an index is either whole or absent.
+`corpus_warnings` compares the manifest's corpus with the one a run's data was prepared against.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from megarl.retrieval.corpus import corpus_rows_hint, file_sha256, iter_corpus
+from megarl.retrieval.corpus import corpus_info, corpus_rows_hint, iter_corpus
 from megarl.retrieval.docstore import DocStoreWriter
 from megarl.retrieval.errors import CorpusError, IndexExistsError, IndexFormatError, RetrievalError
 from megarl.retrieval.retriever import Retriever
@@ -70,9 +71,7 @@ def build_index(
     if first is None:
         raise CorpusError(f"corpus {corpus_path}: no rows; an index needs at least one document")
     build = _dense_builder(options) if kind == "dense" else _bm25_builder(options)
-    corpus_info: dict[str, Any] = {"path": str(corpus_path.resolve()), "bytes": corpus_path.stat().st_size}
-    if checksum:
-        corpus_info["sha256"] = file_sha256(corpus_path)
+    corpus = corpus_info(corpus_path, checksum)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.building-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -96,7 +95,7 @@ def build_index(
             "format_version": FORMAT_VERSION,
             "kind": kind,
             "num_docs": len(store),
-            "corpus": corpus_info,
+            "corpus": corpus,
             "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             kind: params,
         }
@@ -169,6 +168,38 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
     if kind not in KINDS or not isinstance(manifest.get(kind), dict):
         raise IndexFormatError(f"index {directory}: unknown or incomplete index kind {kind!r} in {MANIFEST_FILE}")
     return manifest
+
+
+def corpus_warnings(directory: str | Path, expected: dict[str, dict[str, Any]]) -> list[str]:
+    """Why the index in `directory` may serve other documents than the data expects, checked
+    without reading the corpus: `expected` maps a data file to the corpus it was prepared
+    against (`corpus_info`: path, bytes, sha256), compared with the manifest's corpus by
+    SHA-256 (by size when either has none); and the corpus file at the manifest's path, if
+    still there, against the size it had when the index was built."""
+    directory = Path(directory)
+    built = read_manifest(directory).get("corpus") or {}
+    warnings = []
+    for data_file, wanted in expected.items():
+        key = "sha256" if "sha256" in built and "sha256" in wanted else "bytes"
+        if built.get(key) is not None and wanted.get(key) is not None and built[key] != wanted[key]:
+            warnings.append(
+                f"the retrieval index {directory} was built from another corpus than {data_file} was prepared "
+                f"against: index: {built.get('path')} ({_identity(built)}), data: {wanted.get('path')} "
+                f"({_identity(wanted)}); rebuild the index from the data's corpus (megarl retrieval build --corpus "
+                f"...) or prepare the data against the index's corpus")
+    path = Path(built.get("path") or "")
+    if built.get("path") and path.is_file() and built.get("bytes") not in (None, path.stat().st_size):
+        warnings.append(
+            f"the corpus {path} changed since the retrieval index {directory} was built from it ({built['bytes']:,} "
+            f"bytes then, {path.stat().st_size:,} now; sha256 then {built.get('sha256', 'not recorded')}): the "
+            f"index serves the old documents; rebuild it if the run should search the new ones")
+    return warnings
+
+
+def _identity(corpus: dict[str, Any]) -> str:
+    if corpus.get("sha256"):
+        return f"sha256 {corpus['sha256']}"
+    return f"{corpus['bytes']:,} bytes, no sha256" if isinstance(corpus.get("bytes"), int) else "no sha256"
 
 
 def _bm25_builder(options: dict[str, Any]):
