@@ -12,16 +12,17 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
 
 from megarl.backends.base import TrainWorker
 from megarl.config import RunConfig
-from megarl.data.prompts import PromptOrder, PromptRecord, load_prompts
+from megarl.data.prompts import PromptOrder, PromptRecord, data_corpus, load_prompts
 from megarl.errors import ComponentDied
 from megarl.http_auth import RETRIEVAL_KEY_ENV
+from megarl.models.hf_files import check_model_files
 from megarl.retrieval.client import RetrievalClient
+from megarl.retrieval.index import corpus_warnings
 from megarl.reward.pool import RewardComputer
 from megarl.rollout.agent import AgentSettings
 from megarl.rollout.engine import RolloutEngine
@@ -94,9 +95,9 @@ class Components:
 def build_components(cfg: RunConfig) -> Components:
     from transformers import AutoTokenizer
 
-    model_path = Path(cfg.model.path)
-    if not (model_path / "config.json").is_file():
-        raise FileNotFoundError(f"model.path={cfg.model.path} is not an HF model directory (no config.json)")
+    check_model_files(cfg.model.path)  # here, in a second: not as a traceback from a worker after Ray started
+    if cfg.critic.enable and cfg.critic.model_path:
+        check_model_files(cfg.critic.model_path, key="critic.model_path")
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
     d = cfg.data
     train_records, dropped = load_prompts(d.train_files, tokenizer, prompt_key=d.prompt_key,
@@ -106,6 +107,8 @@ def build_components(cfg: RunConfig) -> Components:
     if d.val_files:
         val_records, _ = load_prompts(d.val_files, tokenizer, prompt_key=d.prompt_key,
                                       max_prompt_length=d.max_prompt_length, apply_chat_template=d.apply_chat_template)
+    if cfg.agent.max_turns > 0 and cfg.agent.retrieval.url is None:
+        _warn_if_other_corpus(cfg.agent.retrieval.index_dir, d.train_files + d.val_files)
     steps_per_epoch = max(len(train_records) // d.train_batch_size, 1)
     total_steps = cfg.trainer.total_training_steps or steps_per_epoch * cfg.trainer.total_epochs
     runtime = build_runtime(cfg, total_steps)
@@ -124,3 +127,11 @@ def build_components(cfg: RunConfig) -> Components:
     return Components(cfg, tokenizer, train_records, val_records,
                       PromptOrder(len(train_records), cfg.trainer.seed, d.shuffle), runtime, searcher,
                       total_steps, dropped)
+
+
+def _warn_if_other_corpus(index_dir: str, data_files: list[str]) -> None:
+    """A warning when the index megarl serves was built from another corpus than the data
+    files record (megarl.retrieval.index.corpus_warnings; what it cannot see: docs/data.md)."""
+    expected = {path: record for path in data_files if (record := data_corpus(path)) is not None}
+    for warning in corpus_warnings(index_dir, expected):
+        log.warning("megarl: warning: %s", warning)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,6 +25,7 @@ from megarl.algo import InformativeGroupBuffer, masked_mean
 from megarl.components import Components, build_components
 from megarl.config import RunConfig, TrackingConfig, save_config
 from megarl.config_loader import dump_config, flatten_config
+from megarl.errors import RunInputError
 from megarl.experience import Sample, compute_advantages, reward_requests, shape_overlong, to_train_batch
 from megarl.rollout.agent import run_trajectories
 from megarl.termination import closing, deferred, received, reclaim_handlers, stop_on_signals
@@ -39,6 +41,7 @@ class TrainingStopped(RuntimeError):
 @stop_on_signals  # SIGTERM / SIGINT stop it like Ctrl-C, even inside a blocking wait (megarl.termination)
 def train(cfg: RunConfig) -> dict[str, float]:
     out = Path(cfg.trainer.output_dir)
+    check_output_dir(out)  # before anything starts: a clear message, not a traceback from the first write
     save_config(cfg, out / "config.yaml")
     ckpt_root = out / "checkpoints"
     resume_from = _resume_path(cfg, ckpt_root)  # verified before anything is started
@@ -279,6 +282,29 @@ def export_hf(c: Components, directory: Path) -> Path:
     c.worker.save_hf(directory)
     c.tokenizer.save_pretrained(directory)
     return directory
+
+
+def check_output_dir(out: Path) -> None:
+    """trainer.output_dir exists (created if not) and a file can be written in it, else
+    RunInputError naming the path: a file where a directory should be, no permission, a
+    read-only file system."""
+    for ancestor in (out, *out.parents):
+        if ancestor.exists():
+            if not ancestor.is_dir():
+                where = "is a file" if ancestor == out else f"is under {ancestor}, which is a file"
+                raise RunInputError(f"trainer.output_dir={out} {where}, not a directory; choose another "
+                                    f"trainer.output_dir")
+            break
+    fix = "choose a directory this user can write to, or fix its permissions"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RunInputError(f"trainer.output_dir={out} cannot be created ({e.strerror}: {e.filename}); {fix}") from None
+    try:
+        with tempfile.TemporaryFile(dir=out, prefix=".megarl-write-check-"):
+            pass
+    except OSError as e:
+        raise RunInputError(f"trainer.output_dir={out} is not writable ({e.strerror}); {fix}") from None
 
 
 def _resume_path(cfg: RunConfig, root: Path) -> Path | None:

@@ -14,7 +14,6 @@ layer); `layer_offset` turns them into global numbers.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from pathlib import Path
 import torch
 
 from megarl.models import ModelSpec, rope_inv_freq
+from megarl.models.hf_files import tensor_files
 from megarl.models.mapping import TensorRule, embedding_rule, head_rules, hf_from_shards, layer_rules, \
     shard_from_hf, te_name
 
@@ -353,13 +353,5 @@ def export_hf_tensors(chunks: list[torch.nn.Module], spec: ModelSpec) -> Iterato
 
 
 def safetensors_index(hf_dir: Path) -> dict[str, Path]:
-    index = hf_dir / "model.safetensors.index.json"
-    if index.exists():
-        return {n: hf_dir / f for n, f in json.loads(index.read_text())["weight_map"].items()}
-    single = hf_dir / "model.safetensors"
-    if not single.exists():
-        raise FileNotFoundError(f"{hf_dir}: no model.safetensors or model.safetensors.index.json")
-    from safetensors import safe_open
-
-    with safe_open(single, framework="pt") as f:
-        return {n: single for n in f.keys()}  # noqa: SIM118 (safe_open has keys(), no iteration)
+    """{HF tensor name: safetensors file}, each file checked (megarl.models.hf_files)."""
+    return tensor_files(hf_dir, key="HF checkpoint")
