@@ -137,6 +137,7 @@ def run_inputs(tmp_path_factory):
     return write_tiny_run_inputs(tmp_path_factory.mktemp("inputs"))
 
 
+@pytest.mark.timeout(120)
 def test_a_truncated_model_stops_megarl_train_before_ray_starts(run_inputs, tmp_path, capsys):
     # before: a 57-line traceback from a worker (safetensors' "incomplete metadata, file not fully covered"), no path
     model = tmp_path / "model"
@@ -180,6 +181,7 @@ def read_only_directory(directory: Path):
 FIX = "choose a directory this user can write to, or fix its permissions"
 
 
+@pytest.mark.timeout(120)
 def test_an_output_directory_that_cannot_be_written_is_named_before_anything_starts(tmp_path, capsys):
     # before: NotADirectoryError's traceback from save_config; a read-only one failed at its first write
     (tmp_path / "afile").write_text("x")
