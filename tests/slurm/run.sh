@@ -6,7 +6,8 @@
 # are stopped by their pid files, whatever happens.
 #
 # The run is shortened (a 20-step warm-up, 2 training steps): it checks the pipeline on slurm
-# (Ray on the allocation, the driver joining it, MLflow), not learning.
+# (Ray on the allocation, the driver joining it, MLflow), not learning. A second job is stopped
+# with `scancel --batch --signal=TERM` mid-step: exit code 143, MLflow KILLED, Ray stopped.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 REPO=$PWD
@@ -28,14 +29,24 @@ free_port() { "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1",
 
 cleanup() {
     local status=$?
+    if [[ -n "${SLURM_CONF:-}" ]]; then  # a job still running ends first (slurm stops its processes)
+        squeue -h -o %i 2>/dev/null | xargs -r scancel 2>/dev/null || true
+        for _ in $(seq 30); do squeue -h 2>/dev/null | grep -q . || break; sleep 1; done
+    fi
+    local pids=() pid
     for daemon in slurmd slurmctld munged; do
         if [[ -f "$WORK/$daemon.pid" ]]; then
-            kill "$(cat "$WORK/$daemon.pid")" 2>/dev/null || true
+            pid=$(cat "$WORK/$daemon.pid")
+            kill "$pid" 2>/dev/null || true
+            pids+=("$pid")
         fi
+    done
+    for pid in "${pids[@]}"; do  # gone before their directory is (munged writes its seed file as it exits)
+        for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
     done
     if [[ $status -ne 0 ]]; then
         echo "test-slurm: FAILED; the ends of the logs:" >&2
-        for f in "$WORK"/job.out "$WORK"/log/*.log; do
+        for f in "$WORK"/job.out "$WORK"/cancel.out "$WORK"/log/*.log; do
             [[ -f "$f" ]] && { echo "--- $f" >&2; tail -n 40 "$f" >&2; }
         done
     fi
@@ -90,6 +101,7 @@ echo "test-slurm: one-node slurm cluster up ($(sinfo -h -o '%P %D %c CPUs %t'))"
 
 export DATA_DIR=$WORK/data OUTPUT_DIR=$WORK/run MLFLOW_TRACKING_URI=sqlite:///$WORK/mlflow.db
 export PREPARE_ARGS="--warmup-steps 20" RAY_PORT=$(free_port)
+export RAY_TMPDIR=$WORK/ray  # not /tmp/ray-<job id>: another test's cluster numbers its jobs from 1 too
 start=$SECONDS
 set +e
 timeout 1500 sbatch --wait --job-name=megarl-slurm-test --output="$WORK/job.out" --chdir="$REPO" \
@@ -117,5 +129,38 @@ steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, "train
 assert steps == [1, 2], steps
 assert [m.step for m in client.get_metric_history(run.info.run_id, "val/acc")], "no val/acc"
 print(f"test-slurm: MLflow run {run.info.run_id} FINISHED with train/reward_mean at steps {steps} and val/acc")
+PYEOF
+
+# Stopped by hand while a step is under way: scancel --batch --signal=TERM reaches the batch shell
+# alone, tools/ray_on_slurm.sh passes it to the driver, which stops like Ctrl-C (exit 143), then
+# stops Ray; the MLflow run is KILLED and the newest checkpoint whole.
+export OUTPUT_DIR=$WORK/run_cancelled MLFLOW_TRACKING_URI=sqlite:///$WORK/mlflow_cancelled.db
+job=$(sbatch --parsable --job-name=megarl-slurm-cancel --output="$WORK/cancel.out" --chdir="$REPO" \
+    examples/quickstart/run_quickstart.sh trainer.total_training_steps=50 trainer.save_freq=1 trainer.test_freq=0 \
+    trainer.val_before_train=false algorithm.dynamic_sampling.enable=false data.train_batch_size=8 \
+    data.gen_batch_size=8)
+for _ in $(seq 600); do  # until step 1 is saved: step 2 is under way
+    [[ -f $OUTPUT_DIR/checkpoints/step_000001/meta.json ]] && break
+    squeue -h -j "$job" | grep -q . || { echo "test-slurm: job $job ended before its first checkpoint" >&2; exit 1; }
+    sleep 1
+done
+scancel --batch --signal=TERM "$job"
+for _ in $(seq 180); do squeue -h -j "$job" | grep -q . || break; sleep 1; done
+exit_code=$(scontrol show job "$job" | grep -o ' ExitCode=[0-9:]*' || true)
+[[ $exit_code == " ExitCode=143:0" ]] || { echo "test-slurm: cancelled job $job:$exit_code, not 143:0" >&2; exit 1; }
+grep -q "megarl: stopped by SIGTERM" "$WORK/cancel.out"
+grep -q "command exited with status 143; stopping Ray" "$WORK/cancel.out"
+"$PY" - "$MLFLOW_TRACKING_URI" "$OUTPUT_DIR" <<'PYEOF'
+import sys
+from mlflow.tracking import MlflowClient
+
+from megarl.checkpoint import newest_intact
+
+client = MlflowClient(tracking_uri=sys.argv[1])
+(run,) = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
+assert run.info.status == "KILLED" and run.data.tags["megarl.stop_signal"] == "SIGTERM", (run.info.status, run.data.tags)
+newest = newest_intact(sys.argv[2] + "/checkpoints")  # verified
+assert newest is not None, "no intact checkpoint"
+print(f"test-slurm: the cancelled run is KILLED by SIGTERM in MLflow; newest checkpoint {newest.name}, intact")
 PYEOF
 echo "test-slurm: passed"
