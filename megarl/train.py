@@ -28,7 +28,7 @@ from megarl.config_loader import dump_config, flatten_config
 from megarl.errors import RunInputError
 from megarl.experience import Sample, compute_advantages, reward_requests, shape_overlong, to_train_batch
 from megarl.rollout.agent import run_trajectories
-from megarl.termination import closing, deferred, received, reclaim_handlers, stop_on_signals
+from megarl.termination import closing, deferred, received, stop_on_signals
 from megarl.tracking import NullTracker, open_tracker, ui_command
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,6 @@ def train(cfg: RunConfig) -> dict[str, float]:
     resume_from = _resume_path(cfg, ckpt_root)  # verified before anything is started
     meta = checkpoint.read_meta(resume_from) if resume_from else {}
     c = build_components(cfg)
-    reclaim_handlers()  # ray.init put its own SIGTERM handler (sys.exit) in place of megarl.termination's
     step, bad_steps, history = meta.get("step", 0), 0, meta.get("history", [])
     status, tracker, params = "FAILED", NullTracker(), flatten_config(cfg)
     try:
