@@ -3,10 +3,14 @@
 # several nodes on this machine (tests/multinode/cluster.sh: network namespaces on a private
 # bridge, a hostname and a slurmd each, one slurmctld). Needs root; without it, exits 2.
 #
-# The runs (each short; the quickstart inputs are prepared once and shared):
-#   1. the CPU quickstart recipe submitted with sbatch --nodes=2: the Ray head on node1, a Ray
-#      worker on node2, the driver on node1; actors placed on both nodes; the run completes and
-#      MLflow has its metrics;
+# The runs (each short; the quickstart inputs are prepared once and shared), each submitted from
+# node1 with sbatch, the CPU quickstart recipe (examples/quickstart/run_quickstart.sh) through
+# tools/ray_on_slurm.sh: the Ray head on node1, a Ray worker on node2, the driver on node1:
+#   1. the engine fleet (embedded servers behind sglang-router) and the trainer on different
+#      nodes, weights synced between hosts over the update group (nccl transport, gloo on CPU)
+#      and, in a second run, through a directory both nodes see (disk), with sync.verify=true;
+#      the retrieval server searched from trajectories driven on the driver's node; each ending
+#      bit for bit on the weights of the same run on one node;
 #   2. the megatron backend with two ranks (DP = 2) on two nodes, torch.distributed over gloo
 #      between the nodes' addresses, ending bit for bit on the weights of the same run on one node.
 set -euo pipefail
@@ -43,27 +47,38 @@ sbatch_on_cluster() {
     fi
 }
 
-# --- 1. the quickstart recipe on two nodes ---------------------------------------------------
 export DATA_DIR=$WORK/data MEGARL_PYTHON=$PY RAY_PORT=6379
-OUTPUT_DIR=$WORK/quickstart MLFLOW_TRACKING_URI=sqlite:///$WORK/quickstart.db \
-    sbatch_on_cluster quickstart --nodes=2 examples/quickstart/run_quickstart.sh trainer.total_training_steps=2 \
-    trainer.test_freq=1 algorithm.dynamic_sampling.enable=false data.train_batch_size=8 data.gen_batch_size=8 \
-    cluster.placement_strategy=SPREAD
-grep -q "Ray is up on 2 node(s)" "$WORK/quickstart.out"
-grep -q "megarl: run finished" "$WORK/quickstart.out"
-"$PY" tests/multinode/check_run.py "sqlite:///$WORK/quickstart.db" "$WORK/quickstart.out" \
-    --steps 2 --nodes "$(node_addr 1),$(node_addr 2)"
+SHORT=(trainer.total_training_steps=2 trainer.test_freq=2 trainer.save_freq=2 algorithm.dynamic_sampling.enable=false
+       data.train_batch_size=8 data.gen_batch_size=8)
+SPREAD=(cluster.placement_strategy=SPREAD)
+
+# run NAME NODES ARGS...: the quickstart recipe on NODES nodes, output in $WORK/NAME
+run() {
+    local name=$1 nodes=$2; shift 2
+    OUTPUT_DIR=$WORK/$name MLFLOW_TRACKING_URI=sqlite:///$WORK/$name.db \
+        sbatch_on_cluster "$name" --nodes="$nodes" examples/quickstart/run_quickstart.sh "${SHORT[@]}" "$@"
+}
+
+# --- 1. the engine fleet on another node than the trainer ------------------------------------
+FLEET=(rollout.engine=sglang rollout.sglang.server=embedded sync.verify=true)
+run fleet_one 1 "${FLEET[@]}" sync.transport=disk
+run fleet_nccl 2 "${FLEET[@]}" sync.transport=nccl "${SPREAD[@]}"
+run fleet_disk 2 "${FLEET[@]}" sync.transport=disk "${SPREAD[@]}"
+for name in fleet_nccl fleet_disk; do
+    grep -q "Ray is up on 2 node(s)" "$WORK/$name.out"
+    placed=$(grep -a "megarl placement:" "$WORK/$name.out")
+    [[ $placed =~ "train ranks on "([0-9.]+)";".*"rollout engines on "([0-9.]+) && ${BASH_REMATCH[1]} != "${BASH_REMATCH[2]}" ]] \
+        || { echo "test-multinode: $name: the trainer and the engines are not on different nodes: $placed" >&2; exit 1; }
+    "$PY" tests/multinode/check_run.py "sqlite:///$WORK/$name.db" "$WORK/$name.out" --steps 2 \
+        --nodes "$(node_addr 1),$(node_addr 2)"
+    "$PY" tests/multinode/same_weights.py "$WORK/fleet_one/hf" "$WORK/$name/hf" "$WORK/data/model"
+done
 
 # --- 2. the megatron backend: two ranks (DP = 2) on two nodes, gloo between the nodes' addresses,
 # ending on the weights of the same run on one node
-MEGATRON=(actor.backend=megatron actor.parallel.data_parallel_size=2 trainer.total_training_steps=2
-          trainer.test_freq=2 trainer.save_freq=2 algorithm.dynamic_sampling.enable=false
-          data.train_batch_size=8 data.gen_batch_size=8)
-OUTPUT_DIR=$WORK/dp2_one MLFLOW_TRACKING_URI=sqlite:///$WORK/dp2_one.db \
-    sbatch_on_cluster dp2_one --nodes=1 examples/quickstart/run_quickstart.sh "${MEGATRON[@]}"
-OUTPUT_DIR=$WORK/dp2_two MLFLOW_TRACKING_URI=sqlite:///$WORK/dp2_two.db \
-    sbatch_on_cluster dp2_two --nodes=2 examples/quickstart/run_quickstart.sh "${MEGATRON[@]}" \
-    cluster.placement_strategy=SPREAD
+MEGATRON=(actor.backend=megatron actor.parallel.data_parallel_size=2)
+run dp2_one 1 "${MEGATRON[@]}"
+run dp2_two 2 "${MEGATRON[@]}" "${SPREAD[@]}"
 grep -q "megarl placement: train ranks on $(node_addr 1), $(node_addr 2);" "$WORK/dp2_two.out" \
     || { grep "megarl placement" "$WORK/dp2_two.out" >&2; echo "test-multinode: the two ranks are not on two nodes" >&2; exit 1; }
 "$PY" tests/multinode/check_run.py "sqlite:///$WORK/dp2_two.db" "$WORK/dp2_two.out" --steps 2
