@@ -12,7 +12,8 @@
 #      the retrieval server searched from trajectories driven on the driver's node; each ending
 #      bit for bit on the weights of the same run on one node;
 #   2. the megatron backend with two ranks (DP = 2) on two nodes, torch.distributed over gloo
-#      between the nodes' addresses, ending bit for bit on the weights of the same run on one node.
+#      between the nodes' addresses, ending bit for bit on the weights of the same run on one node;
+#   3. the same at PP = 2: one pipeline stage on each node.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 REPO=$PWD
@@ -83,5 +84,14 @@ grep -q "megarl placement: train ranks on $(node_addr 1), $(node_addr 2);" "$WOR
     || { grep "megarl placement" "$WORK/dp2_two.out" >&2; echo "test-multinode: the two ranks are not on two nodes" >&2; exit 1; }
 "$PY" tests/multinode/check_run.py "sqlite:///$WORK/dp2_two.db" "$WORK/dp2_two.out" --steps 2
 "$PY" tests/multinode/same_weights.py "$WORK/dp2_one/hf" "$WORK/dp2_two/hf" "$WORK/data/model"
+
+# --- 3. the megatron backend at PP = 2: one pipeline stage on each node ----------------------
+PIPELINE=(actor.backend=megatron actor.parallel.pipeline_model_parallel_size=2)
+run pp2_one 1 "${PIPELINE[@]}"
+run pp2_two 2 "${PIPELINE[@]}" "${SPREAD[@]}"
+grep -q "megarl placement: train ranks on $(node_addr 1), $(node_addr 2);" "$WORK/pp2_two.out" \
+    || { grep "megarl placement" "$WORK/pp2_two.out" >&2; echo "test-multinode: the two stages are not on two nodes" >&2; exit 1; }
+"$PY" tests/multinode/check_run.py "sqlite:///$WORK/pp2_two.db" "$WORK/pp2_two.out" --steps 2
+"$PY" tests/multinode/same_weights.py "$WORK/pp2_one/hf" "$WORK/pp2_two/hf" "$WORK/data/model"
 
 echo "test-multinode: passed in $((SECONDS - started)) s"
