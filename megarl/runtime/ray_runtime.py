@@ -22,6 +22,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from megarl.config import RunConfig
+from megarl.errors import ComponentDied
 from megarl.runtime.base import Runtime, hosted_retrieval_key
 from megarl.runtime.local_ray import init_local_ray
 from megarl.runtime.ray_actors import EngineActor, RetrievalActor, RewardActor, TrainWorkerActor
@@ -112,11 +113,14 @@ class RayRuntime(Runtime):
             started.append((self.engine_actor, RemoteEngine.NAME))
         wait_started(*map(list, zip(*started)), liveness)  # before any call into them is watched
         if self.retrieval_actor is not None:
-            try:
-                self.retrieval_url = ray.get(self.retrieval_actor.url.remote())
+            name = f"retrieval server (Ray actor RetrievalActor serving {cfg.agent.retrieval.index_dir})"
+            try:  # its constructor loads the index
+                self.retrieval_url = ray.get(self.retrieval_actor.url.remote(), timeout=liveness.startup_timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                raise ComponentDied(f"{name} did not start within {liveness.startup_timeout_s:.0f} s "
+                                    "(cluster.liveness.startup_timeout_s)") from None
             except ray.exceptions.RayActorError as e:
-                raise died(f"retrieval server (Ray actor RetrievalActor serving {cfg.agent.retrieval.index_dir})",
-                           e) from e
+                raise died(name, e) from e
         print(f"megarl placement: {self.placement()}", file=sys.stderr, flush=True)  # where to find each part's logs
 
     def placement(self) -> str:
