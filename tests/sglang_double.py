@@ -122,19 +122,17 @@ def create_app(node: str, gpus: list[str], hold: dict[str, float], collective_di
                 "output_token_logprobs": [[-0.5, 7, None]]}
         return {"text": "", "output_ids": [7], "meta_info": meta}
 
-    @app.post("/release_memory_occupation")
-    async def release(request: Request):
-        tags = (await request.json()).get("tags") or list(TAGS)
-        log("/release_memory_occupation", tags=tags)
-        released.update(tags)
-        return None
+    def memory_route(route: str, change) -> None:
+        """release / resume_memory_occupation: the named tags (none named: all of them)."""
+        async def handle(request: Request):
+            tags = (await request.json()).get("tags") or list(TAGS)
+            log(route, tags=tags)
+            change(tags)
+            return None
+        app.post(route)(handle)
 
-    @app.post("/resume_memory_occupation")
-    async def resume(request: Request):
-        tags = (await request.json()).get("tags") or list(TAGS)
-        log("/resume_memory_occupation", tags=tags)
-        released.difference_update(tags)
-        return None
+    memory_route("/release_memory_occupation", released.update)
+    memory_route("/resume_memory_occupation", released.difference_update)
 
     @app.post("/pause_generation")
     async def pause(request: Request):

@@ -195,10 +195,16 @@ def test_ray_launcher_sigterm_mid_step_stops_every_actor(inputs, tmp_path):
     finally:
         if run is not None:
             run.stop()
+    client, first = killed_by_sigterm_after_step_1(out)
+    assert metric_steps(client, first) == [1]
+
+
+def killed_by_sigterm_after_step_1(out):
+    """(MLflow client, the run) once checked: step 1's checkpoint whole, the one run KILLED by SIGTERM."""
     verify(out / "checkpoints" / "step_000001")
     client, first = only_run(out)
     assert first.info.status == "KILLED" and first.data.tags[STOP_SIGNAL_TAG] == "SIGTERM"
-    assert metric_steps(client, first) == [1]
+    return client, first
 
 
 @pytest.mark.timeout(400)
@@ -222,9 +228,7 @@ def test_a_second_sigterm_cuts_a_slow_shutdown_short_and_leaves_no_process(input
     finally:
         if run is not None:
             run.stop()
-    verify(out / "checkpoints" / "step_000001")
-    client, first = only_run(out)
-    assert first.info.status == "KILLED" and first.data.tags[STOP_SIGNAL_TAG] == "SIGTERM"
+    killed_by_sigterm_after_step_1(out)
 
 
 # A run left RUNNING (its process SIGKILLed, no chance to close it) or stopped, then a start from
