@@ -108,10 +108,11 @@ class RayRuntime(Runtime):
             self.engine = RemoteEngine(self.engine_actor, liveness)
         self.transport = transport_class(cfg.sync_transport())(cfg, self.engine)
         self.reward_pool = RemoteRewardPool(self.reward_actor, liveness)
-        started = [(self.reward_actor, RemoteRewardPool.NAME)]
+        actors, names = [self.reward_actor], [RemoteRewardPool.NAME]
         if self.engine_actor is not None:
-            started.append((self.engine_actor, RemoteEngine.NAME))
-        wait_started(*map(list, zip(*started)), liveness)  # before any call into them is watched
+            actors.append(self.engine_actor)
+            names.append(RemoteEngine.NAME)
+        wait_started(actors, names, liveness)  # before any call into them is watched
         if self.retrieval_actor is not None:
             name = f"retrieval server (Ray actor RetrievalActor serving {cfg.agent.retrieval.index_dir})"
             try:  # its constructor loads the index
