@@ -75,23 +75,22 @@ for name in fleet_nccl fleet_disk; do
     "$PY" tests/multinode/same_weights.py "$WORK/fleet_one/hf" "$WORK/$name/hf" "$WORK/data/model"
 done
 
-# --- 2. the megatron backend: two ranks (DP = 2) on two nodes, gloo between the nodes' addresses,
-# ending on the weights of the same run on one node
-MEGATRON=(actor.backend=megatron actor.parallel.data_parallel_size=2)
-run dp2_one 1 "${MEGATRON[@]}"
-run dp2_two 2 "${MEGATRON[@]}" "${SPREAD[@]}"
-grep -q "megarl placement: train ranks on $(node_addr 1), $(node_addr 2);" "$WORK/dp2_two.out" \
-    || { grep "megarl placement" "$WORK/dp2_two.out" >&2; echo "test-multinode: the two ranks are not on two nodes" >&2; exit 1; }
-"$PY" tests/multinode/check_run.py "sqlite:///$WORK/dp2_two.db" "$WORK/dp2_two.out" --steps 2
-"$PY" tests/multinode/same_weights.py "$WORK/dp2_one/hf" "$WORK/dp2_two/hf" "$WORK/data/model"
+# megatron_across_nodes NAME ARGS...: the megatron backend with two ranks, on one node (NAME_one)
+# and with one rank on each node (NAME_two); the two-node run ends on the one-node run's weights
+megatron_across_nodes() {
+    local name=$1; shift
+    run "${name}_one" 1 actor.backend=megatron "$@"
+    run "${name}_two" 2 actor.backend=megatron "$@" "${SPREAD[@]}"
+    grep -q "megarl placement: train ranks on $(node_addr 1), $(node_addr 2);" "$WORK/${name}_two.out" \
+        || { grep "megarl placement" "$WORK/${name}_two.out" >&2
+             echo "test-multinode: ${name}_two: the two ranks are not on two nodes" >&2; exit 1; }
+    "$PY" tests/multinode/check_run.py "sqlite:///$WORK/${name}_two.db" "$WORK/${name}_two.out" --steps 2
+    "$PY" tests/multinode/same_weights.py "$WORK/${name}_one/hf" "$WORK/${name}_two/hf" "$WORK/data/model"
+}
 
-# --- 3. the megatron backend at PP = 2: one pipeline stage on each node ----------------------
-PIPELINE=(actor.backend=megatron actor.parallel.pipeline_model_parallel_size=2)
-run pp2_one 1 "${PIPELINE[@]}"
-run pp2_two 2 "${PIPELINE[@]}" "${SPREAD[@]}"
-grep -q "megarl placement: train ranks on $(node_addr 1), $(node_addr 2);" "$WORK/pp2_two.out" \
-    || { grep "megarl placement" "$WORK/pp2_two.out" >&2; echo "test-multinode: the two stages are not on two nodes" >&2; exit 1; }
-"$PY" tests/multinode/check_run.py "sqlite:///$WORK/pp2_two.db" "$WORK/pp2_two.out" --steps 2
-"$PY" tests/multinode/same_weights.py "$WORK/pp2_one/hf" "$WORK/pp2_two/hf" "$WORK/data/model"
+# --- 2. two ranks (DP = 2) on two nodes, gloo between the nodes' addresses
+megatron_across_nodes dp2 actor.parallel.data_parallel_size=2
+# --- 3. PP = 2: one pipeline stage on each node
+megatron_across_nodes pp2 actor.parallel.pipeline_model_parallel_size=2
 
 echo "test-multinode: passed in $((SECONDS - started)) s"
