@@ -191,10 +191,31 @@ def test_with_api_key_hands_the_key_to_the_module_not_the_command_line(tmp_path)
                           env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     argv, env_seen, cmdline, child_env, child_exit = done.stdout.splitlines()
-    assert argv == repr(["--port", "5", "--api-key", KEY])  # what the server parses
+    assert argv == repr(["--port", "5", f"--api-key={KEY}"])  # what the server parses
     assert env_seen == "None" and child_env == "None"  # gone from the environment its children inherit
     assert KEY not in cmdline and "shows_itself --port 5" in cmdline  # what `ps` shows
     assert child_exit == "0"
+
+
+PARSES_ITS_KEY = """
+    import argparse
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int)
+    parser.add_argument("--api-key")
+    print(parser.parse_args().api_key)
+"""
+
+
+def test_a_key_that_starts_with_a_dash_reaches_an_argparse_server(tmp_path):
+    # token_urlsafe keys start with "-" one time in 64; as a separate argument argparse takes
+    # such a key for an option and the server exits ("--api-key: expected one argument")
+    (tmp_path / "parses_its_key.py").write_text(textwrap.dedent(PARSES_ITS_KEY))
+    key = "-" + KEY
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path]), "MEGARL_ENGINE_API_KEY": key}
+    done = subprocess.run([sys.executable, "-m", "megarl.rollout.with_api_key", "parses_its_key", "--port", "5"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == key
 
 
 def test_with_api_key_refuses_to_start_without_a_key():
