@@ -18,7 +18,6 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -228,10 +227,10 @@ class ServerActor:
         self.log_tail = self._Call(lambda: "")
 
 
-def start_engines(gpus_per_engine: list[list[str]], holds: list[list[str]] | None = None):
-    """A tests/sglang_double.py server per engine; (fleet entries, processes)."""
+def start_engines(gpus_per_engine: list[list[str]], collectives: str, holds: list[list[str]] | None = None):
+    """A tests/sglang_double.py server per engine, their simulated collectives in the directory
+    `collectives`; (fleet entries, processes)."""
     entries, procs = [], []
-    collectives = tempfile.mkdtemp(prefix="megarl-sim-collectives-")
     for e, gpus in enumerate(gpus_per_engine):
         port = free_port()
         argv = [sys.executable, str(ROOT / "tests" / "sglang_double.py"), "--port", str(port), "--node", NODE,
@@ -283,7 +282,3 @@ class HarnessRuntime(Runtime):
 
     def shutdown(self) -> None:
         pass
-
-
-def handle_dir() -> str:
-    return tempfile.mkdtemp(prefix="megarl-sim-ipc-")

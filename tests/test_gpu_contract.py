@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -13,7 +14,7 @@ import httpx
 import pytest
 import torch
 
-from gpu_harness import HarnessRuntime, Layout, ProcessRanks, all_tensors, calls, handle_dir, start_engines
+from gpu_harness import HarnessRuntime, Layout, ProcessRanks, all_tensors, calls, start_engines
 from megatron_dist import run_distributed
 from tiny_models import tiny_hf_model
 
@@ -282,10 +283,12 @@ def nccl_config():
 class Run:
     """Ranks, engines and a runtime; everything stopped at the end."""
 
-    def __init__(self, cfg, transport_class, layout: Layout, rank_gpus, engine_gpus, holds=None, deadline_s=60.0,
-                 hf_dir: str | None = None):
-        self.entries, self.procs = start_engines(engine_gpus, holds)
-        self.ranks = ProcessRanks(layout, rank_gpus, handle_dir(), deadline_s, hf_dir=hf_dir)
+    def __init__(self, work: Path, cfg, transport_class, layout: Layout, rank_gpus, engine_gpus, holds=None,
+                 deadline_s=60.0, hf_dir: str | None = None):
+        (work / "collectives").mkdir(parents=True)
+        (work / "handles").mkdir()
+        self.entries, self.procs = start_engines(engine_gpus, str(work / "collectives"), holds)
+        self.ranks = ProcessRanks(layout, rank_gpus, str(work / "handles"), deadline_s, hf_dir=hf_dir)
         self.fleet = SGLangFleet(self.entries, cfg.rollout.sglang)
         self.exported = hf_tensors(hf_dir) if hf_dir else all_tensors(layout.pp)
         self.runtime = HarnessRuntime(cfg, self.fleet, self.ranks, transport_class(cfg, self.fleet), self.exported)
@@ -301,11 +304,11 @@ class Run:
 
 
 @pytest.fixture
-def run():
+def run(tmp_path):
     made = []
 
     def make(*args, **kwargs):
-        made.append(Run(*args, **kwargs))
+        made.append(Run(tmp_path / f"run{len(made)}", *args, **kwargs))
         return made[-1]
     yield make
     for r in made:
