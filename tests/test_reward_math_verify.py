@@ -1,8 +1,10 @@
 r"""math-verify accuracy with open-r1 semantics, and megarl's timeout around it.
 
-Differential: a gold with a delimiter or one that reads as text gets open-r1's answer (the gold
-parsed as it is; None when nothing parses); a bare formula is read inside $…$, megarl's
-documented difference (open-r1 would read "2\pi" as 2 and skip "\sqrt{2}")."""
+Differential: by default (reward.math_verify_gold=open_r1) the gold is parsed as open-r1's
+accuracy_reward parses it, `parse(gold, extraction_mode="first_match")`, and the sample skipped
+(None) when nothing parses. The expected values follow from what that call extracts (written
+next to each case), then from verify's equivalence. megarl's documented reading (formula) reads
+a bare formula inside $…$ and skips a gold that reads as text."""
 
 import threading
 
@@ -10,44 +12,64 @@ import pytest
 
 from megarl.reward.math_verify_reward import gold_as_latex, is_text, math_verify_accuracy
 
+# cases where both readings agree
+BOTH = [
+    ("The answer is $\\boxed{\\frac{1}{2}}$", "$\\frac{1}{2}$", 1.0),
+    ("$\\boxed{0.5}$", "$\\frac{1}{2}$", 1.0),  # equivalence, not string equality
+    ("\\boxed{\\sqrt{2}/2}", "$\\frac{\\sqrt{2}}{2}$", 1.0),
+    ("\\boxed{5 \\text{ cm}}", "5", 1.0),  # units stripped
+    ("The final answer is $x = 5$", "5", 1.0),  # equation: its right-hand side
+    ("\\boxed{1,000}", "1000", 1.0),
+    ("\\boxed{5}", 5, 1.0),  # a numeric gold
+    ("\\boxed{3}", "4", 0.0),
+    ("I think it is 5", "5", 0.0),  # no anchor (\boxed, "final answer"): nothing extracted
+    ("", "5", 0.0),
+    ("\\boxed{5}", "", None),  # unparseable gold: skipped, not 0
+    ("\\boxed{5}", "\\", None),
+    ("\\boxed{5}", "{", None),
+    # text golds: skipped when nothing parses (issue 17: "$no math here$" was a product of letters)
+    ("\\boxed{no math here}", "no math here", None),
+    ("\\boxed{7}", "no math here", None),
+    ("\\boxed{Paris}", "Paris", None),
+    ("The answer is Paris.", "Paris", None),
+    ("\\boxed{\\text{Paris}}", "Paris", None),
+    ("\\boxed{5}", "The answer is 5", 1.0),  # a number is read out of the text
+    ("\\boxed{6}", "The answer is 5", 0.0),
+    ("\\boxed{5}", "5 cm", 1.0),
+    ("\\boxed{xy}", "xy", None),
+]
+# bare formulas, where the readings differ: open-r1's parse reads "2\pi" as 2, "(-\infty, 2]" as
+# 2 and "3 \text{ and } 4" as 4 (the last number), and finds nothing in "\sqrt{2}",
+# "x^2+7x+10" or "\frac12"; megarl's formula reading reads each whole
+OPEN_R1 = [
+    ("\\boxed{2\\pi}", "2\\pi", 0.0),
+    ("\\boxed{2}", "2\\pi", 1.0),
+    ("\\boxed{3, 4}", "3 \\text{ and } 4", 0.0),
+    ("\\boxed{4}", "3 \\text{ and } 4", 1.0),
+    ("\\boxed{x^2+7x+10}", "x^2+7x+10", None),
+    ("\\boxed{(-\\infty, 2]}", "(-\\infty, 2]", 0.0),
+    ("\\boxed{\\sqrt{2}}", "\\sqrt{2}", None),
+]
+FORMULA = [
+    ("\\boxed{2\\pi}", "2\\pi", 1.0),
+    ("\\boxed{2}", "2\\pi", 0.0),
+    ("\\boxed{3, 4}", "3 \\text{ and } 4", 1.0),
+    ("\\boxed{4}", "3 \\text{ and } 4", 0.0),
+    ("\\boxed{x^2+7x+10}", "x^2+7x+10", 1.0),
+    ("\\boxed{(-\\infty, 2]}", "(-\\infty, 2]", 1.0),
+    ("\\boxed{\\sqrt{2}}", "\\sqrt{2}", 1.0),
+    ("The answer is $\\boxed{\\frac{1}{2}}$", "\\frac{1}{2}", 1.0),
+]
 
-@pytest.mark.parametrize(
-    "response, gold, expected",
-    [
-        ("The answer is $\\boxed{\\frac{1}{2}}$", "\\frac{1}{2}", 1.0),
-        ("$\\boxed{0.5}$", "$\\frac{1}{2}$", 1.0),  # equivalence, not string equality
-        ("\\boxed{\\sqrt{2}/2}", "\\frac{\\sqrt{2}}{2}", 1.0),
-        ("\\boxed{2\\pi}", "2\\pi", 1.0),
-        ("\\boxed{2}", "2\\pi", 0.0),  # a bare gold is read as one formula, not "2" and text
-        ("\\boxed{5 \\text{ cm}}", "5", 1.0),  # units stripped
-        ("The final answer is $x = 5$", "5", 1.0),  # equation: its right-hand side
-        ("\\boxed{1,000}", "1000", 1.0),
-        ("\\boxed{5}", 5, 1.0),  # a numeric gold
-        ("\\boxed{3}", "4", 0.0),
-        ("I think it is 5", "5", 0.0),  # no anchor (\boxed, "final answer"): nothing extracted
-        ("", "5", 0.0),
-        ("\\boxed{5}", "", None),  # unparseable gold: skipped, not 0
-        ("\\boxed{5}", "\\", None),
-        ("\\boxed{5}", "{", None),
-        # text golds: as open-r1, parsed as they are, skipped when nothing parses (issue 17)
-        ("\\boxed{no math here}", "no math here", None),  # was 1: "$no math here$" is a product of letters
-        ("\\boxed{7}", "no math here", None),
-        ("\\boxed{Paris}", "Paris", None),
-        ("The answer is Paris.", "Paris", None),
-        ("\\boxed{\\text{Paris}}", "Paris", None),
-        ("\\boxed{5}", "The answer is 5", 1.0),  # open-r1 reads a number out of the text
-        ("\\boxed{6}", "The answer is 5", 0.0),
-        ("\\boxed{5}", "5 cm", 1.0),
-        ("\\boxed{xy}", "xy", None),  # read as a word: skipped, as open-r1 skips it
-        # bare formulas: inside $…$ (megarl's difference)
-        ("\\boxed{3, 4}", "3 \\text{ and } 4", 1.0),
-        ("\\boxed{x^2+7x+10}", "x^2+7x+10", 1.0),
-        ("\\boxed{(-\\infty, 2]}", "(-\\infty, 2]", 1.0),
-        ("\\boxed{\\sqrt{2}}", "\\sqrt{2}", 1.0),
-    ],
-)
-def test_math_verify_accuracy(response, gold, expected):
+
+@pytest.mark.parametrize("response, gold, expected", BOTH + OPEN_R1)
+def test_math_verify_accuracy_reads_the_gold_as_open_r1(response, gold, expected):
     assert math_verify_accuracy(response, gold) == expected
+
+
+@pytest.mark.parametrize("response, gold, expected", BOTH + FORMULA)
+def test_math_verify_accuracy_formula_reading(response, gold, expected):
+    assert math_verify_accuracy(response, gold, "formula") == expected
 
 
 @pytest.mark.parametrize(

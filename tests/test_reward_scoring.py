@@ -92,6 +92,11 @@ def test_spec_has_a_field_for_every_scorer_option():
          RewardResult(1.0, False, None, {"format": 1.0})),
         (RewardConfig(weights={"format": 1.0}, format_strict_end=True), RewardRequest("any", STRICT_BOXED_2 + "\nP.S.", "2"),
          RewardResult(0.0, False, None, {"format": 0.0})),
+        # math-verify's reading of a bare gold: open-r1's ("2\\pi" reads as 2) or megarl's (whole)
+        (RewardConfig(weights={"accuracy": 1.0}), RewardRequest("any", "\\boxed{2}", "2\\pi"),
+         RewardResult(1.0, True, None, {"accuracy": 1.0})),
+        (RewardConfig(weights={"accuracy": 1.0}, math_verify_gold="formula"),
+         RewardRequest("any", "\\boxed{2}", "2\\pi"), RewardResult(0.0, False, None, {"accuracy": 0.0})),
         (RewardConfig(weights={"repetition_penalty": 1.0}, repetition_ngram_size=1, repetition_max_penalty=-2.0),
          RewardRequest("any", "x x x x x", "1"),
          RewardResult(-1.6, False, None, {"repetition_penalty": -1.6})),
@@ -152,6 +157,7 @@ def test_group_step_is_a_no_op_without_len():
         ({"cosine_max_len": 0}, "reward.cosine_max_len: 0 is out of range"),
         ({"custom_function": "dapo_math", "weights": {"format": 1.0}}, "is never called"),
         ({"dapo_math_normalization": "minerva"}, "reward.dapo_math_normalization: 'minerva' is not a normalisation"),
+        ({"math_verify_gold": "sympy"}, "reward.math_verify_gold: 'sympy' is not a reading of the gold answer"),
     ],
 )
 def test_spec_validation(kwargs, message):
@@ -160,8 +166,11 @@ def test_spec_validation(kwargs, message):
 
 
 def test_the_reward_options_from_the_run_config():
-    cfg = load_config(None, ["reward.dapo_math_normalization=lenient", "reward.format_strict_end=true"])
-    assert (cfg.reward.dapo_math_normalization, cfg.reward.format_strict_end) == ("lenient", True)
-    assert (RewardConfig().dapo_math_normalization, RewardConfig().format_strict_end) == ("verl", False)
+    cfg = load_config(None, ["reward.dapo_math_normalization=lenient", "reward.format_strict_end=true",
+                             "reward.math_verify_gold=formula"])
+    assert (cfg.reward.dapo_math_normalization, cfg.reward.format_strict_end, cfg.reward.math_verify_gold) == (
+        "lenient", True, "formula")
+    assert (RewardConfig().dapo_math_normalization, RewardConfig().format_strict_end,
+            RewardConfig().math_verify_gold) == ("verl", False, "open_r1")
     with pytest.raises(ConfigError, match="reward.dapo_math_normalization: expects one of 'verl', 'lenient'"):
         load_config(None, ["reward.dapo_math_normalization=minerva"])

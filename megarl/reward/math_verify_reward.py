@@ -3,12 +3,15 @@ final LaTeX answer with the gold answer.
 
 Main entry point: `math_verify_accuracy`.
 
-open-r1's accuracy_reward (src/open_r1/rewards.py) parses the gold as it is and skips the
-sample (None) when nothing parses; so does megarl, with one deliberate difference: a gold
-that is a bare formula (no $, \(, \[ or \boxed: "2\pi", "\sqrt{2}", as math data sets store
-it) is read inside $…$, since math-verify alone reads "2\pi" as 2 and "\sqrt{2}" as nothing.
-A gold that reads as text ("Paris", "no math here") is not wrapped, so it is not taken for a
-product of symbols; it is parsed as open-r1 parses it, and skipped when nothing parses.
+open-r1's accuracy_reward (src/open_r1/rewards.py) parses the gold as it is, with
+math-verify's default extraction, and skips the sample (None) when nothing parses. That is the
+default here too (reward.math_verify_gold=open_r1), quirks included: math-verify alone reads a
+bare "2\pi" as 2 and "(-\infty, 2]" as 2, and finds nothing in "\sqrt{2}".
+
+reward.math_verify_gold=formula is megarl's reading, for data sets that store bare answers: a
+gold that is a bare formula (no $, \(, \[ or \boxed) is read inside $…$, so whole; a gold that
+reads as text ("Paris", "no math here") is not wrapped, so it is not taken for a product of
+symbols; a gold that yields only its raw text counts as not parsing.
 
 math-verify guards parse/verify with its own SIGALRM timers, which raise outside the
 main thread and would fight megarl's own guard (megarl.reward.timeout); both are turned
@@ -22,7 +25,10 @@ import logging
 import re
 from collections.abc import Callable
 from functools import cache
-from typing import Any
+from typing import Any, Literal
+
+# How the gold answer is read: as open-r1 reads it, or megarl's bare-formula reading.
+MathVerifyGold = Literal["open_r1", "formula"]
 
 _MATH_DELIMITERS = ("$", "\\(", "\\[", "\\boxed")
 # Commands whose argument is words even inside a formula ("3 \text{ and } 4"), then any command.
@@ -84,16 +90,18 @@ def gold_as_latex(ground_truth: Any) -> str:
     return f"${gold}$"
 
 
-def math_verify_accuracy(response: str, ground_truth: Any) -> float | None:
+def math_verify_accuracy(response: str, ground_truth: Any, gold_reading: MathVerifyGold = "open_r1") -> float | None:
     """1.0 when the response's answer is equivalent to the gold answer, else 0.0; None
     (skip this component) when the gold answer does not parse to math (a broken label, or a
     text answer such as "Paris"), as open-r1 skips it: a reward of 0 would punish the policy
-    for the label, a reward of 1 would pay it for anything."""
+    for the label, a reward of 1 would pay it for anything. `gold_reading`: see the module
+    docstring (reward.math_verify_gold)."""
     parse, verify, response_config = _math_verify()
-    # no_fallback: a gold that yields only its raw text is unparseable, not a string to match
-    gold = parse(
-        gold_as_latex(ground_truth), extraction_mode="first_match", fallback_mode="no_fallback", parsing_timeout=None
-    )
+    if gold_reading == "open_r1":
+        gold = parse(str(ground_truth), extraction_mode="first_match", parsing_timeout=None)
+    else:  # no_fallback: a gold that yields only its raw text is unparseable, not a string to match
+        gold = parse(gold_as_latex(ground_truth), extraction_mode="first_match", fallback_mode="no_fallback",
+                     parsing_timeout=None)
     if not gold:
         return None
     answer = parse(

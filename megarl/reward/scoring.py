@@ -97,7 +97,7 @@ def score_one(cfg: RewardConfig, request: RewardRequest) -> RewardResult:
         )
         components["task_score"] = task["score"]
     if "accuracy" in weights:
-        components["accuracy"] = math_verify_accuracy(request.solution_str, request.ground_truth)
+        components["accuracy"] = math_verify_accuracy(request.solution_str, request.ground_truth, cfg.math_verify_gold)
     correct = _correctness(components, task["acc"] if task else None)
     text = request.solution_str
     if "format" in weights:

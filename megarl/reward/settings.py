@@ -20,6 +20,7 @@ from typing import Any, get_args
 
 from megarl.config_loader import Problems, check_ranges, param
 from megarl.reward.dapo_math import DapoMathNormalization
+from megarl.reward.math_verify_reward import MathVerifyGold
 from megarl.reward.registry import SCORER_OPTION_NAMES, SCORERS
 
 # Components scored one sample at a time, then the ones that need the whole group.
@@ -61,6 +62,11 @@ class RewardConfig:
         "verl", "dapo_math: how answers are normalised before they are compared. verl = verl's math_dapo "
         "answer for answer (DAPO's reward: '628.' is not '628', '3, 4' is '34'); lenient = megarl's, which also "
         "accepts '628.', '\\dfrac{3}{4}' for '\\frac{3}{4}' and keeps lists as lists (its scores are not DAPO's).")
+    math_verify_gold: MathVerifyGold = param(
+        "open_r1", "accuracy: how the gold answer is read. open_r1 = as open-r1's accuracy_reward reads it "
+        "(math-verify's default extraction: a bare '2\\pi' reads as 2, a bare '\\sqrt{2}' as nothing, so the "
+        "sample is skipped); formula = megarl's, for data sets of bare answers: a bare formula is read whole "
+        "(inside $...$), a gold that reads as text is skipped (its scores are not open-r1's).")
     format_strict_end: bool = param(
         False, "format: false = open-r1's check, which ends at '</answer>' followed by the end or a newline (what "
         "follows that newline is not read); true = nothing but one newline may follow '</answer>'.")
@@ -120,10 +126,11 @@ def check_reward_config(cfg: RewardConfig, problems: Problems, prefix: str = "re
     for name, weight in weights.items():
         if not isinstance(weight, (int, float)) or not math.isfinite(weight):
             problems.add(f"{prefix}weights.{name}", f"{weight!r} must be a finite number", "give a finite number")
-    normalizations = get_args(DapoMathNormalization)
-    if cfg.dapo_math_normalization not in normalizations:
-        problems.add(f"{prefix}dapo_math_normalization", f"{cfg.dapo_math_normalization!r} is not a normalisation",
-                     f"use one of {list(normalizations)}")
+    for name, choices, what in (("dapo_math_normalization", DapoMathNormalization, "a normalisation"),
+                                ("math_verify_gold", MathVerifyGold, "a reading of the gold answer")):
+        if getattr(cfg, name) not in get_args(choices):
+            problems.add(f"{prefix}{name}", f"{getattr(cfg, name)!r} is not {what}",
+                         f"use one of {list(get_args(choices))}")
     custom = cfg.custom_function
     if custom is not None and custom not in SCORERS and ":" not in custom:
         problems.add(f"{prefix}custom_function", f"{custom!r} is neither a built-in scorer {sorted(SCORERS)} "
