@@ -234,10 +234,11 @@ def start_engines(gpus_per_engine: list[list[str]], collectives: str, holds: lis
     for e, gpus in enumerate(gpus_per_engine):
         port = free_port()
         argv = [sys.executable, str(ROOT / "tests" / "sglang_double.py"), "--port", str(port), "--node", NODE,
-                "--gpus", ",".join(gpus), "--collective-dir", collectives]
+                "--collective-dir", collectives]
         for hold in (holds[e] if holds else []):
             argv += ["--hold", hold]
-        procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                      env={**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(gpus)}))
         entries.append((f"engine{e}", ServerActor(procs[-1]), f"http://127.0.0.1:{port}", len(gpus), NODE, gpus))
     deadline = time.monotonic() + 60
     for _, _, url, *_ in entries:

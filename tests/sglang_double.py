@@ -1,8 +1,8 @@
 """A stand-in for an SGLang 0.5.23 server with simulated GPUs, for tests/test_gpu_contract.py.
 
 It speaks the control API megarl uses with SGLang's semantics, not only its fields:
-- simulated devices: the server sees the GPUs of `--gpus` on `--node` (its CUDA_VISIBLE_DEVICES),
-  TP rank i on the i-th; a CUDA IPC entry made on a device it cannot see, or on another TP
+- simulated devices: the server sees the GPUs of its CUDA_VISIBLE_DEVICES on `--node`, as an
+  SGLang server started by Ray does, TP rank i on the i-th; a CUDA IPC entry made on a device it cannot see, or on another TP
   rank's device, is refused (SGLang's rebuild of a handle fails the same way);
 - memory by tag (kv_cache, weights, cuda_graph): release/resume with no tags means all of them
   (sglang/srt/constants.py); generation needs all three, a weight update needs the weights;
@@ -17,7 +17,7 @@ It speaks the control API megarl uses with SGLang's semantics, not only its fiel
 - `/weight_checksums` (megarl's embedded server's route) over what it loaded, and `/calls`,
   the order of the control requests it served.
 
-    python tests/sglang_double.py --port P --node NODE --gpus 0,1 [--hold GROUP=SECONDS] [--collective-dir DIR]
+    CUDA_VISIBLE_DEVICES=0,1 python tests/sglang_double.py --port P --node NODE [--hold GROUP=SECONDS] [--collective-dir DIR]
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import threading
 import time
@@ -247,12 +248,14 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--node", default="node0")
-    parser.add_argument("--gpus", default="0")
     parser.add_argument("--hold", action="append", default=[])
     parser.add_argument("--collective-dir")
     args = parser.parse_args()
     hold = {k: float(v) for k, v in (h.split("=") for h in args.hold)}
-    uvicorn.run(create_app(args.node, args.gpus.split(","), hold, args.collective_dir), host=args.host,
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    if not visible:
+        parser.error("CUDA_VISIBLE_DEVICES names no GPU: set it to the simulated GPUs this server sees")
+    uvicorn.run(create_app(args.node, visible.split(","), hold, args.collective_dir), host=args.host,
                 port=args.port, log_level="warning")
 
 

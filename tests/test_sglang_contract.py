@@ -221,6 +221,23 @@ def test_the_sglang_internals_ipc_imports_exist_in_the_pinned_version(sglang_fil
     assert fields == ["name", "shape", "dtype", "start_idx", "end_idx", "numel"]  # what SGLangHandles fills in
 
 
+@pytest.mark.parametrize("installed, message", [
+    (None, "need SGLang 0.5.23 installed too"),  # no sglang on the train ranks
+    ("0.4.6", "as of SGLang 0.5.23; this environment has 0.4.6: install 0.5.23 or use sync.transport=nccl or disk"),
+])
+def test_ipc_refuses_an_sglang_whose_internals_it_was_not_written_for(monkeypatch, installed, message):
+    import sys
+    import types
+
+    module = None
+    if installed is not None:
+        module = types.ModuleType("sglang")
+        module.__version__ = installed
+    monkeypatch.setitem(sys.modules, "sglang", module)  # None makes `import sglang` fail
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        ipc.sglang_ipc_api()
+
+
 def test_the_api_key_is_sglangs(sglang_files):
     """The fleet starts SGLang with --api-key (the `api_key` option of its serving settings), and
     megarl's embedded server leaves open exactly the paths SGLang's middleware does: those that

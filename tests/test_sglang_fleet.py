@@ -6,6 +6,7 @@ group, each checked against a plain forward pass of the model holding those weig
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import sys
@@ -246,6 +247,37 @@ def test_a_server_that_exits_at_start_shows_its_log(tmp_path):
     with pytest.raises(RuntimeError, match=r"engine9 exited with status 1 while starting(.|\n)*cannot load") as failed:
         server.start(timeout_s=60)
     assert "key-of-engine9" not in str(failed.value)  # the log's tail, with the argv it was started with
+
+
+# a stand-in server: writes the environment it was started with to argv[1], answers /health
+ENV_SERVER = """
+import json, os, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+json.dump(dict(os.environ), open(sys.argv[1], "w"))
+class Health(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+HTTPServer((sys.argv[sys.argv.index("--host") + 1], int(sys.argv[sys.argv.index("--port") + 1])), Health).serve_forever()
+"""
+
+
+def test_a_server_does_not_inherit_the_trainers_allocator_settings(tmp_path, monkeypatch):
+    # expandable segments in the trainer would change how SGLang's memory saver maps memory
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+    monkeypatch.setenv("MEGARL_TEST_INHERITED", "kept")
+    seen = tmp_path / "env.json"
+    server = ServerProcess([sys.executable, "-c", ENV_SERVER, str(seen)], "envcheck", log_dir=str(tmp_path),
+                           env={"MEGARL_TEST_OWN": "own"}, api_key="key-of-envcheck")
+    try:
+        server.start(timeout_s=60)
+    finally:
+        server.stop()
+    env = json.loads(seen.read_text())
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in env and "PYTORCH_ALLOC_CONF" not in env
+    assert (env["MEGARL_TEST_INHERITED"], env["MEGARL_TEST_OWN"]) == ("kept", "own")
+    assert env["MEGARL_ENGINE_API_KEY"] == "key-of-envcheck"
 
 
 def test_a_server_that_never_answers_times_out_and_is_stopped(tmp_path):
