@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import sys
 import tempfile
 import time
 from contextlib import contextmanager
@@ -25,7 +26,7 @@ from megarl.algo import InformativeGroupBuffer, masked_mean
 from megarl.components import Components, build_components
 from megarl.config import RunConfig, TrackingConfig, save_config
 from megarl.config_loader import dump_config, flatten_config
-from megarl.errors import RunInputError
+from megarl.errors import ComponentDied, RunInputError
 from megarl.experience import Sample, compute_advantages, reward_requests, shape_overlong, to_train_batch
 from megarl.rollout.agent import run_trajectories
 from megarl.termination import closing, deferred, received, stop_on_signals
@@ -57,7 +58,7 @@ def train(cfg: RunConfig) -> dict[str, float]:
             c.worker.load_checkpoint(resume_from)
             c.prompt_order.load_state_dict(meta["sampler"])
             c.sync_weights(version=step)
-            log.info("resumed from %s (step %d)", resume_from, step)
+            print(f"megarl: resumed from {resume_from} (step {step})", file=sys.stderr, flush=True)
         else:
             tracker.log_params(params)
             tracker.log_text(dump_config(cfg), "config.yaml")
@@ -93,11 +94,26 @@ def train(cfg: RunConfig) -> dict[str, float]:
     except KeyboardInterrupt:
         status = "KILLED"
         raise
+    except ComponentDied as e:
+        lost = _lost_parts(c)  # the lost node's other parts, while they can still be asked about
+        if lost:
+            raise ComponentDied(f"{e}\n{lost}") from e
+        raise
     finally:
         with closing():  # a signal from here on kills the run's processes at once instead
             tracker.close(status, stop_signal=received() if status == "KILLED" else None)
             c.close()
         print(summary(status, out, history, cfg.tracking))
+
+
+def _lost_parts(c: Components) -> str:
+    """What the runtime can say of the parts gone after one died; "" when it cannot tell (the
+    question must not hide the error that raised it)."""
+    try:
+        return c.runtime.lost_parts()
+    except Exception as e:  # noqa: BLE001 -- best effort, the ComponentDied is what matters
+        log.warning("could not ask which parts are gone: %s: %s", type(e).__name__, e)
+        return ""
 
 
 PROGRESS_KEYS = {"reward": "train/reward_mean", "acc": "train/acc", "searches": "rollout/search_calls_mean",

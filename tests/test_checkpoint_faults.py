@@ -34,7 +34,7 @@ def truncate_to_half(path):
 
 
 @pytest.mark.timeout(300)
-def test_a_damaged_newest_checkpoint_resumes_from_the_one_before(inputs, tmp_path, caplog):
+def test_a_damaged_newest_checkpoint_resumes_from_the_one_before(inputs, tmp_path, caplog, capsys):
     out = tmp_path / "run"
     train(load_config(None, tiny_overrides(inputs, out, steps=2)))
     step2 = out / "checkpoints" / "step_000002"
@@ -43,7 +43,7 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_one_before(inputs, tmp_pat
     with caplog.at_level(logging.INFO):
         train(load_config(None, tiny_overrides(inputs, out, steps=3)))
     assert f"{step2 / 'actor_optim.pt'} is damaged" in caplog.text
-    assert f"resumed from {out / 'checkpoints' / 'step_000001'} (step 1)" in caplog.text
+    assert f"megarl: resumed from {out / 'checkpoints' / 'step_000001'} (step 1)" in capsys.readouterr().err
     assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["step_000002", "step_000003"]
     verify(step2)  # written again, whole
     again = load_file(str(step2 / "actor.safetensors"))  # resume is exact: step 2 redone gives the same weights

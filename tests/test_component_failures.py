@@ -4,6 +4,7 @@ name, in bounded time; so does an engine that answers but produces nothing."""
 import asyncio
 import os
 import signal
+import socket
 import time
 from dataclasses import replace
 
@@ -79,6 +80,7 @@ def test_dead_ray_actors_are_named(world, tmp_path):
     try:
         train_step(c, 0)  # everything alive: a normal step
         c.check_retrieval()
+        assert c.runtime.lost_parts() == ""
         kill(c.runtime.retrieval_actor)
         with pytest.raises(ComponentDied, match=r"retrieval server at http://\S+ \(Ray actor RetrievalActor\)"):
             c.check_retrieval()
@@ -88,6 +90,9 @@ def test_dead_ray_actors_are_named(world, tmp_path):
         kill(c.runtime.engine_actor)
         with pytest.raises(ComponentDied, match="rollout engine \\(Ray actor EngineActor\\) died"):
             train_step(c, 5)
+        # what a failed run adds to its error: the parts gone, by node (the train rank is alive)
+        assert c.runtime.lost_parts() == (f"gone on node {socket.gethostname()} (127.0.0.1): "
+                                          "rollout engine, reward workers, retrieval server")
     finally:
         c.close()
     assert not ray.is_initialized()
@@ -103,7 +108,7 @@ def test_an_engine_lost_between_rollouts_and_the_sync_is_named_in_one_line(world
                      lambda: c.runtime.sync_weights(1)):  # the whole sync
             with pytest.raises(ComponentDied) as died:
                 sync()
-            assert str(died.value).startswith("rollout engine (Ray actor EngineActor) died: ")
+            assert str(died.value).startswith("rollout engine (Ray actor EngineActor) died (on 127.0.0.1): ")
             assert len(str(died.value).splitlines()) == 1
     finally:
         c.close()
@@ -169,3 +174,19 @@ def test_an_engine_that_answers_but_produces_nothing_is_named(world, tmp_path):
         assert time.monotonic() - started < 60
     finally:
         c.close()
+
+
+def test_a_dead_actor_is_named_with_its_node_and_rays_cause():
+    from ray.core.generated.common_pb2 import ActorDiedErrorContext
+
+    from megarl.runtime.liveness import died
+
+    # the error Ray raises for a call into an actor on a node that has died
+    context = ActorDiedErrorContext(class_name="ServerProcess", actor_id=bytes(16), pid=42,
+                                    node_ip_address="10.231.0.2",
+                                    error_message="The actor died because its node has died. Node Id: ab12")
+    error = died("rollout engine0", ray.exceptions.ActorDiedError(context))
+    assert str(error) == ("rollout engine0 died (on 10.231.0.2): ActorDiedError: The actor died unexpectedly before "
+                          "finishing this task. The actor died because its node has died. Node Id: ab12")
+    # a one-line error as it is
+    assert str(died("reward workers", RuntimeError("gone"))) == "reward workers died: RuntimeError: gone"

@@ -8,7 +8,6 @@ takes its time); every process is found and stopped by its own id."""
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import subprocess
@@ -124,7 +123,7 @@ def stopped(run: Run, signum: int, limit_s: float) -> float:
 
 
 @pytest.mark.timeout(300)
-def test_sigterm_mid_step_stops_cleanly_and_the_rerun_resumes_in_the_same_mlflow_run(inputs, tmp_path, caplog):
+def test_sigterm_mid_step_stops_cleanly_and_the_rerun_resumes_in_the_same_mlflow_run(inputs, tmp_path, capsys):
     out = tmp_path / "run"
     overrides = tiny_overrides(inputs, out, steps=3) + SLOW
     run = Run(tmp_path, overrides, sleep_s=0.5)
@@ -142,9 +141,9 @@ def test_sigterm_mid_step_stops_cleanly_and_the_rerun_resumes_in_the_same_mlflow
     assert first.info.status == "KILLED" and first.data.tags[STOP_SIGNAL_TAG] == "SIGTERM"
     assert metric_steps(client, first) == [1]
 
-    with caplog.at_level(logging.INFO):
-        train(load_config(None, overrides))  # the same command again, in this process
-    assert f"resumed from {step1} (step 1)" in caplog.text
+    capsys.readouterr()
+    train(load_config(None, overrides))  # the same command again, in this process
+    assert f"megarl: resumed from {step1} (step 1)" in capsys.readouterr().err
     client, again = only_run(out)
     assert again.info.run_id == first.info.run_id
     assert again.info.status == "FINISHED" and STOP_SIGNAL_TAG not in again.data.tags

@@ -66,6 +66,10 @@ class Runtime(ABC):
     def check_retrieval(self) -> None:
         """ComponentDied when the retrieval server this runtime hosts is gone."""
 
+    def lost_parts(self) -> str:
+        """After a part failed: which parts are gone, by node ("" when none, or unknown)."""
+        return ""
+
     @abstractmethod
     def shutdown(self) -> None:
         """Stop every part this runtime started; safe to call twice."""

@@ -60,6 +60,7 @@ class RayRuntime(Runtime):
                                    num_gpus=c.gpus_per_node, include_dashboard=False, log_to_driver=True)
             self._started_ray = True
         self.pg, self.worker_actors, self.engine_actor, self.reward_actor, self.retrieval_actor = None, [], None, None, None
+        self.parts = []  # (kind, name, actor, node address), once all are started
         self.fleet, self.transport, self.engine, self.reward_pool = None, None, None, None
         gpus = cfg.cluster.gpus_per_node > 0
         self.colocated = cfg.rollout.engine == "sglang" and gpus and cfg.rollout.mode == "colocated"
@@ -122,18 +123,56 @@ class RayRuntime(Runtime):
                                     "(cluster.liveness.startup_timeout_s)") from None
             except ray.exceptions.RayActorError as e:
                 raise died(name, e) from e
+        self.parts = self._locate_parts()
         print(f"megarl placement: {self.placement()}", file=sys.stderr, flush=True)  # where to find each part's logs
 
-    def placement(self) -> str:
-        """Which node (address) each part runs on, in one line."""
-        parts = {"train ranks": ", ".join(sorted({p.node for p in self.ranks.places()}))}
-        own = {"rollout engine": self.engine_actor, "reward workers": self.reward_actor,
-               "retrieval server": self.retrieval_actor}
-        refs = {name: a.__ray_call__.remote(lambda _: ray.util.get_node_ip_address()) for name, a in own.items() if a}
-        parts |= dict(zip(refs, ray.get(list(refs.values()), timeout=self.cfg.cluster.liveness.timeout_s)))
+    def _locate_parts(self) -> list[tuple[str, str, object, str]]:
+        """(kind, name, Ray actor, node address) of each part of the run."""
+        parts = [("train ranks", f"train rank {r}", a) for r, a in enumerate(self.worker_actors)]
+        parts += [(kind, kind, a) for kind, a in (("rollout engine", self.engine_actor),
+                                                  ("reward workers", self.reward_actor),
+                                                  ("retrieval server", self.retrieval_actor)) if a is not None]
         if self.fleet is not None:
-            parts["rollout engines"] = ", ".join(sorted({s.node for s in self.fleet.servers}))
-        return "; ".join(f"{name} on {where}" for name, where in parts.items())
+            parts += [("rollout engines", f"rollout {s.name}", s.actor) for s in self.fleet.servers]
+            if self.fleet.router_actor is not None:
+                parts.append(("sglang-router", "sglang-router", self.fleet.router_actor))
+        refs = [a.__ray_call__.remote(lambda _: ray.util.get_node_ip_address()) for _, _, a in parts]
+        nodes = ray.get(refs, timeout=self.cfg.cluster.liveness.timeout_s)
+        return [(kind, name, actor, node) for (kind, name, actor), node in zip(parts, nodes)]
+
+    def placement(self) -> str:
+        """Which node (address) each kind of part runs on, in one line; the retrieval server with
+        the URL it serves at."""
+        kinds: dict[str, set[str]] = {}
+        for kind, _, _, node in self.parts:
+            kinds.setdefault(kind, set()).add(node)
+        at = {"retrieval server": f" at {self.retrieval_url}"} if self.retrieval_actor is not None else {}
+        return "; ".join(f"{kind} on {', '.join(sorted(nodes))}{at.get(kind, '')}" for kind, nodes in kinds.items())
+
+    def lost_parts(self) -> str:
+        """After a part failed: the parts whose Ray actors are gone, by node, each node with its
+        hostname and whether Ray has marked it dead; "" when none is gone. A part that does not
+        answer within a few seconds (busy, or its node unreachable but not yet declared dead) is
+        not counted: only Ray's own verdict that an actor is gone is."""
+        refs = [a.__ray_call__.remote(lambda _: None) for _, _, a, _ in self.parts]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=min(10.0, self.cfg.cluster.liveness.timeout_s))
+        gone: dict[str, list[str]] = {}
+        for (_, name, _, node), ref in zip(self.parts, refs):
+            if ref in ready:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError:
+                    gone.setdefault(node, []).append(name)
+        if not gone:
+            return ""
+        hosts, alive = {}, set()
+        for n in ray.nodes():
+            hosts[n["NodeManagerAddress"]] = n.get("NodeManagerHostname", "")
+            if n["Alive"]:
+                alive.add(n["NodeManagerAddress"])
+        return "; ".join(f"gone on node {hosts.get(node) or '?'} ({node}"
+                         f"{'' if node in alive else ', which Ray has marked dead'}): {', '.join(names)}"
+                         for node, names in gone.items())
 
     def check_retrieval(self) -> None:
         if self.retrieval_actor is None:

@@ -13,12 +13,21 @@
 #      bit for bit on the weights of the same run on one node;
 #   2. the megatron backend with two ranks (DP = 2) on two nodes, torch.distributed over gloo
 #      between the nodes' addresses, ending bit for bit on the weights of the same run on one node;
-#   3. the same at PP = 2: one pipeline stage on each node.
+#   3. the same at PP = 2: one pipeline stage on each node;
+#   4. faults: node2's raylet killed (SIGKILL) once step 1 is saved: the job fails within a bounded
+#      time naming the parts lost on node2, no Ray process is left, the newest checkpoint is whole;
+#      the same command again resumes from it, and `scancel` once it has saved a step leaves no Ray
+#      process on either node, a whole checkpoint and the MLflow run (the same one) KILLED.
+# MULTINODE_RUNS (default "fleet dp2 pp2 faults") picks the parts; KEEP_CLUSTER_DIR=1 keeps the
+# job outputs and logs.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 REPO=$PWD
 PY=${MEGARL_PYTHON:-$REPO/.venv/bin/python}
 NODES=${MULTINODE_NODES:-2}
+# which parts to run (all by default; fewer while working on one): fleet dp2 pp2 faults
+RUNS=" ${MULTINODE_RUNS:-fleet dp2 pp2 faults} "
+wants() { [[ $RUNS == *" $1 "* ]]; }
 source tests/multinode/cluster.sh
 
 cluster_up "$NODES" || exit $?
@@ -62,6 +71,7 @@ run() {
 
 # --- 1. the engine fleet on another node than the trainer ------------------------------------
 FLEET=(rollout.engine=sglang rollout.sglang.server=embedded sync.verify=true)
+if wants fleet; then
 run fleet_one 1 "${FLEET[@]}" sync.transport=disk
 run fleet_nccl 2 "${FLEET[@]}" sync.transport=nccl "${SPREAD[@]}"
 run fleet_disk 2 "${FLEET[@]}" sync.transport=disk "${SPREAD[@]}"
@@ -70,10 +80,14 @@ for name in fleet_nccl fleet_disk; do
     placed=$(grep -a "megarl placement:" "$WORK/$name.out")
     [[ $placed =~ "train ranks on "([0-9.]+)";".*"rollout engines on "([0-9.]+) && ${BASH_REMATCH[1]} != "${BASH_REMATCH[2]}" ]] \
         || { echo "test-multinode: $name: the trainer and the engines are not on different nodes: $placed" >&2; exit 1; }
+    # the retrieval server listens on its node's address (searched from the driver on node1)
+    [[ $placed =~ "retrieval server on "([0-9.]+)" at http://"([0-9.]+): && ${BASH_REMATCH[1]} == "${BASH_REMATCH[2]}" ]] \
+        || { echo "test-multinode: $name: the retrieval server does not serve at its node's address: $placed" >&2; exit 1; }
     "$PY" tests/multinode/check_run.py "sqlite:///$WORK/$name.db" "$WORK/$name.out" --steps 2 \
         --nodes "$(node_addr 1),$(node_addr 2)"
     "$PY" tests/multinode/same_weights.py "$WORK/fleet_one/hf" "$WORK/$name/hf" "$WORK/data/model"
 done
+fi
 
 # megatron_across_nodes NAME ARGS...: the megatron backend with two ranks, on one node (NAME_one)
 # and with one rank on each node (NAME_two); the two-node run ends on the one-node run's weights
@@ -89,8 +103,86 @@ megatron_across_nodes() {
 }
 
 # --- 2. two ranks (DP = 2) on two nodes, gloo between the nodes' addresses
-megatron_across_nodes dp2 actor.parallel.data_parallel_size=2
+wants dp2 && megatron_across_nodes dp2 actor.parallel.data_parallel_size=2
 # --- 3. PP = 2: one pipeline stage on each node
-megatron_across_nodes pp2 actor.parallel.pipeline_model_parallel_size=2
+wants pp2 && megatron_across_nodes pp2 actor.parallel.pipeline_model_parallel_size=2
+
+# --- 4. faults across nodes: node2's Ray worker killed, then the rerun cancelled by scancel ------
+# One run directory, a checkpoint at every step, the engines and the trainer on different nodes
+# (which on which is Ray's choice); the driver on node1.
+FAULT_ARGS=("${FLEET[@]}" sync.transport=nccl "${SPREAD[@]}" trainer.total_training_steps=20 trainer.save_freq=1)
+
+# submit NAME: the fault run's recipe, not waited for; prints the job id
+submit() {
+    OUTPUT_DIR=$WORK/fault MLFLOW_TRACKING_URI=sqlite:///$WORK/fault.db on_node 1 sbatch --parsable --job-name="$1" --output="$WORK/$1.out" --chdir="$REPO" \
+        --nodes=2 examples/quickstart/run_quickstart.sh "${SHORT[@]}" "${FAULT_ARGS[@]}"
+}
+job_over() {
+    ! on_node 1 scontrol show job "$1" | grep -qE 'JobState=(PENDING|CONFIGURING|RUNNING|COMPLETING)'
+}
+job_state() { on_node 1 scontrol show job "$1" | grep -o 'JobState=[A-Z_]*' | cut -d= -f2; }
+# wait_until SECONDS WHAT CMD...: CMD succeeds within SECONDS, or the test fails naming WHAT
+wait_until() {
+    local limit=$1 what=$2 end=$((SECONDS + $1))
+    shift 2
+    until "$@"; do
+        (( SECONDS < end )) || { echo "test-multinode: not within $limit s: $what" >&2; return 1; }
+        sleep 1
+    done
+}
+# the Ray processes (and megarl's driver) left on node K, one command line each
+ray_left() {
+    local pid
+    for pid in $(ip netns pids "$(node_ns "$1")"); do
+        tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null \
+            | grep -aE 'raylet|gcs_server|ray::|default_worker\.py|log_monitor\.py|dashboard/agent|bin/megarl ' || true
+    done
+}
+no_ray_left() { [[ -z "$(ray_left 1)$(ray_left 2)" ]]; }
+newest_whole() {  # the step of the newest checkpoint, once every file in it has its recorded size and CRC32
+    "$PY" -c 'import sys; from megarl import checkpoint
+p = checkpoint.latest_checkpoint(sys.argv[1]); print(checkpoint.verify(p)["step"])' "$WORK/fault/checkpoints"
+}
+fault_failed() {  # NAME: the end of its job's output, then fail
+    echo "--- the end of $WORK/$1.out" >&2
+    tail -n 60 "$WORK/$1.out" >&2
+    exit 1
+}
+
+if wants faults; then
+job=$(submit fault_kill)
+wait_until 600 "fault_kill: its first checkpoint" test -f "$WORK/fault/checkpoints/step_000001/meta.json" \
+    || fault_failed fault_kill
+raylets=$(for pid in $(ip netns pids "$(node_ns 2)"); do
+              if [[ $(cat "/proc/$pid/comm" 2>/dev/null) == raylet ]]; then echo "$pid"; fi; done)
+[[ -n $raylets ]] || { echo "test-multinode: fault_kill: no raylet on node2" >&2; fault_failed fault_kill; }
+kill -KILL $raylets
+killed_at=$SECONDS
+wait_until 300 "fault_kill: the run's end after node2's raylet was killed" job_over "$job" || fault_failed fault_kill
+echo "test-multinode: fault_kill: node2's raylet killed (SIGKILL); job $job $(job_state "$job") $((SECONDS - killed_at)) s later"
+[[ $(job_state "$job") == FAILED ]] || fault_failed fault_kill
+grep -a "megarl: training stopped:" "$WORK/fault_kill.out" >&2 || fault_failed fault_kill
+grep -aq "gone on node node2 ($(node_addr 2)" "$WORK/fault_kill.out" \
+    || { echo "test-multinode: fault_kill: the error names no part gone on node2" >&2; fault_failed fault_kill; }
+wait_until 60 "fault_kill: every Ray process gone" no_ray_left || { ray_left 1; ray_left 2; exit 1; } >&2
+kept=$(newest_whole)
+echo "test-multinode: fault_kill: no Ray process left; the newest checkpoint (step $kept) is whole"
+
+job=$(submit fault_rerun)
+wait_until 600 "fault_rerun: resumed from step $kept" grep -asq "megarl: resumed from .*(step $kept)" \
+    "$WORK/fault_rerun.out" || fault_failed fault_rerun
+next=$(printf 'step_%06d' $((kept + 1)))
+wait_until 300 "fault_rerun: a checkpoint after the resume" test -f "$WORK/fault/checkpoints/$next/meta.json" \
+    || fault_failed fault_rerun
+on_node 1 scancel "$job"
+cancelled_at=$SECONDS
+wait_until 120 "fault_rerun: the job's end after scancel" job_over "$job" || fault_failed fault_rerun
+wait_until 60 "fault_rerun: every Ray process gone after scancel" no_ray_left || { ray_left 1; ray_left 2; exit 1; } >&2
+echo "test-multinode: fault_rerun: resumed from step $kept; scancel: job $(job_state "$job"), no Ray process left" \
+     "$((SECONDS - cancelled_at)) s later; the newest checkpoint (step $(newest_whole)) is whole"
+[[ $(job_state "$job") == CANCELLED ]] || fault_failed fault_rerun
+"$PY" tests/multinode/check_run.py "sqlite:///$WORK/fault.db" "$WORK/fault_rerun.out" --status KILLED \
+    --steps "$(newest_whole)" --at-least
+fi
 
 echo "test-multinode: passed in $((SECONDS - started)) s"
