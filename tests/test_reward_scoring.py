@@ -75,12 +75,38 @@ def test_spec_has_a_field_for_every_scorer_option():
         # unparseable gold: accuracy skipped, acc False, the rest still counts
         (RewardConfig(weights={"accuracy": 1.0, "tag_count": 1.0}), RewardRequest("any", STRICT_BOXED_2, ""),
          RewardResult(1.0, False, None, {"accuracy": None, "tag_count": 1.0})),
-        # cosine with correctness from the task score; length in tokens (500 of 1000 → 0.75)
-        (RewardConfig(weights={"task_score": 1.0, "cosine_scaled": 1.0}),
+        # cosine with correctness from the task score; megarl's length in tokens (500 of 1000 → 0.75)
+        (RewardConfig(weights={"task_score": 1.0, "cosine_scaled": 1.0}, length_rewards="megarl"),
          RewardRequest("math_dapo", "Answer: 4", "4", response_length=500),
          RewardResult(1.75, True, "4", {"task_score": 1.0, "cosine_scaled": 0.75})),
+        # open-r1's: its own check of correctness (the gold read as LaTeX only), lengths in
+        # characters: "\\boxed{4}" is 9 of 18 → 0.75, whatever the tokens
+        (RewardConfig(weights={"cosine_scaled": 1.0}, cosine_max_len=18),
+         RewardRequest("any", "\\boxed{4}", "$4$", response_length=500),
+         RewardResult(0.75, False, None, {"cosine_scaled": 0.75})),
+        # ... a bare gold "4" does not parse as LaTeX: open-r1 gives 1.0 even to a wrong answer;
+        # megarl takes the correctness from accuracy (wrong: -0.5 - 0.5·0.5 = -0.75 at 9 of 18)
+        (RewardConfig(weights={"cosine_scaled": 1.0}, cosine_max_len=18),
+         RewardRequest("any", "\\boxed{3}", "4"), RewardResult(1.0, False, None, {"cosine_scaled": 1.0})),
+        (RewardConfig(weights={"accuracy": 0.0, "cosine_scaled": 1.0}, cosine_max_len=18, length_rewards="megarl"),
+         RewardRequest("any", "\\boxed{3}", "4"),
+         RewardResult(-0.75, False, None, {"accuracy": 0.0, "cosine_scaled": -0.75})),
+        # past max_len (9 characters of 6, t = 1.5): open-r1 follows the cosine back up to 0.75,
+        # megarl holds the end value 0.5
+        (RewardConfig(weights={"cosine_scaled": 1.0}, cosine_max_len=6),
+         RewardRequest("any", "\\boxed{4}", "$4$"), RewardResult(0.75, False, None, {"cosine_scaled": 0.75})),
+        (RewardConfig(weights={"accuracy": 0.0, "cosine_scaled": 1.0}, cosine_max_len=6, length_rewards="megarl"),
+         RewardRequest("any", "\\boxed{4}", "$4$"),
+         RewardResult(0.5, True, None, {"accuracy": 1.0, "cosine_scaled": 0.5})),
+        # a gold that does not parse: open-r1 gives cosine 1.0, megarl skips it
+        (RewardConfig(weights={"accuracy": 0.0, "cosine_scaled": 1.0}), RewardRequest("any", STRICT_BOXED_2, ""),
+         RewardResult(1.0, False, None, {"accuracy": None, "cosine_scaled": 1.0})),
+        (RewardConfig(weights={"accuracy": 0.0, "cosine_scaled": 1.0}, length_rewards="megarl"),
+         RewardRequest("any", STRICT_BOXED_2, ""),
+         RewardResult(0.0, False, None, {"accuracy": None, "cosine_scaled": None})),
         # ... and from math-verify accuracy with weight 0; length in characters without response_length
-        (RewardConfig(weights={"accuracy": 0.0, "cosine_scaled": 1.0}, cosine_max_len=len(STRICT_BOXED_2)),
+        (RewardConfig(weights={"accuracy": 0.0, "cosine_scaled": 1.0}, cosine_max_len=len(STRICT_BOXED_2),
+                      length_rewards="megarl"),
          RewardRequest("any", STRICT_BOXED_2, "3"),
          RewardResult(-0.5, False, None, {"accuracy": 0.0, "cosine_scaled": -0.5})),
         # the DAPO normalisation and the format check's end, as the config picks them
@@ -119,7 +145,7 @@ def test_dapo_reward_is_the_task_score_then_the_overlong_penalty_once():
 
 
 def test_group_len_reward_by_group_id():
-    spec = RewardConfig(weights={"task_score": 0.0, "len": 1.0})
+    spec = RewardConfig(weights={"task_score": 0.0, "len": 1.0}, length_rewards="megarl")  # lengths in tokens
     requests = [
         RewardRequest("math", "Answer: 1", "1", group_id="a", response_length=10),  # correct, shortest
         RewardRequest("math", "Answer: 2", "1", group_id="a", response_length=20),  # wrong, λ = 0
@@ -133,6 +159,21 @@ def test_group_len_reward_by_group_id():
     assert [r.components.get("len") for r in grouped] == [0.5, 0.0, -0.5, 0.0, 0.0, None]
     assert [r.score for r in grouped] == [0.5, 0.0, -0.5, 0.0, 0.0, 0.0]
     assert grouped[5].error == "boom"
+
+
+@pytest.mark.parametrize("reading, expected", [
+    # characters 9, 18, 29 → λ = 0.5, 0.05, -0.5; the wrong one gets min(0, λ) = 0; the third,
+    # whose gold does not parse, counts as correct in open-r1 (λ) and is skipped by megarl
+    ("open_r1", [0.5, 0.0, -0.5]),
+    ("megarl", [0.5, 0.0, None]),
+])
+def test_group_len_reward_with_a_gold_that_does_not_parse(reading, expected):
+    spec = RewardConfig(weights={"accuracy": 0.0, "len": 1.0}, length_rewards=reading)
+    requests = [RewardRequest("any", "\\boxed{1}", "$1$", group_id="a"),  # correct
+                RewardRequest("any", "\\boxed{2} and more", "$1$", group_id="a"),  # wrong
+                RewardRequest("any", "\\boxed{1} then some more text", "", group_id="a")]
+    grouped = apply_group_rewards(spec, requests, [score_one(spec, r) for r in requests])
+    assert [r.components["len"] for r in grouped] == pytest.approx(expected)
 
 
 def test_group_step_is_a_no_op_without_len():
@@ -152,12 +193,13 @@ def test_group_step_is_a_no_op_without_len():
         # the overlong penalty is algorithm.overlong, not a reward component: it would count twice
         ({"weights": {"task_score": 1.0, "soft_overlong": 1.0}},
          "reward.weights: names soft_overlong, but the overlong penalty is algorithm.overlong"),
-        ({"weights": {"cosine_scaled": 1.0, "format": 1.0}}, "add 'accuracy'"),
-        ({"weights": {"len": 1.0}}, "nothing measures correctness"),
+        ({"weights": {"cosine_scaled": 1.0, "format": 1.0}, "length_rewards": "megarl"}, "add 'accuracy'"),
+        ({"weights": {"len": 1.0}, "length_rewards": "megarl"}, "nothing measures correctness"),
         ({"cosine_max_len": 0}, "reward.cosine_max_len: 0 is out of range"),
         ({"custom_function": "dapo_math", "weights": {"format": 1.0}}, "is never called"),
         ({"dapo_math_normalization": "minerva"}, "reward.dapo_math_normalization: 'minerva' is not a normalisation"),
         ({"math_verify_gold": "sympy"}, "reward.math_verify_gold: 'sympy' is not a reading of the gold answer"),
+        ({"length_rewards": "kimi"}, "reward.length_rewards: 'kimi' is not a way of computing the length rewards"),
     ],
 )
 def test_spec_validation(kwargs, message):

@@ -111,3 +111,23 @@ def math_verify_accuracy(response: str, ground_truth: Any, gold_reading: MathVer
         parsing_timeout=None,
     )
     return float(verify(gold, answer, timeout_seconds=None))
+
+
+@cache
+def _latex_only() -> list:
+    from math_verify import LatexExtractionConfig
+
+    return [LatexExtractionConfig()]
+
+
+def open_r1_length_correct(response: str, ground_truth: Any) -> bool | None:
+    """Whether the response is correct as open-r1's len_reward and cosine_scaled_reward judge it
+    for themselves: the gold parsed with LaTeX extraction only (so a bare "5" does not parse,
+    "$5$" and "\\boxed{5}" do), None when it does not parse; then verify(answer, gold)."""
+    parse, verify, response_config = _math_verify()
+    gold = parse(str(ground_truth), extraction_mode="first_match", extraction_config=_latex_only(),
+                 parsing_timeout=None)
+    if not gold:
+        return None
+    answer = parse(response, extraction_config=response_config, extraction_mode="first_match", parsing_timeout=None)
+    return bool(verify(answer, gold, timeout_seconds=None))

@@ -6,15 +6,20 @@ after the reward (megarl.experience.shape_overlong), not as a reward weight.
 A function returns None when it does not apply to a sample; the combination
 (megarl.reward.scoring.combine_rewards) then leaves it out.
 
-Each gives open-r1's value (src/open_r1/rewards.py) except where written here, with the reason:
-- lengths are in tokens when the trainer gives them (RewardRequest.response_length), as
-  the length penalties are meant to act on generation cost; open-r1 counts characters;
-- len and cosine_scaled give None (skipped) when the gold answer does not parse, where
-  open-r1 counts the response as correct (len) or gives 1.0 (cosine): a broken label should
-  move the policy neither way;
-- cosine_scaled clamps the length at max_len (see its docstring);
-- format_reward's open-r1 reading can be made strict about what follows </answer>
-  (reward.format_strict_end).
+Each gives open-r1's value (src/open_r1/rewards.py) by default; megarl's own readings are
+options, each with its reason:
+- reward.length_rewards=megarl (len and cosine_scaled; the default, open_r1, is open-r1's
+  own correctness check, lengths in characters, a response whose gold does not parse counted
+  correct by len and given 1.0 by cosine_scaled, and the cosine followed past max_len):
+  correctness from the accuracy component or the task score, lengths in tokens when
+  the trainer gives them (RewardRequest.response_length), as the length penalties are meant
+  to act on generation cost; a sample whose gold does not parse skipped (None), as a broken
+  label should move the policy neither way; cosine_scaled held at its end value past max_len
+  (see its docstring);
+- reward.format_strict_end: format_reward strict about what follows </answer>.
+One departure has no option: len compares the responses of one prompt (open-r1 compares those
+of the batch TRL hands it, whose make-up depends on the number of devices; Kimi 1.5's
+reference length is per problem).
 """
 
 from __future__ import annotations
@@ -22,6 +27,10 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
+from typing import Literal
+
+# How len and cosine_scaled are computed: open-r1's way, or megarl's (see the module docstring).
+LengthRewards = Literal["open_r1", "megarl"]
 
 _FORMAT = r"<think>\n.*?\n</think>\n<answer>\n.*?\n</answer>"
 # open-r1 matches its pattern from the start (re.match) with a "$" after </answer> under
@@ -97,6 +106,7 @@ def cosine_scaled_reward(
     max_value_wrong: float = -0.5,
     min_value_correct: float = 0.5,
     max_value_correct: float = 1.0,
+    clamp: bool = True,
 ) -> float | None:
     """Cosine interpolation over length: correct answers go from max_value_correct at
     length 0 down to min_value_correct at max_len (prefer short right answers); wrong
@@ -106,14 +116,14 @@ def cosine_scaled_reward(
     reward = lo + (hi − lo)·(1 + cos(π·t))/2, t = min(length / max_len, 1); with
     (hi, lo) = (max_value_correct, min_value_correct) when correct, else
     (min_value_wrong, max_value_wrong). t is clamped at 1 so that responses longer than
-    max_len keep the end value instead of climbing back up the cosine. None when the
-    correctness is unknown.
+    max_len keep the end value instead of climbing back up the cosine; clamp=False is
+    open-r1's t = length / max_len. None when the correctness is unknown.
     """
     if correct is None:
         return None
     if max_len <= 0:
         raise ValueError(f"cosine_scaled max_len={max_len} must be > 0")
-    progress = min(length / max_len, 1.0)
+    progress = min(length / max_len, 1.0) if clamp else length / max_len
     at_zero, at_max = (max_value_correct, min_value_correct) if correct else (min_value_wrong, max_value_wrong)
     return at_max + (at_zero - at_max) * 0.5 * (1.0 + math.cos(progress * math.pi))
 

@@ -12,7 +12,7 @@ from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from megarl.reward.math_verify_reward import math_verify_accuracy
+from megarl.reward.math_verify_reward import math_verify_accuracy, open_r1_length_correct
 from megarl.reward.open_r1 import (
     cosine_scaled_reward,
     format_reward,
@@ -22,7 +22,9 @@ from megarl.reward.open_r1 import (
     tag_count_reward,
 )
 from megarl.reward.registry import SCORERS, load_custom_function, score_task
-from megarl.reward.settings import COMPONENT_NAMES, GROUP_COMPONENTS, RewardConfig, unknown_weight_names
+from megarl.reward.settings import (
+    COMPONENT_NAMES, GROUP_COMPONENTS, NEED_CORRECTNESS, RewardConfig, unknown_weight_names,
+)
 
 __all__ = ["COMPONENT_NAMES", "RewardRequest", "RewardResult", "apply_group_rewards", "combine_rewards", "score_one"]
 
@@ -71,8 +73,22 @@ def combine_rewards(components: Mapping[str, float | None], weights: Mapping[str
     return float(sum(weight * components[name] for name, weight in weights.items() if components.get(name) is not None))
 
 
-def response_length(request: RewardRequest) -> int:
-    return request.response_length if request.response_length is not None else len(request.solution_str)
+def response_length(cfg: RewardConfig, request: RewardRequest) -> int:
+    """The length the length rewards grade: characters as open-r1 counts them, or tokens
+    (reward.length_rewards=megarl) when the trainer gave them."""
+    if cfg.length_rewards == "megarl" and request.response_length is not None:
+        return request.response_length
+    return len(request.solution_str)
+
+
+def length_correctness(cfg: RewardConfig, request: RewardRequest, components: Mapping[str, float | None],
+                       task_acc: bool | None) -> bool | None:
+    """The correctness len and cosine_scaled grade length against: open-r1's own check
+    (math_verify_reward.open_r1_length_correct), or megarl's, the accuracy component or the task's
+    acc (reward.length_rewards=megarl); None when unknown (a gold that does not parse)."""
+    if cfg.length_rewards == "open_r1":
+        return open_r1_length_correct(request.solution_str, request.ground_truth)
+    return _correctness(components, task_acc)
 
 
 def _correctness(components: Mapping[str, float | None], task_acc: bool | None) -> bool | None:
@@ -98,7 +114,8 @@ def score_one(cfg: RewardConfig, request: RewardRequest) -> RewardResult:
         components["task_score"] = task["score"]
     if "accuracy" in weights:
         components["accuracy"] = math_verify_accuracy(request.solution_str, request.ground_truth, cfg.math_verify_gold)
-    correct = _correctness(components, task["acc"] if task else None)
+    task_acc = task["acc"] if task else None
+    correct = _correctness(components, task_acc)
     text = request.solution_str
     if "format" in weights:
         components["format"] = format_reward(text, strict_end=cfg.format_strict_end)
@@ -111,11 +128,13 @@ def score_one(cfg: RewardConfig, request: RewardRequest) -> RewardResult:
             text, cfg.repetition_ngram_size, cfg.repetition_max_penalty
         )
     if "cosine_scaled" in weights:
-        components["cosine_scaled"] = cosine_scaled_reward(
-            response_length(request), correct, cfg.cosine_max_len,
-            cfg.cosine_min_value_wrong, cfg.cosine_max_value_wrong,
-            cfg.cosine_min_value_correct, cfg.cosine_max_value_correct,
-        )
+        graded = length_correctness(cfg, request, components, task_acc)
+        components["cosine_scaled"] = 1.0 if graded is None and cfg.length_rewards == "open_r1" else (
+            cosine_scaled_reward(
+                response_length(cfg, request), graded, cfg.cosine_max_len,
+                cfg.cosine_min_value_wrong, cfg.cosine_max_value_wrong,
+                cfg.cosine_min_value_correct, cfg.cosine_max_value_correct, clamp=cfg.length_rewards == "megarl",
+            ))
     return RewardResult(
         score=combine_rewards(components, weights),
         acc=bool(correct),  # unknown correctness counts as not correct
@@ -140,8 +159,10 @@ def apply_group_rewards(
             groups[request.group_id if request.group_id is not None else object()].append(index)
     updated = list(results)
     for indices in groups.values():
-        lengths = [response_length(requests[i]) for i in indices]
-        correct = [_correctness(results[i].components, results[i].acc) for i in indices]
+        lengths = [response_length(cfg, requests[i]) for i in indices]
+        correct = [length_correctness(cfg, requests[i], results[i].components, results[i].acc) for i in indices]
+        if cfg.length_rewards == "open_r1":  # open-r1 counts a response whose gold does not parse as correct
+            correct = [True if c is None else c for c in correct]
         for index, value in zip(indices, len_rewards(lengths, correct)):
             components = {**results[index].components, "len": value}
             updated[index] = replace(results[index], components=components, score=combine_rewards(components, weights))
@@ -157,3 +178,5 @@ def warm_up(cfg: RewardConfig) -> None:
     weights = cfg.effective_weights()
     if "accuracy" in weights:
         math_verify_accuracy("\\boxed{1}", "1")
+    if cfg.length_rewards == "open_r1" and set(NEED_CORRECTNESS) & set(weights):
+        open_r1_length_correct("\\boxed{1}", "$1$")

@@ -21,6 +21,7 @@ from typing import Any, get_args
 from megarl.config_loader import Problems, check_ranges, param
 from megarl.reward.dapo_math import DapoMathNormalization
 from megarl.reward.math_verify_reward import MathVerifyGold
+from megarl.reward.open_r1 import LengthRewards
 from megarl.reward.registry import SCORER_OPTION_NAMES, SCORERS
 
 # Components scored one sample at a time, then the ones that need the whole group.
@@ -29,7 +30,8 @@ SAMPLE_COMPONENTS = (
 )
 GROUP_COMPONENTS = ("len",)
 COMPONENT_NAMES = SAMPLE_COMPONENTS + GROUP_COMPONENTS
-# Components that grade length against correctness, so need a source of correctness.
+# Components that grade length against correctness: open-r1's judge it themselves, megarl's
+# (reward.length_rewards=megarl) take it from accuracy or the task score.
 NEED_CORRECTNESS = ("cosine_scaled", "len")
 # The overlong penalty is applied once, after the reward, by algorithm.overlong
 # (megarl.experience.shape_overlong); a reward component for it would count it twice.
@@ -67,6 +69,12 @@ class RewardConfig:
         "(math-verify's default extraction: a bare '2\\pi' reads as 2, a bare '\\sqrt{2}' as nothing, so the "
         "sample is skipped); formula = megarl's, for data sets of bare answers: a bare formula is read whole "
         "(inside $...$), a gold that reads as text is skipped (its scores are not open-r1's).")
+    length_rewards: LengthRewards = param(
+        "open_r1", "len and cosine_scaled: open_r1 = as open-r1 computes them (their own correctness check, the "
+        "gold read as LaTeX only; lengths in characters; a response whose gold does not parse counted correct by "
+        "len, 1.0 from cosine_scaled; the cosine followed past cosine_max_len); megarl = correctness from accuracy "
+        "or task_score, lengths in tokens (the generation cost), such a response skipped, cosine_scaled held at its "
+        "end value past cosine_max_len (its scores are not open-r1's).")
     format_strict_end: bool = param(
         False, "format: false = open-r1's check, which ends at '</answer>' followed by the end or a newline (what "
         "follows that newline is not read); true = nothing but one newline may follow '</answer>'.")
@@ -74,8 +82,8 @@ class RewardConfig:
     repetition_max_penalty: float = param(
         -1.0, "repetition_penalty: reward (<= 0) of a response whose every n-gram is a repeat.", le=0.0)
     cosine_max_len: int = param(
-        1000, "cosine_scaled: length where the cosine schedule ends, in tokens (characters when the response "
-        "length in tokens is unknown).", gt=0)
+        1000, "cosine_scaled: length where the cosine schedule ends, in characters (reward.length_rewards=open_r1) "
+        "or tokens (megarl; characters when the response length in tokens is unknown).", gt=0)
     cosine_min_value_wrong: float = param(-1.0, "cosine_scaled: reward of a wrong answer at length 0.")
     cosine_max_value_wrong: float = param(-0.5, "cosine_scaled: reward of a wrong answer at cosine_max_len.")
     cosine_min_value_correct: float = param(0.5, "cosine_scaled: reward of a correct answer at cosine_max_len.")
@@ -127,7 +135,8 @@ def check_reward_config(cfg: RewardConfig, problems: Problems, prefix: str = "re
         if not isinstance(weight, (int, float)) or not math.isfinite(weight):
             problems.add(f"{prefix}weights.{name}", f"{weight!r} must be a finite number", "give a finite number")
     for name, choices, what in (("dapo_math_normalization", DapoMathNormalization, "a normalisation"),
-                                ("math_verify_gold", MathVerifyGold, "a reading of the gold answer")):
+                                ("math_verify_gold", MathVerifyGold, "a reading of the gold answer"),
+                                ("length_rewards", LengthRewards, "a way of computing the length rewards")):
         if getattr(cfg, name) not in get_args(choices):
             problems.add(f"{prefix}{name}", f"{getattr(cfg, name)!r} is not {what}",
                          f"use one of {list(get_args(choices))}")
@@ -140,7 +149,7 @@ def check_reward_config(cfg: RewardConfig, problems: Problems, prefix: str = "re
         problems.add(f"{prefix}custom_function", f"{custom!r} is never called: with {prefix}weights it is the "
                      "'task_score' component", f"add task_score to {prefix}weights or unset {prefix}custom_function")
     needing = [name for name in NEED_CORRECTNESS if name in weights]
-    if needing and not {"accuracy", "task_score"} & set(weights):
+    if needing and cfg.length_rewards == "megarl" and not {"accuracy", "task_score"} & set(weights):
         problems.add(f"{prefix}weights", f"{needing} grade length against correctness but nothing measures "
                      "correctness", f"add 'accuracy' (math-verify) or 'task_score' to {prefix}weights (weight 0 "
                      "computes it without adding it)")
