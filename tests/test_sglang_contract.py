@@ -238,6 +238,34 @@ def test_ipc_refuses_an_sglang_whose_internals_it_was_not_written_for(monkeypatc
         ipc.sglang_ipc_api()
 
 
+@pytest.mark.parametrize("colocated", [True, False])
+def test_the_launch_flags_are_sglangs(sglang_files, colocated):
+    """Every option megarl gives `sglang.launch_server` is one of the pinned version's server
+    arguments: a field of its arg_groups/fields dataclasses, flag "--" + the name with "-" for
+    "_" (arg_utils._field_to_cli_name); the options given without a value are booleans."""
+    from megarl.config import load_config
+    from megarl.rollout.sglang_launch import server_command
+
+    groups = sglang_files / "sglang/srt/arg_groups"
+    assert 'return "--" + name.replace("_", "-")' in (groups / "arg_utils.py").read_text()
+    fields = {item.target.id: ast.unparse(item.annotation)
+              for path in (groups / "fields").glob("*.py") for node in ast.walk(ast.parse(path.read_text()))
+              if isinstance(node, ast.ClassDef) for item in node.body
+              if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)}
+    cfg = load_config(None, ["model.path=m", "model.tokenizer_path=t", "model.trust_remote_code=true",
+                             "rollout.engine=sglang", "rollout.sglang.server=sglang", "cluster.gpus_per_node=8"])
+    argv = server_command(cfg, colocated)
+    argv = [*argv[argv.index("sglang.launch_server") + 1:], "--host", "10.0.0.1", "--port", "30000"]  # as ServerProcess
+    given = {argv[i]: i + 1 < len(argv) and not argv[i + 1].startswith("--")
+             for i in range(len(argv)) if argv[i].startswith("--")}
+    assert ("--enable-memory-saver" in given) is colocated and "--trust-remote-code" in given
+    for flag, has_value in given.items():
+        name = flag[2:].replace("-", "_")
+        assert name in fields, f"{flag} is not an option of SGLang {sglang_api.SGLANG_VERSION}"
+        if not has_value:
+            assert "bool" in fields[name], f"{flag} is given without a value but is {fields[name]}"
+
+
 def test_the_api_key_is_sglangs(sglang_files):
     """The fleet starts SGLang with --api-key (the `api_key` option of its serving settings), and
     megarl's embedded server leaves open exactly the paths SGLang's middleware does: those that

@@ -6,8 +6,9 @@ Downloads the pinned wheel (megarl.versions.SGLANG_VERSION) from the package ind
 its dependencies and keeps a few files of it: the HTTP server's routes
 (`srt/entrypoints/http_server.py`), the request structs of the control routes
 (`srt/managers/io_struct.py`), the /generate JSON contract (`api/v1/api_types.py`), the
-memory tags (`srt/constants.py`), the internals megarl.weights.ipc imports, and the API key's
-option and middleware (`srt/arg_groups/fields/serving.py`, `srt/utils/auth.py`).
+memory tags (`srt/constants.py`), the internals megarl.weights.ipc imports, the server's
+options (`srt/arg_groups/fields/*.py`, flags named by `srt/arg_groups/arg_utils.py`) and the
+API key's middleware (`srt/utils/auth.py`).
 tests/test_sglang_contract.py checks megarl's payloads against them. Nothing of SGLang is
 installed or imported here (only api_types.py is imported, and it needs msgspec alone).
 """
@@ -27,8 +28,13 @@ FILES = ("sglang/srt/entrypoints/http_server.py", "sglang/srt/managers/io_struct
          # the memory tags, and the internals the ipc transport imports to serialise CUDA handles
          "sglang/srt/constants.py", "sglang/srt/utils/__init__.py", "sglang/srt/utils/common.py",
          "sglang/srt/utils/patch_torch.py", "sglang/srt/weight_sync/tensor_bucket.py",
-         # --api-key: the server option, and the paths the server leaves open without it
-         "sglang/srt/arg_groups/fields/serving.py", "sglang/srt/utils/auth.py")
+         # the server's options (one dataclass field per flag, named by arg_utils.py), and the
+         # paths the server leaves open without --api-key
+         "sglang/srt/arg_groups/arg_utils.py",
+         *(f"sglang/srt/arg_groups/fields/{group}.py" for group in (
+             "device", "disagg", "exec_", "lora", "memory", "mm", "model", "observability", "parallel", "schedule",
+             "serving", "spec")),
+         "sglang/srt/utils/auth.py")
 
 
 def fetch(dest: Path) -> Path:
