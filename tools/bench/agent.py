@@ -27,6 +27,7 @@ from megarl.rollout.agent import (ANSWER_CLOSE, INVALID_ACTION_MESSAGE, SEARCH_C
                                   run_trajectory)
 from megarl.rollout.engine import SamplingParams
 from megarl.rollout.local import LocalEngine
+from megarl.versions import installed_versions
 
 
 def trajectory_settings(n: int, max_turn_length: int, seed: int) -> list[AgentSettings]:
@@ -87,6 +88,7 @@ def main() -> None:
     parser.add_argument("--max-batch-size", type=int, default=16,
                         help="engine slots (a GPU engine's KV memory bounds them; here fewer slots than trajectories)")
     args = parser.parse_args()
+    print(installed_versions(), flush=True)
     tok = train_bpe_tokenizer([f"question {i}: who founded the city of {i * 7}?" for i in range(200)], 1000)
     torch.manual_seed(args.seed)
     model = Qwen2ForCausalLM(Qwen2Config(

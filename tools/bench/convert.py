@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from megarl.versions import installed_versions
+
 
 def write_model(path: Path, hidden: int, layers: int, vocab: int, dtype: str) -> int:
     """Save the model; returns its largest tensor's bytes. Runs in a child process: a child's
@@ -87,6 +89,7 @@ def main() -> None:
     parser.add_argument("--dir", help="where to write (default: a temporary directory)")
     parser.add_argument("--write-model", help=argparse.SUPPRESS)  # the child that writes the HF model
     args = parser.parse_args()
+    print(installed_versions(), flush=True)
     if args.write_model:
         print(write_model(Path(args.write_model), args.hidden, args.layers, args.vocab, args.dtype))
         return

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from megarl.versions import installed_versions
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -86,6 +88,7 @@ def top1_agreement(ours: list, theirs: list[np.ndarray]) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    print(installed_versions(), flush=True)
     from megarl.retrieval import build_index, load_index
 
     try:

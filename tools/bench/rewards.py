@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 
 from megarl.reward import RewardConfig, RewardPool, RewardRequest
+from megarl.versions import installed_versions
 
 WORDS = "so we add the two terms then divide both sides by three and check the result again".split()
 
@@ -143,6 +144,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs, each on fresh responses; the best counts")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    print(installed_versions(), flush=True)
 
     rng = random.Random(args.seed)
     runs = range(args.repeats)

@@ -19,6 +19,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from megarl.rollout.engine import SamplingParams
 from megarl.rollout.local import LocalEngine
+from megarl.versions import installed_versions
 
 
 def build_model(hidden: int, layers: int, vocab: int) -> Qwen2ForCausalLM:
@@ -78,6 +79,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--uneven", action="store_true", help="per-prompt budgets from 1/8 to all of --new-tokens")
     args = parser.parse_args()
+    print(installed_versions(), flush=True)
     model = build_model(args.hidden, args.layers, args.vocab)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(1, args.vocab, (args.prompt_len - (i % 16),), generator=g).tolist()

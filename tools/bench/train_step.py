@@ -27,6 +27,8 @@ import time
 
 import torch
 
+from megarl.versions import installed_versions
+
 SHAPES = {  # Qwen2.5 shapes (vocabulary, hidden, ffn, layers, heads, kv heads)
     "qwen2.5-0.5b": (151936, 896, 4864, 24, 14, 2),
     "qwen2.5-1.5b": (151936, 1536, 8960, 28, 12, 2),
@@ -119,6 +121,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--peak-tflops", type=float, default=989.0)
     args = parser.parse_args()
+    print(installed_versions(), flush=True)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     dtype_name = "bfloat16" if cuda else "float32"

@@ -29,6 +29,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from megarl.rollout.local import LocalEngine
 from megarl.weights.buckets import group_tensors, hf_tensors, send_flat, unpack_bucket
 from megarl.weights.inprocess import load_into_engine
+from megarl.versions import installed_versions
 
 
 def build_model(hidden: int, layers: int, seed: int) -> Qwen2ForCausalLM:
@@ -149,6 +150,7 @@ def main() -> None:
     parser.add_argument("--ray", action="store_true", help="also sync actor to actor through Ray")
     parser.add_argument("--servers", action="store_true", help="also sync into an engine server (disk, gloo group)")
     args = parser.parse_args()
+    print(installed_versions(), flush=True)
     trainer, engine_model = build_model(args.hidden, args.layers, 0), build_model(args.hidden, args.layers, 1)
     nbytes = sum(t.numel() * t.element_size() for _, t in hf_tensors(trainer))
     bucket_bytes = args.bucket_mb << 20
