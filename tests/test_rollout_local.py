@@ -42,6 +42,23 @@ def test_log_probs_equal_a_forward_pass(family, tie):
         torch.testing.assert_close(torch.tensor(o.log_probs), ref, atol=1e-5, rtol=0)
 
 
+def test_the_samples_of_a_prompt_share_one_prefill_and_stay_exact():
+    model = tiny_model("qwen2")
+    engine = LocalEngine(model, max_batch_size=8, eos_token_ids=[])
+    prefilled = []
+    prefill = engine.decoder.prefill
+    engine.decoder.prefill = lambda first, prompts: prefilled.append([len(p) for p in prompts]) or prefill(first, prompts)
+    a, b = prompts_of([11, 6])
+    prompts = [a, b, a, a, b, a]  # two groups, interleaved, admitted in one step
+    outs = run(generate_all(engine, prompts, lambda i: SamplingParams(max_new_tokens=5 + i, temperature=1.0, seed=i)))
+    assert prefilled == [[11, 6]]  # each prompt once
+    assert len({tuple(o.token_ids[:5]) for o in outs}) > 2  # the samples still differ
+    for i, (p, o) in enumerate(zip(prompts, outs)):
+        assert len(o.token_ids) == 5 + i
+        torch.testing.assert_close(torch.tensor(o.log_probs), reference_log_probs(model, p, o.token_ids),
+                                   atol=1e-5, rtol=0)
+
+
 def test_cache_growth_and_slot_reuse_stay_exact():
     # a cache that starts tiny must grow during decoding, and finished sequences must hand
     # their slots to waiting ones, without changing any log-prob

@@ -192,15 +192,20 @@ class LocalEngine(PauseAroundUpdates):
                 self._retire(request)
 
     def _admit(self) -> list[_Request]:
-        admitted, tokens = [], 0
+        """Waiting requests for the free slots, up to max_prefill_tokens of distinct prompts (the
+        n samples of a prompt are prefilled once)."""
+        admitted, tokens, prompts = [], 0, set()
         while self._waiting and len(self._running) + len(admitted) < self.max_batch_size:
             nxt = self._waiting[0]
-            if admitted and tokens + len(nxt.prompt) > self.max_prefill_tokens:
+            new = tuple(nxt.prompt) not in prompts
+            if admitted and new and tokens + len(nxt.prompt) > self.max_prefill_tokens:
                 break
             self._waiting.popleft()
             nxt.weight_version = self.weight_version
             admitted.append(nxt)
-            tokens += len(nxt.prompt)
+            if new:
+                prompts.add(tuple(nxt.prompt))
+                tokens += len(nxt.prompt)
         return admitted
 
     def _step(self, admitted: list[_Request]) -> None:
@@ -211,10 +216,21 @@ class LocalEngine(PauseAroundUpdates):
             lengths = torch.tensor([r.length for r in decoding])
             self._sample(decoding, self.decoder.decode(last, lengths))
         if admitted:
+            # each distinct prompt is prefilled once; a request with the same prompt as an earlier
+            # one (the n samples of a group) gets a copy of its cache and samples from its logits
+            source: dict[tuple[int, ...], int] = {}  # prompt -> its row of the prefill
+            firsts, copies = [], []
+            for r in admitted:
+                key = tuple(r.prompt)
+                (copies if key in source else firsts).append(r)
+                source.setdefault(key, len(source))
             first = len(self._running)
-            logits = self.decoder.prefill(first, [r.prompt for r in admitted])
-            self._running.extend(admitted)
-            self._sample(admitted, logits)
+            logits = self.decoder.prefill(first, [r.prompt for r in firsts])
+            for i, r in enumerate(copies):
+                self.decoder.move_slot(first + source[tuple(r.prompt)], first + len(firsts) + i, len(r.prompt))
+            ordered = firsts + copies  # their slots, in order from `first`
+            self._running.extend(ordered)
+            self._sample(ordered, logits[[source[tuple(r.prompt)] for r in ordered]])
 
     def _sample(self, requests: list[_Request], logits: torch.Tensor) -> None:
         tokens, log_probs = sample_next_tokens(logits, [r.params for r in requests],
