@@ -47,7 +47,8 @@ def test_the_samples_of_a_prompt_share_one_prefill_and_stay_exact():
     engine = LocalEngine(model, max_batch_size=8, eos_token_ids=[])
     prefilled = []
     prefill = engine.decoder.prefill
-    engine.decoder.prefill = lambda first, prompts: prefilled.append([len(p) for p in prompts]) or prefill(first, prompts)
+    engine.decoder.prefill = lambda first, prompts, *rest: prefilled.append([len(p) for p in prompts]) or prefill(
+        first, prompts, *rest)
     a, b = prompts_of([11, 6])
     prompts = [a, b, a, a, b, a]  # two groups, interleaved, admitted in one step
     outs = run(generate_all(engine, prompts, lambda i: SamplingParams(max_new_tokens=5 + i, temperature=1.0, seed=i)))
@@ -207,6 +208,17 @@ def test_cancelled_request_frees_its_slot():
         return out
 
     assert len(run(scenario()).token_ids) == 3
+
+
+def test_a_step_that_fails_answers_every_request_it_took():
+    # a token id past the vocabulary fails the prefill; the requests admitted with it, no longer
+    # waiting and not yet running, must be answered too (they used to wait forever)
+    model = tiny_model("qwen2")
+    engine = LocalEngine(model, max_batch_size=4, eos_token_ids=[])
+    prompts = [[1, 2, 3], [4, 5, model.config.vocab_size + 7], [6, 7]]
+    outs = run(asyncio.wait_for(generate_all(engine, prompts, lambda i: SamplingParams(max_new_tokens=3)), 60))
+    assert [o.finish_reason for o in outs] == ["abort"] * 3
+    assert all("engine step failed" in o.message for o in outs)
 
 
 def test_bad_requests():

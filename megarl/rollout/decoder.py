@@ -116,25 +116,31 @@ class SlotDecoder:
         return self.model.lm_head(last).float()
 
     @torch.inference_mode()
-    def prefill(self, first_slot: int, prompts: list[list[int]]) -> torch.Tensor:
-        """Fill slots first_slot.. with the prompts (right-padded to one length); returns
-        the next-token logits (n, V) at each prompt's last position."""
+    def prefill(self, first_slot: int, prompts: list[list[int]], cached: list[int] | None = None) -> torch.Tensor:
+        """Fill slots first_slot.. with the prompts; returns the next-token logits (n, V) at each
+        prompt's last position. `cached[i]`: how many of prompt i's first tokens its slot holds
+        already (a prefix kept from an earlier request): only the rest is computed, at its
+        positions, attending over the cached prefix too."""
+        cached = cached or [0] * len(prompts)
+        starts = torch.tensor(cached, device=self.device)
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
-        width = int(lengths.max())
-        self.ensure_capacity(width + 1)
+        width = int((lengths - starts).max())
+        self.ensure_capacity(int(starts.max()) + width + 1)
         ids = torch.zeros((len(prompts), width), dtype=torch.long, device=self.device)
-        for row, prompt in enumerate(prompts):
-            ids[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.long, device=self.device)
-        positions = torch.arange(width, device=self.device).expand(len(prompts), width)
-        causal = torch.ones((width, width), dtype=torch.bool, device=self.device).tril()
-        key_valid = positions < lengths[:, None]  # padding keys are never attended
-        mask = (causal[None] & key_valid[:, None, :])[:, None]
+        for row, (prompt, start) in enumerate(zip(prompts, cached)):
+            ids[row, : len(prompt) - start] = torch.tensor(prompt[start:], dtype=torch.long, device=self.device)
+        positions = starts[:, None] + torch.arange(width, device=self.device)  # (n, width), right-padded rows
+        key_len = int(lengths.max())
+        keys = torch.arange(key_len, device=self.device)
+        # query at position q sees keys 0..q of its own sequence; padding keys are never attended
+        mask = ((keys[None, None] <= positions[:, :, None]) & (keys[None, None] < lengths[:, None, None]))[:, None]
+        rows = torch.arange(len(prompts), device=self.device)[:, None]
 
-        def write_at(cache, new):
-            cache[:, :, :width] = new
+        def write_at(cache, new):  # new (n, H, width, D) at each row's positions
+            cache[rows, :, positions] = new.transpose(1, 2)
 
         slots = slice(first_slot, first_slot + len(prompts))
-        return self._run(ids, positions, slots, write_at, width, mask, lengths - 1)
+        return self._run(ids, positions, slots, write_at, key_len, mask, lengths - starts - 1)
 
     @torch.inference_mode()
     def decode(self, last_tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,9 @@
 The CPU (and single-GPU) default behind `RolloutEngine`. Requests queue up; a scheduler
 task admits waiting requests into free batch slots (one batched prefill), runs one decode
 step for every running sequence, and retires finished ones between steps, so a short
-answer frees its slot at once instead of waiting for the longest sequence of a batch.
+answer frees its slot at once instead of waiting for the longest sequence of a batch. The
+samples of a prompt share one prefill, and a prompt that continues a finished sequence (the
+next turn of a trajectory) reuses its cache (megarl.rollout.prefix_cache).
 Model work runs on one dedicated thread, so the event loop (agent logic, HTTP server)
 stays responsive while the model computes.
 
@@ -23,6 +25,7 @@ import torch
 
 from megarl.rollout.decoder import SlotDecoder
 from megarl.rollout.engine import GenerationOutput, PauseAroundUpdates, SamplingParams, WeightBucket
+from megarl.rollout.prefix_cache import KeptPrefixes
 from megarl.rollout.token_sampling import sample_next_tokens
 
 log = logging.getLogger(__name__)
@@ -49,12 +52,17 @@ class LocalEngine(PauseAroundUpdates):
     """In-process generation engine (see the module docstring)."""
 
     def __init__(self, model: torch.nn.Module, tokenizer=None, *, max_batch_size: int = 64,
-                 max_prefill_tokens: int = 8192, eos_token_ids: Iterable[int] | None = None, seed: int = 0):
+                 max_prefill_tokens: int = 8192, eos_token_ids: Iterable[int] | None = None, seed: int = 0,
+                 kept_sequences: int | None = None):
+        """`kept_sequences`: finished sequences whose cache is kept for prompts that continue
+        them (megarl.rollout.prefix_cache; default max_batch_size, 0 = none)."""
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
-        self.decoder = SlotDecoder(model, num_slots=max_batch_size)
+        kept = max_batch_size if kept_sequences is None else kept_sequences
+        self.decoder = SlotDecoder(model, num_slots=max_batch_size + kept)
+        self.kept = KeptPrefixes(first_slot=max_batch_size, size=kept)
         self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else _eos_ids(model, tokenizer))
         self.generator = torch.Generator().manual_seed(seed)
         self.weight_version = 0
@@ -111,6 +119,7 @@ class LocalEngine(PauseAroundUpdates):
                     raise ValueError(f"update_weights: {name} has shape {tuple(tensor.shape)}, "
                                      f"the model expects {tuple(params[name].shape)}")
             await loop.run_in_executor(self._executor, _copy_bucket, params, bucket)
+        self.kept.clear()  # caches computed with the old weights
         self.weight_version = version
 
     async def weight_checksums(self) -> dict[str, str]:
@@ -129,13 +138,15 @@ class LocalEngine(PauseAroundUpdates):
         self._unpaused.set()
 
     async def flush_cache(self) -> None:
-        """No-op: the embedded engine keeps no cache across requests (no prefix cache)."""
+        """Forget the kept sequences (their caches are reused no more)."""
+        self.kept.clear()
 
     async def release_memory(self) -> None:
         self._ensure_loop()
         await self.pause()
         if self._running:
             raise RuntimeError("release_memory with requests still running; wait for them or abort them first")
+        self.kept.clear()
         await asyncio.get_running_loop().run_in_executor(self._executor, self.decoder.release)
 
     async def resume_memory(self) -> None:
@@ -184,8 +195,9 @@ class LocalEngine(PauseAroundUpdates):
                 await loop.run_in_executor(self._executor, self._step, admitted)
             except Exception as e:  # a model failure must not leave callers waiting forever
                 log.exception("embedded engine step failed")
-                self._abort_all(f"engine step failed: {e!r}")
+                self._abort_all(f"engine step failed: {e!r}", admitted)  # admitted: in neither queue yet
                 self.decoder.release()
+                self.kept.clear()
             finally:
                 self._idle.set()
             for request in [r for r in self._running if r.finish is not None]:
@@ -225,7 +237,13 @@ class LocalEngine(PauseAroundUpdates):
                 (copies if key in source else firsts).append(r)
                 source.setdefault(key, len(source))
             first = len(self._running)
-            logits = self.decoder.prefill(first, [r.prompt for r in firsts])
+            cached = []
+            for i, r in enumerate(firsts):  # a prompt that continues a kept sequence starts from its cache
+                found = self.kept.take(r.prompt)
+                if found is not None:
+                    self.decoder.move_slot(found[0], first + i, found[1])
+                cached.append(found[1] if found is not None else 0)
+            logits = self.decoder.prefill(first, [r.prompt for r in firsts], cached)
             for i, r in enumerate(copies):
                 self.decoder.move_slot(first + source[tuple(r.prompt)], first + len(firsts) + i, len(r.prompt))
             ordered = firsts + copies  # their slots, in order from `first`
@@ -259,8 +277,13 @@ class LocalEngine(PauseAroundUpdates):
         return None
 
     def _retire(self, request: _Request) -> None:
-        """Free the request's slot by moving the last running sequence into it."""
+        """Keep the request's cache for a prompt that continues it (a finished one), then free
+        its slot by moving the last running sequence into it."""
         idx = self._running.index(request)
+        if request.finish[0] != "abort":
+            slot = self.kept.keep(tuple(request.prompt + request.output)[:request.length])
+            if slot is not None:
+                self.decoder.move_slot(idx, slot, request.length)
         last = len(self._running) - 1
         if idx != last:
             moved = self._running[last]
@@ -277,8 +300,8 @@ class LocalEngine(PauseAroundUpdates):
             request.finish = ("abort", "cancelled by the caller")
             self._retire(request)
 
-    def _abort_all(self, message: str) -> None:
-        for request in [*self._waiting, *self._running]:
+    def _abort_all(self, message: str, admitted: Iterable[_Request] = ()) -> None:
+        for request in [*self._waiting, *self._running, *admitted]:
             request.finish = ("abort", message)
             if not request.future.done():
                 request.future.set_result(self._output(request))

@@ -1,0 +1,66 @@
+"""The embedded engine's kept sequences: which slot keeps what, the longest kept prefix of a
+prompt, oldest out first; and in the engine, a next turn that continues a finished sequence
+computes only its new tokens, with log-probs still equal to a forward pass."""
+
+import asyncio
+
+import torch
+
+from megarl.rollout.engine import SamplingParams
+from megarl.rollout.local import LocalEngine
+from megarl.rollout.prefix_cache import KeptPrefixes
+from tiny_models import reference_log_probs, tiny_model
+
+
+def test_the_longest_kept_prefix_is_taken_once():
+    kept = KeptPrefixes(first_slot=4, size=3)
+    assert kept.keep((1, 2)) == 4 and kept.keep((1, 2, 3, 4)) == 5 and kept.keep((9,)) == 6
+    assert kept.keep((1, 2)) is None  # kept already
+    assert kept.take([1, 2, 3, 4, 5]) == (5, 4)  # the longer of (1, 2) and (1, 2, 3, 4)
+    assert kept.take([1, 2, 3, 4, 5]) == (4, 2)  # (1, 2, 3, 4) was taken
+    assert kept.take([1, 2]) is None  # a prompt must be longer than the kept sequence
+    assert kept.take([2, 1, 9]) is None
+    assert (kept.hits, kept.reused_tokens) == (2, 6)
+
+
+def test_the_oldest_kept_goes_first_and_clear_forgets_all():
+    kept = KeptPrefixes(first_slot=0, size=2)
+    kept.keep((1,))
+    kept.keep((2,))
+    assert kept.keep((3,)) == 0  # (1,)'s slot
+    assert kept.take([1, 5]) is None and kept.take([2, 5]) == (1, 1)
+    kept.clear()
+    assert kept.take([3, 5]) is None
+    assert KeptPrefixes(first_slot=0, size=0).keep((1,)) is None
+
+
+def test_a_next_turn_computes_only_its_new_tokens():
+    model = tiny_model("qwen2")
+    engine = LocalEngine(model, max_batch_size=2, eos_token_ids=[])
+    computed = []
+    prefill = engine.decoder.prefill
+
+    def spy(first, prompts, cached=None):
+        computed.append([len(p) - c for p, c in zip(prompts, cached or [0] * len(prompts))])
+        return prefill(first, prompts, cached)
+
+    engine.decoder.prefill = spy
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, seed=1)
+
+    async def turns():
+        first = await engine.generate([5, 6, 7, 8], params)
+        history = [5, 6, 7, 8, *first.token_ids, 40, 41, 42]  # the output, then an observation
+        second = await engine.generate(history, params)
+        await engine.update_weights([{}], version=1)  # new weights: the kept caches are stale
+        third = await engine.generate([*history, *second.token_ids, 50], params)
+        await engine.close()
+        return first, history, second, third
+
+    first, history, second, third = asyncio.run(turns())
+    # turn 2: the kept cache holds the prompt and all outputs but the last (never fed back), so
+    # that last output and the observation are computed: 1 + 3; turn 3: everything again
+    assert computed == [[4], [4], [len(history) + 6 + 1]]
+    assert engine.kept.hits == 1 and engine.kept.reused_tokens == 4 + 5
+    for prompt, out in ((history, second), ([*history, *second.token_ids, 50], third)):
+        torch.testing.assert_close(torch.tensor(out.log_probs), reference_log_probs(model, prompt, out.token_ids),
+                                   atol=1e-5, rtol=0)
