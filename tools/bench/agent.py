@@ -4,8 +4,10 @@ Both drive the same embedded engine and model over the same trajectories: a mix 
 turns each, with turn lengths that differ between trajectories (as real responses do). The
 lockstep loop is the shape of Search-R1's original rollout: every turn, all trajectories
 still going generate, and the batch waits for the slowest before anyone gets an
-observation. megarl's loop runs every trajectory as its own task, so one that is done (or
-between turns) never waits for the others. The model is a random tiny Qwen2, so no turn
+observation, and prefills each turn's whole history again. megarl's loop runs every
+trajectory as its own task, so one that is done (or between turns) never waits for the
+others, and its engine reuses the cache of a trajectory's previous turn (measured without
+that reuse too). The model is a random tiny Qwen2, so no turn
 contains a valid action: each turn gets the invalid-action observation, which makes the
 turn count of each trajectory exactly its max_turns + 1 in both loops.
 
@@ -104,9 +106,13 @@ def main() -> None:
           + f"; engine slots {args.max_batch_size}")
 
     results = {}
-    for name, loop in (("lockstep", lockstep), ("megarl", independent)):
-        async def go(loop=loop):
-            engine = LocalEngine(model, tok, max_batch_size=args.max_batch_size, eos_token_ids=[])
+    # the lockstep baseline prefills each turn's whole history again, as Search-R1's loop does
+    # without a prefix cache; megarl's loop is measured without and with the engine's prefix reuse
+    for name, loop, kept in (("lockstep", lockstep, 0), ("megarl, no reuse", independent, 0),
+                             ("megarl", independent, None)):
+        async def go(loop=loop, kept=kept):
+            engine = LocalEngine(model, tok, max_batch_size=args.max_batch_size, eos_token_ids=[],
+                                 kept_sequences=kept)
             start = time.perf_counter()
             trajs = await loop(engine, tok, prompts, settings)
             elapsed = time.perf_counter() - start
@@ -118,7 +124,7 @@ def main() -> None:
         results.setdefault("tokens", model_tokens)
         assert model_tokens == results["tokens"], "both loops must generate the same number of tokens"
         results[name] = elapsed
-        print(f"{name:10} {elapsed:7.2f} s  {len(trajs) / elapsed:7.2f} trajectories/s  "
+        print(f"{name:17} {elapsed:7.2f} s  {len(trajs) / elapsed:7.2f} trajectories/s  "
               f"{model_tokens / elapsed:8.1f} model tokens/s")
     print(f"ratio megarl / lockstep: {results['lockstep'] / results['megarl']:.2f}x")
 
