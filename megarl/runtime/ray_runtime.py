@@ -27,7 +27,7 @@ from megarl.runtime.base import Runtime, hosted_retrieval_key
 from megarl.runtime.local_ray import init_local_ray
 from megarl.runtime.ray_actors import EngineActor, RetrievalActor, RewardActor, TrainWorkerActor
 from megarl.runtime.liveness import died, frozen, wait_started
-from megarl.runtime.ray_proxies import RayRanks, RemoteEngine, RemoteRewardPool, RemoteTrainWorker
+from megarl.runtime.ray_proxies import RayRanks, RemoteEngine, RemoteRewardPool, RemoteTrainWorker, rank_name
 from megarl.termination import handlers_kept
 from megarl.weights import transport_class
 
@@ -91,6 +91,9 @@ class RayRuntime(Runtime):
             self.retrieval_actor = RetrievalActor.options(num_cpus=0.5, scheduling_strategy=place[misc]).remote(
                 cfg.agent.retrieval, self.retrieval_api_key, cfg.cluster.nnodes)
         liveness = cfg.cluster.liveness
+        # started (imports, CUDA) within startup_timeout_s before any call into them is watched by
+        # pings: a rank still in its constructor cannot answer one, and is not frozen
+        wait_started(self.worker_actors, [rank_name(r) for r in range(world)], liveness)
         self.ranks = RayRanks(self.worker_actors, liveness)
         master = self.ranks.free_address(0)
         has_reference = self.ranks.gather([a.setup.remote(cfg, total_steps, r, world, master)
