@@ -119,7 +119,7 @@ class LocalEngine(PauseAroundUpdates):
                     raise ValueError(f"update_weights: {name} has shape {tuple(tensor.shape)}, "
                                      f"the model expects {tuple(params[name].shape)}")
             await loop.run_in_executor(self._executor, _copy_bucket, params, bucket)
-        self.kept.clear()  # caches computed with the old weights
+        await loop.run_in_executor(self._executor, self.kept.clear)  # caches of the old weights
         self.weight_version = version
 
     async def weight_checksums(self) -> dict[str, str]:
@@ -138,16 +138,20 @@ class LocalEngine(PauseAroundUpdates):
         self._unpaused.set()
 
     async def flush_cache(self) -> None:
-        """Forget the kept sequences (their caches are reused no more)."""
-        self.kept.clear()
+        """Forget the kept sequences (their caches are reused no more). On the model thread, as
+        every use of them: never in the middle of a step."""
+        await asyncio.get_running_loop().run_in_executor(self._executor, self.kept.clear)
 
     async def release_memory(self) -> None:
         self._ensure_loop()
         await self.pause()
         if self._running:
             raise RuntimeError("release_memory with requests still running; wait for them or abort them first")
+        await asyncio.get_running_loop().run_in_executor(self._executor, self._release)
+
+    def _release(self) -> None:
         self.kept.clear()
-        await asyncio.get_running_loop().run_in_executor(self._executor, self.decoder.release)
+        self.decoder.release()
 
     async def resume_memory(self) -> None:
         await self.resume()  # the cache is reallocated on the next prefill
