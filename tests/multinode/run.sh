@@ -36,7 +36,11 @@ started=$SECONDS
 
 # the quickstart's inputs once, for every run (a 20-step warm-up: the runs check the pipeline
 # across nodes, not learning)
-"$PY" -m megarl.quickstart prepare "$WORK/data" --warmup-steps 20 > "$WORK/prepare.log" 2>&1 \
+# (the recipe prepares them too when missing: PREPARE_ARGS makes its settings these, so it finds
+# them built; with other settings it would build them all again, a full warm-up, in the first job)
+export PREPARE_ARGS="--warmup-steps 20"
+# shellcheck disable=SC2086
+"$PY" -m megarl.quickstart prepare "$WORK/data" $PREPARE_ARGS > "$WORK/prepare.log" 2>&1 \
     || { tail -n 30 "$WORK/prepare.log" >&2; exit 1; }
 
 # sbatch_on_cluster NAME ARGS...: submit from node1 and wait; the job's output is $WORK/NAME.out
