@@ -10,7 +10,6 @@ the engine -> metrics, checkpoint, validation. Main entry point: `train`.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import sys
@@ -26,6 +25,7 @@ from megarl.algo import InformativeGroupBuffer, masked_mean
 from megarl.components import Components, build_components
 from megarl.config import RunConfig, TrackingConfig, save_config
 from megarl.config_loader import dump_config, flatten_config
+from megarl.driver_loop import run_async
 from megarl.errors import ComponentDied, RunInputError
 from megarl.experience import Sample, compute_advantages, reward_requests, shape_overlong, to_train_batch
 from megarl.rollout.agent import run_trajectories
@@ -207,7 +207,7 @@ def rollout(c: Components, records, n: int, seed_base: int, group_base: int,
     scores include overlong shaping (not in validation)."""
     prompts = [r.prompt_ids for r in records for _ in range(n)]
     seeds = [seed_base + i for i in range(len(prompts))]
-    trajectories = asyncio.run(run_trajectories(c.engine, c.tokenizer, prompts, c.agent_settings(validation),
+    trajectories = run_async(run_trajectories(c.engine, c.tokenizer, prompts, c.agent_settings(validation),
                                                 c.searcher, seeds))
     failed = sum(t.num_failed_searches for t in trajectories)
     if failed:

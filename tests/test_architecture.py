@@ -16,7 +16,8 @@ PACKAGE = ROOT / "megarl"
 # Lowest first. A module may import from its own layer and the layers below it. The longest
 # matching prefix decides a module's layer.
 LAYERS = [
-    ("foundations", ["megarl", "megarl.errors", "megarl.config_loader", "megarl.versions", "megarl.termination"]),
+    ("foundations", ["megarl", "megarl.errors", "megarl.config_loader", "megarl.versions", "megarl.termination",
+                     "megarl.driver_loop"]),
     ("domain", ["megarl.algo", "megarl.models", "megarl.retrieval", "megarl.reward", "megarl.weights",
                 "megarl.data.prompts", "megarl.data.tokenizer", "megarl.data"]),
     ("config", ["megarl.config", "megarl.config_cluster"]),

@@ -11,7 +11,6 @@ on any number of nodes, the SGLang fleet). The weight sync is written once, here
 
 from __future__ import annotations
 
-import asyncio
 import os
 from abc import ABC, abstractmethod
 
@@ -19,6 +18,7 @@ import torch
 
 from megarl.backends.base import TrainWorker
 from megarl.config import RetrievalConfig, RunConfig
+from megarl.driver_loop import run_async
 from megarl.http_auth import RETRIEVAL_KEY_ENV, new_api_key
 from megarl.reward.pool import RewardComputer
 from megarl.rollout.engine import RolloutEngine
@@ -43,7 +43,7 @@ class Runtime(ABC):
         """Trainer weights -> engine, with decoding paused around it; then, with
         sync.verify, the engine's checksums against the trainer's."""
         self.ranks.free_cache()  # before colocated engines take their memory back
-        asyncio.run(self.engine.begin_weight_update())
+        run_async(self.engine.begin_weight_update())
         try:
             self.transport.connect(self.ranks)
             bucket_bytes = self.cfg.sync.bucket_mb << 20
@@ -54,9 +54,9 @@ class Runtime(ABC):
                 self.ranks.push(bucket_bytes, version)
             self.transport.finish(version)
         finally:
-            asyncio.run(self.engine.end_weight_update())
+            run_async(self.engine.end_weight_update())
         if self.cfg.sync.verify:
-            asyncio.run(verify_engine(self.engine, self.worker.weight_checksums()))
+            run_async(verify_engine(self.engine, self.worker.weight_checksums()))
 
     @abstractmethod
     def release_engine_memory(self) -> None:

@@ -6,7 +6,6 @@ thread. For debugging and tests; the same loop as on a cluster. Main entry point
 
 from __future__ import annotations
 
-import asyncio
 import copy
 from collections.abc import Callable, Mapping
 
@@ -14,6 +13,7 @@ import torch
 
 from megarl.backends.torch.worker import TorchTrainWorker
 from megarl.config import RunConfig
+from megarl.driver_loop import run_async
 from megarl.reward import RewardPool
 from megarl.rollout.local import LocalEngine
 from megarl.rollout.sglang_launch import free_port
@@ -90,5 +90,5 @@ class InProcessRuntime(Runtime):
         if self.retrieval_server is not None:
             self.retrieval_server.stop()
         self.ranks.endpoint.close()
-        asyncio.run(self.engine.close())
+        run_async(self.engine.close())
         self.reward_pool.close()

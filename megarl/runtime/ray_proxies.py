@@ -17,6 +17,7 @@ import ray
 import torch
 
 from megarl.backends.batch import TrainBatch
+from megarl.driver_loop import run_async
 from megarl.reward.scoring import RewardRequest, RewardResult
 from megarl.reward.pool import RewardStats
 from megarl.rollout.engine import GenerationOutput, SamplingParams
@@ -133,7 +134,7 @@ class RemoteRewardPool:
                               self.liveness)[0]
 
     def close(self) -> None:
-        asyncio.run(bounded(self.actor.close.remote(), 30, "closing the " + self.NAME))
+        run_async(bounded(self.actor.close.remote(), 30, "closing the " + self.NAME))
 
 
 class RemoteEngine:

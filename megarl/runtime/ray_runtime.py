@@ -11,7 +11,6 @@ the rank actors to the engines directly, never through the driver. Main entry po
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import sys
@@ -22,6 +21,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from megarl.config import RunConfig
+from megarl.driver_loop import run_async
 from megarl.errors import ComponentDied
 from megarl.runtime.base import Runtime, hosted_retrieval_key
 from megarl.runtime.local_ray import init_local_ray
@@ -191,7 +191,7 @@ class RayRuntime(Runtime):
     def release_engine_memory(self) -> None:
         """Colocated engine servers free their GPU memory (weights and KV cache) for training."""
         if self.colocated:
-            asyncio.run(self.engine.release_memory())
+            run_async(self.engine.release_memory())
 
     def shutdown(self) -> None:
         if self.transport is not None:
@@ -201,7 +201,7 @@ class RayRuntime(Runtime):
                 log.debug("weight transport close: %s", e)
             self.transport = None
         if self.engine is not None:
-            asyncio.run(self.engine.close())
+            run_async(self.engine.close())
         if self.reward_pool is not None:
             self.reward_pool.close()
         if self.fleet is not None:

@@ -9,7 +9,6 @@ newest directory is what a restarted engine reloads. Main entry points: `DiskTra
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import torch
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from megarl.driver_loop import run_async
 from megarl.weights.buckets import WeightBucket
 from megarl.weights.routes import json_body, version_of
 from megarl.weights.transport import TrainRanks, WeightSender, WeightTransport, needs_engine_servers, sources
@@ -75,7 +75,7 @@ class DiskTransport(WeightTransport):
         return {p.rank: DiskSender(str(self.root), p.rank) for p in sources(ranks)}
 
     def finish(self, version: int) -> None:
-        asyncio.run(self.engines.load_from_disk(str(version_dir(self.root, version)), version))
+        run_async(self.engines.load_from_disk(str(version_dir(self.root, version)), version))
 
     @staticmethod
     def add_engine_routes(app: Any, engine: Any) -> None:

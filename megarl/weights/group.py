@@ -22,6 +22,7 @@ import httpx
 import torch
 from fastapi import Request
 
+from megarl.driver_loop import run_async
 from megarl.http_auth import bearer
 from megarl.weights.buckets import FlatBucket, TensorEntry, WeightBucket, flatten, split_by_dtype, unpack_bucket
 from megarl.weights.routes import json_body, result, version_of
@@ -243,7 +244,7 @@ class GroupTransport(WeightTransport):
             address, port = ranks.free_address(rank)
             opened = ranks.open_senders({rank: GroupSender(self.backend, address, port, world, name, urls,
                                                            self.engines.api_key)})
-            asyncio.run(join_update_group(self.engines, address, port, name, self.backend,
+            run_async(join_update_group(self.engines, address, port, name, self.backend,
                                           self.cfg.rollout.sglang.startup_timeout_s))
             opened()
             self.groups.append(name)
@@ -251,7 +252,7 @@ class GroupTransport(WeightTransport):
 
     def _leave_all(self) -> None:
         for name in self.groups:
-            asyncio.run(leave_update_group(self.engines, name))
+            run_async(leave_update_group(self.engines, name))
         self.groups = []
 
     def close(self) -> None:

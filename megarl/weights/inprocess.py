@@ -9,12 +9,12 @@ flattens each bucket into one buffer and keeps two in flight. Main entry points:
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
+from megarl.driver_loop import run_async
 from megarl.weights.buckets import FlatBucket, WeightBucket, unpack_bucket
 from megarl.weights.transport import TrainRanks, WeightSender, WeightTransport, sources
 
@@ -32,7 +32,7 @@ class EngineSender(WeightSender):
                 await self.engine.update_weights([bucket], version)
                 count += 1
             return count
-        return asyncio.run(load())
+        return run_async(load())
 
 
 class InProcessTransport(WeightTransport):
