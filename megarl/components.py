@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from dataclasses import dataclass, field
 
 import httpx
@@ -43,6 +44,7 @@ class Components:
     total_steps: int
     dropped_prompts: int
     last_samples: list = field(default_factory=list)  # the latest training samples, for the rollout table
+    reward_lock: threading.Lock = field(default_factory=threading.Lock)  # one scoring at a time (megarl.async_rollouts)
 
     @property
     def worker(self) -> TrainWorker:

@@ -12,7 +12,7 @@ schema and the value checks next to it.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Literal
 
 from megarl.config_loader import (
@@ -23,7 +23,9 @@ from megarl.config_loader import (
     param,
     save_config,
 )
+from megarl.config_async import AsyncRolloutConfig, check_async_rollout
 from megarl.config_cluster import ClusterConfig
+from megarl.config_megatron import check_megatron
 from megarl.reward.settings import RewardConfig, check_reward_config
 
 __all__ = ["RunConfig", "RewardConfig", "ConfigError", "load_config", "save_config", "config_to_dict"]
@@ -180,6 +182,8 @@ class AlgorithmConfig:
     tis_cap: float | None = param(
         None, "Truncated importance sampling against the rollout log-probs, weights capped here; None = off.", gt=0.0
     )
+    tis_level: Literal["token", "sequence"] = param(
+        "token", "TIS weight per token, or one per sequence (the product of its token ratios, capped).")
     dynamic_sampling: DynamicSamplingConfig = param(help="DAPO dynamic sampling.", factory=DynamicSamplingConfig)
     overlong: OverlongConfig = param(help="DAPO soft overlong punishment.", factory=OverlongConfig)
 
@@ -266,6 +270,8 @@ class TrainerConfig:
     max_ckpt_to_keep: int = param(2, "Checkpoints kept on disk (oldest deleted first).", gt=0)
     resume: str = param("auto", "auto = newest checkpoint in output_dir; disable = start fresh; or a checkpoint path.")
     max_bad_steps: int = param(3, "Consecutive NaN/inf steps tolerated before the run stops.", gt=0)
+    async_rollout: AsyncRolloutConfig = param(help="Generation overlapped with training (off by default).",
+                                              factory=AsyncRolloutConfig)
 
 
 @dataclass
@@ -400,12 +406,13 @@ class RunConfig:
             problems.add("critic.backend", f"{self.critic.backend} differs from actor.backend={actor.backend}",
                          f"set critic.backend={actor.backend} (actor and critic share the worker processes)")
         if actor.backend == "megatron":
-            self._check_megatron(problems)
+            check_megatron(self, problems)
         if len(actor.optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in actor.optim.betas):
             problems.add("actor.optim.betas", f"{actor.optim.betas} is not two numbers in [0, 1)", "give two numbers in [0, 1), e.g. [0.9, 0.999]")
         if self.trainer.resume not in ("auto", "disable") and not self.trainer.resume.strip():
             problems.add("trainer.resume", "is empty", "use auto, disable or a checkpoint path")
         check_reward_config(self.reward, problems, "reward.")
+        check_async_rollout(self, problems)
         self._check_rollout(problems)
 
     def _check_rollout(self, problems: Problems) -> None:
@@ -447,52 +454,6 @@ class RunConfig:
             problems.add("rollout.mode", f"disaggregated engines need GPUs of their own, but the trainer takes all "
                          f"{c.nnodes * c.gpus_per_node}", "set actor.parallel.data_parallel_size lower, or "
                          "rollout.mode=colocated")
-
-    def _check_megatron(self, problems: Problems) -> None:
-        p, world = self.actor.parallel, self.train_world_size()
-        if self.cluster.launcher != "ray":
-            problems.add("cluster.launcher", "inprocess cannot run the megatron backend (one process per rank)",
-                         "use cluster.launcher=ray")
-        if world % p.model_parallel_size:
-            problems.add("actor.parallel", f"TP x PP x CP = {p.model_parallel_size} does not divide the "
-                         f"{world} train ranks (cluster.nnodes x cluster.gpus_per_node)",
-                         "choose parallel sizes whose product divides the number of GPUs")
-        dp = max(world // p.model_parallel_size, 1)
-        for name, worker in (("actor", self.actor), ("critic", self.critic)):
-            if name == "critic" and not self.critic.enable:
-                continue
-            _check_fp8_and_offload(name, worker, problems)
-            mini = worker.ppo_mini_batch_size * self.rollout.n
-            if mini % dp:
-                problems.add(f"{name}.ppo_mini_batch_size", f"a mini batch of {mini} samples does not split over "
-                             f"{dp} data-parallel ranks", "make ppo_mini_batch_size * rollout.n a multiple of DP")
-        if self.critic.enable and self.critic.backend == "megatron":
-            if asdict(self.critic.parallel) != asdict(p):
-                problems.add("critic.parallel", "differs from actor.parallel (actor and critic share one layout)",
-                             "give the critic the actor's parallel settings")
-
-
-def _check_fp8_and_offload(name: str, worker: TrainWorkerConfig, problems: Problems) -> None:
-    """FP8 parameters and optimizer offload on the megatron backend (docs/megatron.md, On GPUs)."""
-    fp8_params, distributed = bool(worker.fp8 and worker.fp8_param_gather), worker.parallel.use_distributed_optimizer
-    use_distributed = f"set {name}.parallel.use_distributed_optimizer=true"
-    if fp8_params and worker.fp8_recipe == "delayed":
-        problems.add(f"{name}.fp8_param_gather", "with fp8_recipe=delayed casts the loaded weights to FP8 with the scale "
-                     "delayed scaling starts from (1.0): small weights lose their precision or become 0 until the "
-                     "first step, and in the frozen reference for good",
-                     f"set {name}.fp8_recipe=tensorwise or blockwise (scales from the values), or "
-                     f"{name}.fp8_param_gather=false")
-    if fp8_params and not distributed:
-        problems.add(f"{name}.fp8_param_gather", "needs megatron's distributed optimizer: no other optimizer casts its "
-                     "updates back into FP8 parameters", use_distributed)
-    if worker.optim.offload and not distributed:
-        problems.add(f"{name}.optim.offload", "needs megatron's distributed optimizer: the hybrid device optimizer "
-                     "runs on the precision-aware optimizer's path, which only the distributed optimizer has",
-                     use_distributed)
-    if worker.optim.offload and fp8_params:
-        problems.add(f"{name}.optim.offload", "with fp8_param_gather: megatron hands its hybrid optimizer FP8 "
-                     "parameter shards only under fp8_recipe=delayed, which megarl refuses there",
-                     f"turn off {name}.optim.offload or {name}.fp8_param_gather")
 
 
 def load_config(path: str | None, overrides: list[str] | None = None) -> RunConfig:

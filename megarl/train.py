@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from megarl import checkpoint
 from megarl.algo import InformativeGroupBuffer, masked_mean
+from megarl.async_rollouts import SyncRollouts, start_rollouts
 from megarl.components import Components, build_components
 from megarl.config import RunConfig, TrackingConfig, save_config
 from megarl.config_loader import dump_config, flatten_config
@@ -50,6 +51,7 @@ def train(cfg: RunConfig) -> dict[str, float]:
     c = build_components(cfg)
     step, bad_steps, history = meta.get("step", 0), 0, meta.get("history", [])
     status, tracker, params = "FAILED", NullTracker(), flatten_config(cfg)
+    rollouts = None
     try:
         # from step 0 with trainer.resume=auto: the output directory's run, if stopped before its first checkpoint
         rerun = params if not resume_from and cfg.trainer.resume == "auto" else None
@@ -66,13 +68,14 @@ def train(cfg: RunConfig) -> dict[str, float]:
                 first = validate(c)
                 tracker.log_metrics(first, step=0)
                 history.append({"step": 0, "val/acc": first["val/acc"]})
+        rollouts = start_rollouts(c, collect_samples, step)  # the async producer starts generating here
         progress = tqdm(range(step, c.total_steps), initial=step, total=c.total_steps, desc="megarl", unit="step")
         for step in progress:
-            metrics = train_step(c, step)
+            metrics = train_step(c, step, rollouts)
             if metrics.get("actor/skipped_steps", 0) > 0:
                 bad_steps += 1
                 if bad_steps >= cfg.trainer.max_bad_steps:
-                    _save(c, ckpt_root, step + 1, tracker.run_id, history)  # skipped steps left the weights good
+                    _save(c, ckpt_root, step + 1, tracker.run_id, history, rollouts)  # skipped steps left the weights good
                     raise TrainingStopped(f"{bad_steps} steps in a row had NaN/inf gradients (trainer.max_bad_steps)"
                                           f"; the last good state is the newest checkpoint in {ckpt_root}")
             else:
@@ -80,13 +83,14 @@ def train(cfg: RunConfig) -> dict[str, float]:
             done = step + 1
             if cfg.trainer.test_freq and c.val_records and (done % cfg.trainer.test_freq == 0 or done == c.total_steps):
                 metrics.update(validate(c))
+            rollouts.published(done)
             tracker.log_metrics(metrics, step=done)
             if cfg.tracking.log_rollouts_freq and done % cfg.tracking.log_rollouts_freq == 0:
                 tracker.log_table(rollout_table(c, c.last_samples), f"rollouts/step_{done:06d}.json")
             history.append({k: metrics[k] for k in HISTORY_KEYS if k in metrics} | {"step": done})
             progress.set_postfix({short: f"{metrics[k]:.3f}" for short, k in PROGRESS_KEYS.items() if k in metrics})
             if (cfg.trainer.save_freq and done % cfg.trainer.save_freq == 0) or done == c.total_steps:
-                _save(c, ckpt_root, done, tracker.run_id, history)
+                _save(c, ckpt_root, done, tracker.run_id, history, rollouts)
         export_hf(c, out / "hf")
         tracker.log_artifact(plot_curves(history, out / "reward_curve.png"))
         status = "FINISHED"
@@ -101,6 +105,8 @@ def train(cfg: RunConfig) -> dict[str, float]:
         raise
     finally:
         with closing():  # a signal from here on kills the run's processes at once instead
+            if rollouts is not None:
+                rollouts.close()
             tracker.close(status, stop_signal=received() if status == "KILLED" else None)
             c.close()
         print(summary(status, out, history, cfg.tracking))
@@ -136,12 +142,13 @@ def summary(status: str, out: Path, history: list[dict], tracking: TrackingConfi
     return "\n".join(lines)
 
 
-def train_step(c: Components, step: int) -> dict[str, float]:
+def train_step(c: Components, step: int, rollouts: SyncRollouts) -> dict[str, float]:
     cfg, metrics = c.cfg, {}
-    with _timer(metrics, "rollout"):
-        samples = collect_samples(c, step, metrics)
-    c.release_engine_memory()
+    with _timer(metrics, "rollout"):  # asynchronous: the wait for a batch generated ahead
+        samples = rollouts.batch(step, metrics)
+    c.last_samples = samples
     metrics.update(c.engine_metrics())
+    metrics.update(staleness_metrics(samples, step))
     batch = to_train_batch(samples, pad_id=c.tokenizer.pad_token_id or 0)
     scores = [s.score for s in samples]
     groups = [s.group for s in samples]
@@ -163,11 +170,27 @@ def train_step(c: Components, step: int) -> dict[str, float]:
         actor_metrics = c.worker.update_actor(batch)
     metrics.update({f"actor/{k}": v for k, v in actor_metrics.items()})
     with _timer(metrics, "sync_weights"):
-        c.sync_weights(version=step + 1)
+        rollouts.sync_weights(step + 1)
     metrics["actor/advantage_mean"] = float(masked_mean(advantages, batch.loss_mask))
+    trainer_s = sum(metrics.get(f"timing/{k}_s", 0.0) for k in TRAINER_PHASES)
+    wall_s, engine_s = rollouts.clock.lap()
     tokens = int(batch.attention_mask.sum())
-    metrics["perf/tokens_per_s"] = tokens / max(sum(v for k, v in metrics.items() if k.startswith("timing/")), 1e-9)
+    metrics.update({"perf/tokens_per_s": tokens / max(wall_s, 1e-9), "perf/step_s": wall_s,
+                    "perf/trainer_busy_fraction": min(trainer_s / max(wall_s, 1e-9), 1.0),
+                    "perf/engine_busy_fraction": min(engine_s / max(wall_s, 1e-9), 1.0)})
     return metrics
+
+
+TRAINER_PHASES = ("old_log_prob", "values", "update_critic", "update_actor", "sync_weights")
+
+
+def staleness_metrics(samples: list[Sample], step: int) -> dict[str, float]:
+    """How many weight versions the trained tokens lag behind the weights they are trained
+    from (version `step`), and the generations that went on after a weight sync."""
+    lags = [step - v for s in samples for v, m in zip(s.trajectory.token_versions, s.trajectory.loss_mask) if m]
+    return {"rollout/staleness_mean": sum(lags) / max(len(lags), 1), "rollout/staleness_max": max(lags, default=0),
+            "rollout/stale_samples": sum(any(v != step for v in s.trajectory.token_versions) for s in samples),
+            "rollout/partial_continued": sum(s.trajectory.num_continued for s in samples)}
 
 
 def collect_samples(c: Components, step: int, metrics: dict) -> list[Sample]:
@@ -195,9 +218,6 @@ def collect_samples(c: Components, step: int, metrics: dict) -> list[Sample]:
             kept = keeper.take()
             break
     _rollout_metrics(generated, kept, batch_index, metrics)
-    # the engine holds version `step` (synced after every step): anything else is stale
-    metrics["rollout/stale_samples"] = sum(s.trajectory.weight_version != step for s in generated)
-    c.last_samples = kept
     return kept
 
 
@@ -215,7 +235,8 @@ def rollout(c: Components, records, n: int, seed_base: int, group_base: int,
         log.warning("%d of %d searches failed (the model saw 'Search failed: ...')", failed,
                     sum(t.num_searches for t in trajectories))
     samples = [Sample(records[i // n], group_base + i // n, t) for i, t in enumerate(trajectories)]
-    results, stats = c.reward_pool.compute(reward_requests(samples, c.tokenizer))
+    with c.reward_lock:  # validation may score while the asynchronous producer does
+        results, stats = c.reward_pool.compute(reward_requests(samples, c.tokenizer))
     scores = [r.score for r in results]
     bad = [i for i, x in enumerate(scores) if not math.isfinite(x)]
     if bad:  # a NaN reward would poison every advantage of its group
@@ -285,8 +306,8 @@ def plot_curves(history: list[dict], path: Path) -> Path:
     return path
 
 
-def _save(c: Components, root: Path, step: int, run_id: str | None, history: list) -> None:
-    meta = {"run_id": run_id, "sampler": c.prompt_order.state_dict(), "history": history}  # key as in old checkpoints
+def _save(c: Components, root: Path, step: int, run_id: str | None, history: list, rollouts: SyncRollouts) -> None:
+    meta = {"run_id": run_id, "sampler": rollouts.order_state(step), "history": history}  # key as in old checkpoints
     with deferred():  # a first signal waits for the checkpoint to be complete (megarl.termination)
         checkpoint.save_atomically(root, step, c.worker.save_checkpoint, meta)
         checkpoint.prune(root, c.cfg.trainer.max_ckpt_to_keep)

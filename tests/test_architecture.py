@@ -20,10 +20,10 @@ LAYERS = [
                      "megarl.driver_loop"]),
     ("domain", ["megarl.algo", "megarl.models", "megarl.retrieval", "megarl.reward", "megarl.weights",
                 "megarl.data.prompts", "megarl.data.tokenizer", "megarl.data"]),
-    ("config", ["megarl.config", "megarl.config_cluster"]),
+    ("config", ["megarl.config", "megarl.config_cluster", "megarl.config_async", "megarl.config_megatron"]),
     ("parts", ["megarl.backends", "megarl.rollout", "megarl.tracking", "megarl.checkpoint"]),
     ("runtime", ["megarl.runtime"]),
-    ("loop", ["megarl.components", "megarl.experience", "megarl.export", "megarl.train"]),
+    ("loop", ["megarl.components", "megarl.experience", "megarl.export", "megarl.async_rollouts", "megarl.train"]),
     ("commands", ["megarl.cli", "megarl.planner", "megarl.quickstart", "megarl.data.prepare",
                   "megarl.retrieval.commands"]),
 ]

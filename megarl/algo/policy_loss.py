@@ -53,6 +53,7 @@ def policy_loss(
     ratio_level: str = "token",
     rollout_log_prob: torch.Tensor | None = None,
     tis_cap: float | None = None,
+    tis_level: str = "token",
     num_tokens: Count | None = None,
     num_seqs: Count | None = None,
     norm_length: Count | None = None,
@@ -64,8 +65,10 @@ def policy_loss(
     dual clip, A < 0:  L = min(L, −A·clip_ratio_c)   (bounds the loss of a token whose
     ratio exploded under a negative advantage)
     TIS (rollout_log_prob and tis_cap given): L ← L·w,  w = sg(min(exp(old − rollout), tis_cap))
-    corrects for the rollout engine sampling from a slightly different distribution than
-    the trainer computes (kernels, precision).
+    corrects for the rollout engine sampling from a different distribution than the trainer
+    computes (kernels, precision; older weights in asynchronous training).
+    tis_level="sequence": one weight per sequence, w_i = sg(min(exp(Σ_{valid t}(old_t − rollout_t)), tis_cap))
+    (the product of its token ratios), on every token of it.
     loss = agg_loss(L, response_mask, loss_agg_mode, num_tokens, num_seqs, norm_length).
 
     GSPO (ratio_level="sequence"): every token of sequence i uses the sequence ratio
@@ -88,6 +91,8 @@ def policy_loss(
             f"tis_cap={tis_cap} turns on truncated importance sampling but rollout_log_prob is None; "
             "have the rollout engine return log-probs, or set algorithm.tis_cap=null"
         )
+    if tis_level not in RATIO_LEVELS:
+        raise ValueError(f"unknown tis_level {tis_level!r}; valid: {', '.join(RATIO_LEVELS)}")
     if tis_cap is not None and tis_cap <= 0:
         raise ValueError(f"tis_cap={tis_cap} must be > 0 (it caps the importance weights)")
 
@@ -101,7 +106,10 @@ def policy_loss(
 
     tis_weight = None
     if tis_cap is not None:
-        mismatch_log_ratio = (old_log_prob - rollout_log_prob).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+        mismatch_log_ratio = (old_log_prob - rollout_log_prob).masked_fill(~mask, 0.0)
+        if tis_level == "sequence":
+            mismatch_log_ratio = mismatch_log_ratio.sum(dim=-1, keepdim=True).expand_as(mismatch_log_ratio)
+        mismatch_log_ratio = mismatch_log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
         raw_tis_weight = torch.exp(mismatch_log_ratio).detach()
         tis_weight = raw_tis_weight.clamp_max(tis_cap)
         token_loss = token_loss * tis_weight

@@ -25,7 +25,7 @@ def actor_loss(log_probs: torch.Tensor, entropy: torch.Tensor, micro: TrainBatch
         clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
         loss_agg_mode=a.loss_agg_mode, ratio_level=a.ratio_level,
         rollout_log_prob=micro.rollout_log_probs.to(device) if a.tis_cap else None,
-        tis_cap=a.tis_cap, **counts)
+        tis_cap=a.tis_cap, tis_level=a.tis_level, **counts)
     if a.entropy_coeff:
         loss = loss - a.entropy_coeff * agg_loss(entropy, mask, a.loss_agg_mode, **counts)
     if a.use_kl_loss:

@@ -15,10 +15,10 @@ slot at once. Main entry points: `run_trajectory`, `run_trajectories`.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from megarl.rollout.engine import RolloutEngine, SamplingParams
+from megarl.rollout.engine import GenerationOutput, RolloutEngine, SamplingParams
 
 SEARCH_OPEN, SEARCH_CLOSE = "<search>", "</search>"
 ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
@@ -71,17 +71,21 @@ class Trajectory:
     response_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)  # 1 = model token, 0 = observation
     rollout_log_probs: list[float] = field(default_factory=list)  # 0.0 on observation tokens
+    token_versions: list[int] = field(default_factory=list)  # weights of each token (observations: the turn's last)
     num_turns: int = 0
     num_searches: int = 0
     num_failed_searches: int = 0
     num_valid_actions: int = 0
     finish_reason: str = ""  # answer | eos | length | max_turns | abort
-    weight_version: int = 0
+    weight_version: int = 0  # the weights its first token came from
+    num_continued: int = 0  # generations a weight sync preempted and that went on from their tokens
 
-    def extend(self, ids: list[int], log_probs: list[float] | None) -> None:
+    def extend(self, ids: list[int], log_probs: list[float] | None, versions: list[int] | None = None) -> None:
         self.response_ids += ids
         self.loss_mask += [1 if log_probs is not None else 0] * len(ids)
         self.rollout_log_probs += log_probs if log_probs is not None else [0.0] * len(ids)
+        last = self.token_versions[-1] if self.token_versions else self.weight_version
+        self.token_versions += versions if versions is not None else [last] * len(ids)
 
 
 def parse_action(text: str) -> tuple[str, str]:
@@ -135,10 +139,10 @@ async def run_trajectory(engine: RolloutEngine, tokenizer, prompt_ids: list[int]
             stop=() if single_turn else ((ANSWER_CLOSE,) if final else (SEARCH_CLOSE, ANSWER_CLOSE)),
             seed=None if seed is None else seed + turn,
         )
-        out = await engine.generate(traj.prompt_ids + traj.response_ids, params)
+        out = await generate_continued(engine, tokenizer, traj.prompt_ids + traj.response_ids, params, traj)
         if turn == 0:
             traj.weight_version = out.weight_version
-        traj.extend(out.token_ids, out.log_probs)
+        traj.extend(out.token_ids, out.log_probs, out.versions())
         traj.num_turns += 1
         if out.finish_reason == "abort":
             traj.finish_reason = "abort"
@@ -166,6 +170,49 @@ async def run_trajectory(engine: RolloutEngine, tokenizer, prompt_ids: list[int]
         room = settings.max_response_length - len(traj.response_ids)
         traj.extend(observation[:room], None)
     return traj  # not reached: the last turn always returns
+
+
+async def generate_continued(engine: RolloutEngine, tokenizer, prompt_ids: list[int], params: SamplingParams,
+                             traj: Trajectory) -> GenerationOutput:
+    """One turn's generation. One that a weight sync preempted (GenerationOutput.preempted) goes
+    on from its tokens under the new weights until it ends: every token is kept once, with the
+    log-prob and version of the weights that sampled it (partial rollouts)."""
+    out = await engine.generate(prompt_ids, params)
+    parts = [out]
+    while out.preempted and sum(len(p.token_ids) for p in parts) < params.max_new_tokens:
+        traj.num_continued += 1
+        done = [t for p in parts for t in p.token_ids]
+        seed = None if params.seed is None else params.seed + 1_000_003 * len(parts)
+        out = await engine.generate(prompt_ids + done, replace(params, max_new_tokens=params.max_new_tokens - len(done),
+                                                              seed=seed))
+        parts.append(out)
+    if len(parts) == 1:
+        return out
+    whole = GenerationOutput(
+        token_ids=[t for p in parts for t in p.token_ids], log_probs=[x for p in parts for x in p.log_probs],
+        finish_reason="length" if out.preempted else out.finish_reason, matched_stop=out.matched_stop,
+        weight_version=parts[0].weight_version, token_versions=[v for p in parts for v in p.versions()],
+        prompt_tokens=len(prompt_ids), message=None if out.preempted else out.message)
+    return _stop_across_parts(whole, [len(p.token_ids) for p in parts], params, tokenizer)
+
+
+def _stop_across_parts(out: GenerationOutput, lengths: list[int], params: SamplingParams,
+                       tokenizer) -> GenerationOutput:
+    """A stop string split across two parts (the engine saw each part's tail only) ends the
+    generation where it completes, as one uninterrupted generation would have."""
+    if not params.stop or out.finish_reason == "stop":
+        return out
+    longest = max(len(s) for s in params.stop)
+    boundary = 0
+    for length in lengths[:-1]:
+        boundary += length
+        for end in range(boundary + 1, min(boundary + longest + 1, len(out.token_ids) + 1)):
+            tail = tokenizer.decode(out.token_ids[max(end - longest - 2, 0):end])
+            matched = next((s for s in params.stop if s in tail), None)
+            if matched is not None:
+                return replace(out, token_ids=out.token_ids[:end], log_probs=out.log_probs[:end],
+                               token_versions=out.token_versions[:end], finish_reason="stop", matched_stop=matched)
+    return out
 
 
 async def run_trajectories(engine: RolloutEngine, tokenizer, prompts: list[list[int]], settings: AgentSettings,

@@ -19,6 +19,7 @@ from typing import Literal, Protocol, runtime_checkable
 from megarl.weights.buckets import WeightBucket
 
 FinishReason = Literal["stop", "length", "abort"]
+PREEMPTED = "aborted for a weight update"  # GenerationOutput.message of a generation `abort_requests` ended
 
 
 @dataclass(frozen=True)
@@ -88,10 +89,20 @@ class GenerationOutput:
     log_probs: list[float]  # one per token, see the module docstring for the convention
     finish_reason: FinishReason
     matched_stop: int | str | None = None  # the stop id or string that ended it
-    weight_version: int = 0  # weights that produced it (stale samples can be counted)
+    weight_version: int = 0  # weights it started with (stale samples can be counted)
+    token_versions: list[int] | None = None  # weights of each token, where the engine reports it; None = all weight_version
     prompt_tokens: int = 0
     message: str | None = None  # why it aborted
     meta: dict = field(default_factory=dict)
+
+    @property
+    def preempted(self) -> bool:
+        """Ended by `abort_requests` (a weight sync), not by a failure: continue it."""
+        return self.finish_reason == "abort" and self.message == PREEMPTED
+
+    def versions(self) -> list[int]:
+        """The weight version of each token."""
+        return list(self.token_versions) if self.token_versions is not None else [self.weight_version] * len(self.token_ids)
 
 
 @runtime_checkable
@@ -111,6 +122,11 @@ class RolloutEngine(Protocol):
     async def end_weight_update(self) -> None:
         """After the new weights are in: drop the stale prefix cache, take back the rest of
         the released memory (KV cache) and resume decoding."""
+
+    async def abort_requests(self) -> None:
+        """End every generation in flight now with the tokens it has (finish_reason abort,
+        message PREEMPTED), so a weight sync need not wait for it; the caller continues it
+        afterwards from those tokens under the new weights (partial rollouts)."""
 
     async def pause(self) -> None:
         """Stop starting decode steps (in-flight requests wait, none is lost)."""

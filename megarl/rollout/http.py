@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse
 
 from megarl.http_auth import bearer, require_api_key
 from megarl.rollout import sglang_api
-from megarl.rollout.engine import GenerationOutput, PauseAroundUpdates, RolloutEngine, SamplingParams
+from megarl.rollout.engine import PREEMPTED, GenerationOutput, PauseAroundUpdates, RolloutEngine, SamplingParams
 from megarl.weights import all_transports, disk
 from megarl.weights.buckets import WeightBucket
 from megarl.weights.routes import json_body
@@ -90,6 +90,14 @@ def create_engine_app(engine: RolloutEngine, tokenizer=None, model_path: str = "
         await engine.flush_cache()
         return {"success": True}
 
+    @app.post("/abort_request")
+    async def abort_request(request: Request):
+        if not (await json_body(request)).get("abort_all"):
+            return JSONResponse({"message": "megarl's engine aborts all requests only (abort_all: true)",
+                                 "status": "error"}, status_code=400)
+        await engine.abort_requests()
+        return {"success": True}
+
     @app.post("/pause_generation")
     async def pause_generation(request: Request):
         mode = (await json_body(request)).get("mode", "abort")
@@ -148,6 +156,8 @@ class HTTPEngine(PauseAroundUpdates):
         self.weight_dir = weight_dir
         self._headers = bearer(api_key)
         self._clients: dict[int, httpx.AsyncClient] = {}
+        self._in_flight: set[int] = set()  # ids of the generate calls waiting for an answer
+        self._preempted: set[int] = set()  # those in flight when abort_requests came
 
     @property
     def _client(self) -> httpx.AsyncClient:
@@ -160,12 +170,29 @@ class HTTPEngine(PauseAroundUpdates):
         return self._clients[loop]
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationOutput:
-        response = await self._client.post("/generate", json=sglang_api.generate_body(prompt_ids, params))
+        call = object()
+        self._in_flight.add(id(call))
+        try:
+            response = await self._client.post("/generate", json=sglang_api.generate_body(prompt_ids, params))
+        finally:
+            self._in_flight.discard(id(call))
+            preempted = id(call) in self._preempted
+            self._preempted.discard(id(call))
         if response.status_code != 200:
             raise ServerError(f"{self.base_url}/generate", response.status_code, response.text)
         out = sglang_api.output_from_sglang(response.json())
         out.prompt_tokens = out.prompt_tokens or len(prompt_ids)
+        if preempted and out.finish_reason == "abort":
+            out.message = PREEMPTED  # ended by abort_requests: to be continued, not a failure
         return out
+
+    def mark_preempted(self) -> None:
+        """The generate calls in flight now are ended by an abort that is ours (abort_requests)."""
+        self._preempted |= self._in_flight
+
+    async def abort_requests(self) -> None:
+        self.mark_preempted()
+        await self.post("/abort_request", sglang_api.abort_all_body())
 
     async def update_weights(self, buckets: Iterable[WeightBucket], version: int) -> None:
         with tempfile.TemporaryDirectory(dir=self.weight_dir, prefix="megarl-weights-") as tmp:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megarl.rollout.decoder import SlotDecoder
-from megarl.rollout.engine import GenerationOutput, PauseAroundUpdates, SamplingParams, WeightBucket
+from megarl.rollout.engine import PREEMPTED, GenerationOutput, PauseAroundUpdates, SamplingParams, WeightBucket
 from megarl.rollout.prefix_cache import KeptPrefixes
 from megarl.rollout.token_sampling import sample_next_tokens
 
@@ -40,8 +40,10 @@ class _Request:
     weight_version: int = 0
     output: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # the weights of each output token
     finish: tuple[str, object] | None = None
     cancelled: bool = False  # set on the event loop; the scheduler retires it between steps
+    preempted: bool = False  # abort_requests: retired between steps with what it has
 
     @property
     def length(self) -> int:  # tokens in the cache once the last output is appended
@@ -128,6 +130,15 @@ class LocalEngine(PauseAroundUpdates):
 
         return weight_checksums(hf_tensors(self.model))
 
+    async def abort_requests(self) -> None:
+        """End all requests with the tokens they have (RolloutEngine.abort_requests): the
+        waiting at once, the running between steps (at once when no step is in progress)."""
+        self._ensure_loop()
+        for request in [*self._waiting, *self._running]:
+            request.preempted = True
+        if self._idle.is_set():
+            self._drop_aborted()
+
     async def pause(self) -> None:
         self._ensure_loop()
         self._unpaused.clear()
@@ -206,6 +217,7 @@ class LocalEngine(PauseAroundUpdates):
                 self._idle.set()
             for request in [r for r in self._running if r.finish is not None]:
                 self._retire(request)
+            self._drop_aborted()  # before a pause can hold them: abort_requests comes before a sync
 
     def _admit(self) -> list[_Request]:
         """Waiting requests for the free slots, up to max_prefill_tokens of distinct prompts (the
@@ -260,6 +272,7 @@ class LocalEngine(PauseAroundUpdates):
         for request, token, log_prob in zip(requests, tokens.tolist(), log_probs.tolist()):
             request.output.append(token)
             request.log_probs.append(log_prob)
+            request.versions.append(self.weight_version)
             request.finish = self._finish_reason(request, token)
         self.tokens_generated += len(requests)
 
@@ -298,10 +311,13 @@ class LocalEngine(PauseAroundUpdates):
             request.future.set_result(self._output(request))
 
     def _drop_aborted(self) -> None:
-        for request in [r for r in self._waiting if r.cancelled]:
+        for request in [r for r in self._waiting if r.cancelled or r.preempted]:
             self._waiting.remove(request)
-        for request in [r for r in self._running if r.cancelled]:
-            request.finish = ("abort", "cancelled by the caller")
+            if request.preempted and not request.future.done():
+                request.finish = ("abort", PREEMPTED)
+                request.future.set_result(self._output(request))
+        for request in [r for r in self._running if r.cancelled or r.preempted]:
+            request.finish = ("abort", "cancelled by the caller" if request.cancelled else PREEMPTED)
             self._retire(request)
 
     def _abort_all(self, message: str, admitted: Iterable[_Request] = ()) -> None:
@@ -318,6 +334,7 @@ class LocalEngine(PauseAroundUpdates):
             token_ids=list(request.output), log_probs=list(request.log_probs), finish_reason=reason,
             matched_stop=detail if reason == "stop" else None, weight_version=request.weight_version,
             prompt_tokens=len(request.prompt), message=detail if reason == "abort" else None,
+            token_versions=list(request.versions),
         )
 
 

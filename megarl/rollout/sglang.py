@@ -187,6 +187,13 @@ class SGLangFleet:
         still hold their memory (a health check generates a token)."""
         await self._recover(self._epoch)
 
+    async def abort_requests(self) -> None:
+        """Every engine ends its requests with the tokens they have (RolloutEngine.abort_requests);
+        the calls through the router are marked as ours too."""
+        for client in [self.front] * (self.front is not None) + [s.client for s in self.servers]:
+            client.mark_preempted()
+        await self.post_each("/abort_request", sglang_api.abort_all_body())
+
     async def pause(self) -> None:
         await self._each("pause")
 

@@ -60,7 +60,7 @@ def output_to_sglang(out: GenerationOutput, return_logprob: bool, text: str = ""
     else:
         finish = {"type": "abort", "message": out.message or "aborted"}
     meta = {"finish_reason": finish, "prompt_tokens": out.prompt_tokens, "completion_tokens": len(out.token_ids),
-            "weight_version": str(out.weight_version)}
+            "weight_version": str(out.weight_version), "weight_versions": version_spans(out.versions())}
     if return_logprob:
         meta["output_token_logprobs"] = [[lp, tid, None] for lp, tid in zip(out.log_probs, out.token_ids)]
     return {"text": text, "output_ids": list(out.token_ids), "meta_info": meta}
@@ -79,6 +79,7 @@ def output_from_sglang(payload: dict) -> GenerationOutput:
                          "megarl needs token ids (send return_logprob=true)")
     version = meta.get("weight_version")
     return GenerationOutput(
+        token_versions=token_versions(meta.get("weight_versions"), len(ids)),
         token_ids=list(ids),
         log_probs=[float(item[0]) for item in logprobs] if logprobs is not None else [],
         finish_reason=finish.get("type", "abort"),
@@ -87,6 +88,39 @@ def output_from_sglang(payload: dict) -> GenerationOutput:
         prompt_tokens=int(meta.get("prompt_tokens", 0)),
         message=finish.get("message"),
     )
+
+
+def version_spans(versions: list[int]) -> list[dict]:
+    """A version per token as SGLang's weight_versions spans (the inverse of token_versions)."""
+    spans: list[dict] = []
+    for i, version in enumerate(versions):
+        if spans and spans[-1]["version"] == str(version):
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": str(version), "start": i, "end": i + 1})
+    return spans
+
+
+def token_versions(spans, num_tokens: int) -> list[int] | None:
+    """SGLang's meta_info.weight_versions ([{version, start, end}] over the output tokens, end
+    exclusive) as a version per token; None when absent, not step numbers, or not covering
+    every token (then the output's weight_version stands for all)."""
+    if not spans:
+        return None
+    versions: list[int | None] = [None] * num_tokens
+    for span in spans:
+        version = str(span.get("version", ""))
+        if not version.isdigit():
+            return None
+        start, end = int(span.get("start", 0)), int(span.get("end", 0))
+        versions[max(start, 0):min(end, num_tokens)] = [int(version)] * (min(end, num_tokens) - max(start, 0))
+    return None if any(v is None for v in versions) else versions
+
+
+def abort_all_body() -> dict:
+    """/abort_request for every request in flight (they answer with finish_reason abort and
+    the tokens they have)."""
+    return {"abort_all": True}
 
 
 def pause_body() -> dict:

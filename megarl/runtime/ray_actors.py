@@ -116,6 +116,9 @@ class EngineActor:
         """One flat bucket from a trainer rank."""
         await self.engine.update_weights([unpack_bucket(bucket)], version)
 
+    async def abort_requests(self) -> None:
+        await self.engine.abort_requests()
+
     async def begin_weight_update(self) -> None:
         await self.engine.begin_weight_update()
 

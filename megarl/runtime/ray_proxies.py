@@ -163,6 +163,9 @@ class RemoteEngine:
                 await self._call(in_flight.pop(0))
         await asyncio.gather(*[self._call(ref) for ref in in_flight])
 
+    async def abort_requests(self) -> None:
+        await self._call(self.actor.abort_requests.remote())
+
     async def begin_weight_update(self) -> None:
         await self._call(self.actor.begin_weight_update.remote())
 
