@@ -133,6 +133,36 @@ def test_pause_and_continue(served):
         assert http.get("/flush_cache").json() == {"success": True}
 
 
+def test_a_preempted_request_is_continued_over_http(served):
+    """abort_requests over /abort_request: the request in flight answers abort with what it has
+    (here: nothing, the engine is paused), marked as ours, and the agent loop continues it."""
+    from megarl.rollout.agent import Trajectory, generate_continued
+
+    url, model, tok = served
+    prompt = tok.encode("the quick")
+
+    async def go():
+        client = HTTPEngine(url)
+        await client.pause()  # the request waits in the queue, so the abort finds it there
+        task = asyncio.ensure_future(generate_continued(client, tok, prompt, SamplingParams(
+            max_new_tokens=6, temperature=0.0), traj := Trajectory(prompt_ids=prompt)))
+        while not client._in_flight:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.5)  # the request has reached the engine's queue
+        await client.abort_requests()
+        await client.resume()
+        out = await task
+        await client.close()
+        return out, traj
+
+    out, traj = asyncio.run(go())
+    assert traj.num_continued == 1 and len(out.token_ids) == 6 and out.finish_reason == "length"
+    torch.testing.assert_close(torch.tensor(out.log_probs), reference_log_probs(model, prompt, out.token_ids),
+                               atol=1e-5, rtol=0)
+    with httpx.Client(base_url=url, timeout=30) as http:
+        assert http.post("/abort_request", json={"rid": "x"}).status_code == 400  # one request by id: not served
+
+
 def test_every_control_body_of_the_fleet_is_accepted(served):
     """The bodies megarl.rollout.sglang_api builds (checked against SGLang's own structs in
     test_sglang_contract) are the ones the embedded server takes, route by route."""

@@ -106,6 +106,7 @@ def test_the_contract_decoder_rejects_what_sglang_rejects(api_types):
     GenerationOutput([5, 9], [-0.1, -0.5], "stop", matched_stop=9, weight_version=0, prompt_tokens=2),
     GenerationOutput([5], [-0.1], "stop", matched_stop="</search>", prompt_tokens=2),
     GenerationOutput([], [], "abort", message="engine stopped", prompt_tokens=2),
+    GenerationOutput([5, 6, 7], [-0.1, -0.2, -0.3], "abort", message="x", weight_version=3, token_versions=[3, 4, 4]),
 ])
 def test_answers_decode_with_the_contract_and_back(api_types, out):
     payload = sglang_api.output_to_sglang(out, return_logprob=True, text="t")
@@ -113,9 +114,12 @@ def test_answers_decode_with_the_contract_and_back(api_types, out):
     assert list(decoded.output_ids) == out.token_ids
     assert [e.token_id for e in decoded.meta_info.output_token_logprobs] == out.token_ids
     assert decoded.meta_info.weight_version == str(out.weight_version)
+    assert [(s.version, s.start, s.end) for s in decoded.meta_info.weight_versions] == \
+        [(s["version"], s["start"], s["end"]) for s in sglang_api.version_spans(out.versions())]
     back = sglang_api.output_from_sglang(payload)
-    assert (back.token_ids, back.log_probs, back.finish_reason, back.matched_stop, back.weight_version) == \
-        (out.token_ids, out.log_probs, out.finish_reason, out.matched_stop, out.weight_version)
+    assert (back.token_ids, back.log_probs, back.finish_reason, back.matched_stop, back.weight_version,
+            back.versions()) == (out.token_ids, out.log_probs, out.finish_reason, out.matched_stop,
+                                 out.weight_version, out.versions())
 
 
 CONTROL_BODIES = {
@@ -128,6 +132,7 @@ CONTROL_BODIES = {
     "/update_weights_from_tensor": ipc.tensor_update_body(["b64a", "b64b"], 7),
     "/pause_generation": sglang_api.pause_body(),
     "/continue_generation": sglang_api.continue_body(),
+    "/abort_request": sglang_api.abort_all_body(),
     "/release_memory_occupation": sglang_api.memory_body(),
     "/resume_memory_occupation": sglang_api.memory_body(["weights"]),
 }

@@ -25,6 +25,7 @@ from megarl.weights import all_transports
 CONTROL_ROUTES = {
     "/pause_generation": "PauseGenerationReqInput",
     "/continue_generation": "ContinueGenerationReqInput",
+    "/abort_request": "AbortReq",
     "/release_memory_occupation": "ReleaseMemoryOccupationReqInput",
     "/resume_memory_occupation": "ResumeMemoryOccupationReqInput",
 }

@@ -2,8 +2,8 @@
 partial rollouts (abort and continue at each weight sync), on the same short CPU run.
 
 The run is the quickstart's Search-R1 + DAPO loop (multi-turn search, dynamic sampling) on
-inputs prepared here with a short warm-up (so responses still vary in length and often run
-to the turn limit). It runs disaggregated, as on a cluster where the engines have GPUs of
+inputs prepared here as `make quickstart` prepares them (its warmed-up model searches or
+guesses, so trajectories take one to three turns). It runs disaggregated, as on a cluster where the engines have GPUs of
 their own: the Ray launcher puts the embedded engine and the train worker in processes of
 their own, and this script pins every thread of the engine's process to core 0 and of the
 train worker's to core 1 (Ray gives each one thread of math), so time the synchronous loop
@@ -57,8 +57,7 @@ def pin_actors(stop: threading.Event) -> None:
 def prepare(work: Path) -> Path:
     inputs = work / "inputs"
     if not (inputs / "model").exists():
-        subprocess.run([sys.executable, "-m", "megarl.quickstart", "prepare", str(inputs), "--warmup-steps", "30"],
-                       check=True)
+        subprocess.run([sys.executable, "-m", "megarl.quickstart", "prepare", str(inputs)], check=True)
     return inputs
 
 
