@@ -53,9 +53,12 @@ test-multinode: $(STAMP)
 
 # Search-R1 + DAPO on the CPU: build the search world, index and warmed-up tiny model
 # (skipped when already built), then train with the example config (resumes if interrupted).
+# TRAIN_ARGS: more overrides, e.g. the asynchronous loop (docs/training.md):
+#   make quickstart TRAIN_ARGS="trainer.async_rollout.enable=true algorithm.tis_cap=2.0 trainer.output_dir=outputs/quickstart/run_async"
+TRAIN_ARGS ?=
 quickstart: $(STAMP)
 	$(BIN)/python -m megarl.quickstart prepare outputs/quickstart
-	$(BIN)/megarl train examples/quickstart/search_r1_tiny.yaml
+	$(BIN)/megarl train examples/quickstart/search_r1_tiny.yaml $(TRAIN_ARGS)
 
 # Single-turn DAPO on synthetic arithmetic (DAPO math reward), same way.
 quickstart-math: $(STAMP)

@@ -7,7 +7,8 @@ guesses, so trajectories take one to three turns). It runs disaggregated, as on 
 their own: the Ray launcher puts the embedded engine and the train worker in processes of
 their own, and this script pins every thread of the engine's process to core 0 and of the
 train worker's to core 1 (Ray gives each one thread of math), so time the synchronous loop
-spends waiting shows as an idle core, the way it shows as idle GPUs. Steps per second come
+spends waiting shows as an idle core, the way it shows as idle GPUs. The engine's batch is
+capped at 4 sequences (SCENARIO) so that generation takes about as long as training. Steps per second come
 from the run's own `perf/step_s` (the first step left out: start-up), busy fractions from
 `perf/trainer_busy_fraction` and `perf/engine_busy_fraction`.
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -35,6 +37,11 @@ VARIANTS = {
     "async + partial rollouts": ["trainer.async_rollout.enable=true", "trainer.async_rollout.max_staleness=1",
                                  "trainer.async_rollout.partial_rollouts=abort"],
 }
+# The engine holds 4 sequences at a time (a GPU engine's KV memory bounds its batch the same way),
+# so that generating a batch takes about as long as training on it, as in real DAPO runs where
+# generation is half of a step or more; with the embedded engine's default (1024) the tiny
+# model's batch is generated in a fifth of the trainer's time and there is little to overlap.
+SCENARIO = ["rollout.max_concurrency=4"]
 PINS = {"EngineActor": {0}, "TrainWorkerActor": {1}}  # process title -> its core
 
 
@@ -62,10 +69,12 @@ def prepare(work: Path) -> Path:
 
 
 def run_variant(name: str, extra: list[str], inputs: Path, work: Path, steps: int) -> dict[str, float]:
+    """One run of the quickstart config with this variant's overrides; its step metrics."""
     from megarl.config import load_config
     from megarl.train import train
 
     out = work / name.replace(" ", "_").replace(",", "").replace("+", "plus")
+    shutil.rmtree(out, ignore_errors=True)  # a run of its own, never a resumed one
     q = str(inputs)
     overrides = [f"model.path={q}/model", f"data.train_files=[{q}/data/train.parquet]",
                  f"data.val_files=[{q}/data/val.parquet]", f"agent.retrieval.index_dir={q}/index",
@@ -107,6 +116,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=6, help="training steps per variant (the first is not timed)")
     parser.add_argument("--work", type=Path, default=None, help="where inputs and runs go (default: a temp dir)")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="more config overrides for every variant")
+    parser.add_argument("--only", nargs="*", default=None, help="variants to run (default: all)")
     args = parser.parse_args()
     print(installed_versions(), flush=True)
     if (os.cpu_count() or 1) < 2:
@@ -115,14 +127,18 @@ def main() -> None:
     inputs = prepare(work)
     results = {}
     for name, extra in VARIANTS.items():
+        if args.only is not None and name not in args.only:
+            continue
         started = time.perf_counter()
-        results[name] = run_variant(name, extra, inputs, work, args.steps)
+        results[name] = run_variant(name, SCENARIO + args.set + extra, inputs, work, args.steps)
         print(f"{name}: {time.perf_counter() - started:.0f} s in all", file=sys.stderr, flush=True)
     print(f"\n{'variant':<26} {'steps/s':>8} {'s/step':>7} {'trainer busy':>13} {'engine busy':>12} "
           f"{'staleness':>10} {'continued':>10} {'reward':>7}")
     for name, r in results.items():
         print(f"{name:<26} {r['steps_per_s']:>8.4f} {r['step_s']:>7.1f} {r['trainer_busy']:>13.2f} "
               f"{r['engine_busy']:>12.2f} {r['staleness_mean']:>10.2f} {r['continued']:>10.0f} {r['reward']:>7.3f}")
+    if len(results) < len(VARIANTS):
+        return
     base = results["synchronous"]["steps_per_s"]
     print(f"ratio async / synchronous: {results['async, staleness 1']['steps_per_s'] / base:.2f}x; "
           f"async + partial rollouts / synchronous: {results['async + partial rollouts']['steps_per_s'] / base:.2f}x")
