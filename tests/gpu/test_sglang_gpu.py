@@ -226,3 +226,50 @@ def test_fleet_releases_and_resumes_memory_around_weight_updates(server, tmp_pat
         out = check_log_probs(fleet.servers[0].client, new)
         assert out.weight_version == version
     asyncio.run(fleet.close())
+
+
+@path("partial_rollouts")
+def test_partial_rollouts_abort_and_keep(server, tmp_path):
+    """The two ways a weight sync meets a generation in flight (trainer.async_rollout): abort
+    (`/abort_request` with abort_all ends a queued request, marked as megarl's own, and the agent
+    loop continues it to its full length), and keep (a pause in retract mode, new weights, then
+    continue: the generation goes on, and SGLang's `meta_info.weight_versions` spans give each
+    token's version, the old weights' first)."""
+    from megarl.rollout.agent import Trajectory, generate_continued
+
+    client = server.client
+    client.weight_dir = str(tmp_path)
+    params = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
+
+    async def abort_then_continue():
+        await client.pause()  # the request waits in SGLang's queue, where the abort finds it
+        traj = Trajectory(prompt_ids=PROMPT)
+        task = asyncio.ensure_future(generate_continued(client, None, PROMPT, params, traj))
+        while not client._in_flight:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(1.0)
+        await client.abort_requests()
+        await client.resume()
+        return await task, traj
+
+    out, traj = asyncio.run(abort_then_continue())
+    assert traj.num_continued == 1 and len(out.token_ids) == 32 and out.finish_reason == "length"
+
+    old = out.weight_version
+    new = small_model(server.vocab, seed=9)
+
+    async def keep_across_an_update():
+        task = asyncio.ensure_future(client.generate(PROMPT, SamplingParams(max_new_tokens=1500, temperature=0.0,
+                                                                           ignore_eos=True)))
+        await asyncio.sleep(0.5)  # some tokens from the old weights
+        await client.pause()
+        await client.update_weights(group_tensors(hf_tensors(new), 8 << 20), version=old + 1)
+        await client.flush_cache()
+        await client.resume()
+        return await task
+
+    kept = asyncio.run(keep_across_an_update())
+    versions = kept.versions()
+    assert kept.token_versions is not None, "SGLang sent no weight_versions spans"
+    assert len(kept.token_ids) == 1500 and versions[0] == old and versions[-1] == old + 1
+    assert versions == sorted(versions)  # one switch, from old to new
