@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 
 from megarl.components import Components
-from megarl.driver_loop import run_async
+from megarl.driver_loop import run_async, serve_without_signals
 from megarl.experience import Sample
 
 log = logging.getLogger(__name__)
@@ -106,7 +106,8 @@ class AsyncRollouts(SyncRollouts):
         self._generating = False
         self._error: BaseException | None = None
         self._stopping = False
-        self._thread = threading.Thread(target=self._produce, args=(first_step, c.total_steps),
+        self._thread = threading.Thread(target=serve_without_signals,
+                                        args=(lambda: self._produce(first_step, c.total_steps),),
                                         name="megarl-rollouts", daemon=True)
         self._thread.start()
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -33,7 +34,8 @@ class DriverLoop:
         with self._lock:
             if self._loop is None or self._thread is None or not self._thread.is_alive():
                 self._loop = asyncio.new_event_loop()
-                self._thread = threading.Thread(target=self._loop.run_forever, name="megarl-driver-loop", daemon=True)
+                self._thread = threading.Thread(target=serve_without_signals, args=(self._loop.run_forever,),
+                                                name="megarl-driver-loop", daemon=True)
                 self._thread.start()
             return self._loop
 
@@ -48,6 +50,15 @@ class DriverLoop:
         except BaseException:  # KeyboardInterrupt from a signal: stop what we were waiting for
             future.cancel()
             raise
+
+
+def serve_without_signals(target) -> None:
+    """Run `target` with SIGINT and SIGTERM blocked in this thread (and the threads it starts):
+    the kernel then delivers them to the main thread, whose blocking wait they interrupt
+    (megarl.termination). A thread that may take them would leave the main thread waiting
+    until its current call ended."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    target()
 
 
 _loops: dict[int, DriverLoop] = {}  # by process id: a forked child gets a loop of its own

@@ -142,8 +142,10 @@ def summary(status: str, out: Path, history: list[dict], tracking: TrackingConfi
     return "\n".join(lines)
 
 
-def train_step(c: Components, step: int, rollouts: SyncRollouts) -> dict[str, float]:
+def train_step(c: Components, step: int, rollouts: SyncRollouts | None = None) -> dict[str, float]:
+    """One step; its batch from `rollouts` (by default generated now: the synchronous loop)."""
     cfg, metrics = c.cfg, {}
+    rollouts = rollouts or SyncRollouts(c, collect_samples)
     with _timer(metrics, "rollout"):  # asynchronous: the wait for a batch generated ahead
         samples = rollouts.batch(step, metrics)
     c.last_samples = samples

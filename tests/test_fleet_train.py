@@ -63,6 +63,18 @@ def test_the_fleet_trains_exactly_like_the_embedded_engine(inputs, local_run, tm
         assert [p.name for p in (tmp_path / "weight_sync").iterdir()] == ["v000002"]
 
 
+def test_the_fleet_trains_asynchronously_with_partial_rollouts(inputs, tmp_path):
+    """Asynchronous rollouts over the fleet, generations in flight at a sync aborted through the
+    router's engines (/abort_request) and continued: both steps train, and no trained token
+    lags more than the staleness bound (1) behind the weights it is trained from."""
+    run(inputs, tmp_path, FLEET + ["sync.transport=disk", "trainer.async_rollout.enable=true",
+                                   "trainer.async_rollout.partial_rollouts=abort", "algorithm.tis_cap=2.0"])
+    assert len(metric(tmp_path, "actor/pg_loss")) == 2
+    assert metric(tmp_path, "rollout/staleness_max")[0] == 0  # batch 0: the initial weights, trained at step 0
+    assert all(0 <= s <= 1 for s in metric(tmp_path, "rollout/staleness_max"))
+    assert metric(tmp_path, "rollout/engine_restarts") == [0.0, 0.0]
+
+
 def test_megatron_pipeline_stages_each_sync_over_their_own_group(inputs, local_run, tmp_path):
     # PP=2: two source ranks, two update groups, each engine joins both
     run(inputs, tmp_path, FLEET + ["sync.transport=nccl", "actor.backend=megatron",
