@@ -114,6 +114,9 @@ def stop_on_signals(run: Callable[..., T]) -> Callable[..., T]:
         _state.installed = {s for s, handler in previous.items() if handler is not signal.SIG_IGN}
         for s in _state.installed:
             signal.signal(s, _on_signal)
+        # a mask inherited from whoever started us (Ray starts processes with SIGINT blocked) or set
+        # by a library would hold the signals back: this thread takes them while the run goes on
+        mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, _state.installed)
         try:
             return run(*args, **kwargs)
         except KeyboardInterrupt as e:
@@ -121,6 +124,7 @@ def stop_on_signals(run: Callable[..., T]) -> Callable[..., T]:
                 raise Stopped(_state.signum) from None
             raise
         finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             for s in _state.installed:
                 handler = previous[s]
                 signal.signal(s, signal.SIG_DFL if handler is None else handler)

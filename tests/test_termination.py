@@ -291,6 +291,25 @@ def test_a_first_signal_waits_for_a_deferred_block_and_a_second_raises_at_once()
     assert signal.getsignal(signal.SIGTERM) is before  # the handlers from before the run are back
 
 
+def test_a_run_takes_its_signals_even_when_started_with_them_blocked():
+    """Ray starts processes with SIGINT blocked: a run still stops on it, and the mask it was
+    started with is back afterwards."""
+    @termination.stop_on_signals
+    def run():
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)  # not reached: the signal is taken at once
+
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        started = time.monotonic()
+        with pytest.raises(termination.Stopped) as stopped_by:
+            run()
+        assert stopped_by.value.signum == signal.SIGINT and time.monotonic() - started < 2
+        assert signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])  # the mask it had
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
 def test_a_repeated_sigterm_is_one_request_and_a_later_one_cuts_the_cleanup_short(monkeypatch):
     killed = []
     monkeypatch.setattr(termination, "kill_descendants", lambda: killed.append(True) or [])
