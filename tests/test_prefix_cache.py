@@ -1,6 +1,7 @@
 """The embedded engine's kept sequences: which slot keeps what, the longest kept prefix of a
 prompt, oldest out first; and in the engine, a next turn that continues a finished sequence
-computes only its new tokens, with log-probs still equal to a forward pass."""
+computes only its new tokens, with log-probs still equal to a forward pass, and is admitted
+before new requests that came earlier."""
 
 import asyncio
 
@@ -21,6 +22,15 @@ def test_the_longest_kept_prefix_is_taken_once():
     assert kept.take([1, 2]) is None  # a prompt must be longer than the kept sequence
     assert kept.take([2, 1, 9]) is None
     assert (kept.hits, kept.reused_tokens) == (2, 6)
+
+
+def test_find_looks_without_taking():
+    kept = KeptPrefixes(first_slot=0, size=2)
+    kept.keep((1, 2, 3))
+    kept.keep((7, 2, 3))  # the same last token, another sequence
+    assert kept.find([7, 2, 3, 9]) == (1, 3) and kept.find([7, 2, 3, 9]) == (1, 3)
+    assert kept.find([1, 2, 3]) is None  # not longer than the kept sequence
+    assert (len(kept), kept.hits) == (2, 0)
 
 
 def test_the_oldest_kept_goes_first_and_clear_forgets_all():
@@ -64,3 +74,33 @@ def test_a_next_turn_computes_only_its_new_tokens():
     for prompt, out in ((history, second), ([*history, *second.token_ids, 50], third)):
         torch.testing.assert_close(torch.tensor(out.log_probs), reference_log_probs(model, prompt, out.token_ids),
                                    atol=1e-5, rtol=0)
+
+
+def test_a_next_turn_is_admitted_before_new_requests_that_came_first():
+    # one slot and one kept sequence: first-come order would run the two new prompts first, and
+    # the first of them, once finished, would push the trajectory's kept sequence out
+    model = tiny_model("qwen2")
+    engine = LocalEngine(model, max_batch_size=1, kept_sequences=1, eos_token_ids=[])
+    order = []
+    prefill = engine.decoder.prefill
+
+    def spy(first, prompts, cached=None):
+        order.extend(tuple(p[:2]) for p in prompts)
+        return prefill(first, prompts, cached)
+
+    engine.decoder.prefill = spy
+    params = SamplingParams(max_new_tokens=3, temperature=1.0, seed=2)
+
+    async def run():
+        first = await engine.generate([5, 6, 7], params)
+        history = [5, 6, 7, *first.token_ids, 30, 31]
+        outs = await asyncio.gather(engine.generate([20, 21, 22], params), engine.generate([25, 26], params),
+                                    engine.generate(history, params))
+        await engine.close()
+        return first, history, outs
+
+    first, history, outs = asyncio.run(run())
+    assert order == [(5, 6), (5, 6), (20, 21), (25, 26)]  # the next turn went first
+    assert engine.kept.hits == 1 and engine.kept.reused_tokens == 3 + 3 - 1
+    torch.testing.assert_close(torch.tensor(outs[2].log_probs), reference_log_probs(model, history, outs[2].token_ids),
+                               atol=1e-5, rtol=0)

@@ -29,6 +29,32 @@ async def generate_all(engine, prompts, params_of):
         await engine.close()
 
 
+def test_a_decode_step_splits_the_keys_of_one_long_row_from_the_short_ones():
+    from megarl.rollout.decoder import _split_keys
+
+    # rows attend over 3, 3, 4 and 301 keys; cutting at 4 computes 4 * 4 keys plus the long
+    # row's 297 tail keys twice (610) instead of 4 * 301 (1204)
+    split = _split_keys(torch.tensor([2, 2, 3, 300]), key_len=301, device="cpu")
+    assert (split.cut, split.key_len, split.long_rows.tolist()) == (4, 301, [3])
+    assert split.head_mask.shape == (4, 1, 1, 4) and split.head_mask[0].sum() == 3
+    assert split.tail_mask.shape == (1, 1, 1, 297) and bool(split.tail_mask.all())
+    assert _split_keys(torch.tensor([40, 41, 44]), key_len=45, device="cpu") is None  # alike: one pass
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_log_probs_stay_exact_when_a_step_splits_its_keys(family):
+    model = tiny_model(family)
+    engine = LocalEngine(model, max_batch_size=4, eos_token_ids=[])
+    split = engine.decoder._split_attention
+    calls = []
+    engine.decoder._split_attention = lambda *a: calls.append(1) or split(*a)
+    prompts = prompts_of([400, 3, 7, 2])
+    outs = run(generate_all(engine, prompts, lambda i: SamplingParams(max_new_tokens=6, temperature=1.0, seed=i)))
+    assert calls  # the long row's keys were computed apart
+    for p, o in zip(prompts, outs):
+        torch.testing.assert_close(torch.tensor(o.log_probs), reference_log_probs(model, p, o.token_ids),
+                                   atol=1e-5, rtol=0)
+
 @pytest.mark.parametrize("family, tie", [("qwen2", False), ("qwen2", True), ("qwen3", False), ("llama", False)])
 def test_log_probs_equal_a_forward_pass(family, tie):
     model = tiny_model(family, tie=tie)

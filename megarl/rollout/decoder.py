@@ -6,7 +6,9 @@ length and position. We keep the HF model's own modules (embeddings, norms, rota
 embedding, projections, MLP, LM head) and replace only the attention's cache handling:
 every running sequence owns a slot of a preallocated K/V tensor per layer, the running
 sequences occupy slots [0, n) (a finished one is swapped with the last), and one decode
-step attends each slot over its own prefix with a length mask.
+step attends each slot over its own prefix with a length mask. When the rows of a step differ
+much in length, the keys past a cut are computed for the long rows only and the two parts are
+merged by their softmax statistics, so short rows do not pay for the longest one's padding.
 
 Supported families: the dense decoders megarl trains, `megarl.models.spec.FAMILIES` (their
 differences — QKV bias, QK norm, rope scaling — live in the HF modules we reuse).
@@ -97,11 +99,32 @@ class SlotDecoder:
         k_cache, v_cache = self.k_cache[layer_idx][slots], self.v_cache[layer_idx][slots]
         write_at(k_cache, k)
         write_at(v_cache, v)
-        out = F.scaled_dot_product_attention(
-            q, k_cache[:, :, :key_len], v_cache[:, :, :key_len], attn_mask=mask, scale=self.scaling,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )
+        if isinstance(mask, _SplitKeys):
+            out = self._split_attention(q, k_cache, v_cache, mask)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k_cache[:, :, :key_len], v_cache[:, :, :key_len], attn_mask=mask, scale=self.scaling,
+                enable_gqa=self.num_heads != self.num_kv_heads,
+            )
         return attn.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+
+    def _split_attention(self, q, k_cache, v_cache, split: _SplitKeys) -> torch.Tensor:
+        """Decode attention (q: n, H, 1, D) in two parts: every row over the keys [0, cut), then
+        the rows longer than that over [cut, key_len), merged by their softmax statistics. Equal
+        to one pass over [0, key_len) with the length mask, without computing the short rows'
+        padding up to the longest row."""
+        n, groups = q.shape[0], self.num_heads // self.num_kv_heads
+        q = q.view(n, self.num_kv_heads, groups, self.head_dim)  # the query heads sharing a K/V head together
+        m, total, out = _attend(q, k_cache[:, :, :split.cut], v_cache[:, :, :split.cut], split.head_mask, self.scaling)
+        rows = split.long_rows
+        m2, total2, out2 = _attend(q[rows], k_cache[:, :, split.cut:split.key_len][rows],
+                                   v_cache[:, :, split.cut:split.key_len][rows], split.tail_mask, self.scaling)
+        m1, total1, out1 = m[rows], total[rows], out[rows]
+        top = torch.maximum(m1, m2)
+        a, b = torch.exp(m1 - top), torch.exp(m2 - top)
+        out[rows] = out1 * a + out2 * b
+        total[rows] = total1 * a + total2 * b
+        return (out / total).view(n, self.num_heads, 1, self.head_dim)
 
     def _run(self, input_ids, positions, slots: slice, write_at, key_len, mask, last_index):
         hidden = self.model.model.embed_tokens(input_ids)
@@ -151,10 +174,58 @@ class SlotDecoder:
         key_len = int(lengths.max()) + 1
         self.ensure_capacity(key_len)
         rows = torch.arange(n, device=self.device)
-        mask = (torch.arange(key_len, device=self.device)[None] <= lengths[:, None])[:, None, None, :]
+        mask = _split_keys(lengths, key_len, self.device)
+        if mask is None:  # lengths alike: one pass over the longest row's keys
+            mask = (torch.arange(key_len, device=self.device)[None] <= lengths[:, None])[:, None, None, :]
 
         def write_at(cache, new):
             cache[rows, :, lengths] = new[:, :, 0]
 
         return self._run(last_tokens[:, None], lengths[:, None], slice(0, n), write_at, key_len, mask,
                          torch.zeros(n, dtype=torch.long, device=self.device))
+
+
+class _SplitKeys:
+    """How a decode step splits its keys (SlotDecoder._split_attention): [0, cut) for every row,
+    [cut, key_len) for `long_rows`; the masks say which of those keys each row has."""
+
+    def __init__(self, cut: int, key_len: int, long_rows: torch.Tensor, head_mask: torch.Tensor,
+                 tail_mask: torch.Tensor):
+        self.cut, self.key_len, self.long_rows = cut, key_len, long_rows
+        self.head_mask, self.tail_mask = head_mask, tail_mask
+
+
+# a split pays when it saves this share of the padded keys at least (it costs a copy of the long
+# rows' tail keys and a few more operations per layer)
+SPLIT_SAVING = 0.3
+
+
+def _split_keys(lengths: torch.Tensor, key_len: int, device) -> _SplitKeys | None:
+    """The cut that computes the fewest keys, counting the long rows' tail keys twice (they are
+    copied out of the cache), or None when no cut saves SPLIT_SAVING of the one-pass keys."""
+    n = lengths.shape[0]
+    if n < 2:
+        return None
+    needed = sorted((lengths + 1).tolist())  # keys each row attends over, ascending
+    best_cost, cut = n * key_len, key_len
+    for i, length in enumerate(needed[:-1]):  # cut after the i + 1 shortest rows
+        cost = n * length + 2 * (n - i - 1) * (key_len - length)
+        if cost < best_cost:
+            best_cost, cut = cost, length
+    if best_cost > (1 - SPLIT_SAVING) * n * key_len:
+        return None
+    keys = torch.arange(key_len, device=device)
+    long_rows = (lengths + 1 > cut).nonzero().flatten()
+    head_mask = (keys[None, :cut] <= lengths[:, None])[:, None, None, :]
+    tail_mask = (keys[None, cut:] <= lengths[long_rows, None])[:, None, None, :]
+    return _SplitKeys(cut, key_len, long_rows, head_mask, tail_mask)
+
+
+def _attend(q, k, v, mask, scale):
+    """Softmax attention of q (n, KV, G, D) over k, v (n, KV, L, D) where mask (n, 1, 1, L):
+    the row maxima of the scores, the sums of their exponentials and the unnormalised outputs."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    m = scores.amax(dim=-1, keepdim=True)
+    p = torch.exp(scores - m)
+    return m, p.sum(dim=-1, keepdim=True), torch.matmul(p, v)

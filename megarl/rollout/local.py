@@ -42,6 +42,7 @@ class _Request:
     log_probs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)  # the weights of each output token
     finish: tuple[str, object] | None = None
+    continues: bool = False  # its prompt started with a kept sequence when it came: admitted first
     cancelled: bool = False  # set on the event loop; the scheduler retires it between steps
     preempted: bool = False  # abort_requests: retired between steps with what it has
 
@@ -96,6 +97,7 @@ class LocalEngine(PauseAroundUpdates):
             raise ValueError("stop strings need a tokenizer; pass tokenizer= to LocalEngine or use stop_token_ids")
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         request = _Request(list(prompt_ids), params, asyncio.get_running_loop().create_future(), generator)
+        request.continues = len(self.kept) > 0 and self.kept.find(request.prompt) is not None
         if params.max_new_tokens == 0:
             request.finish = ("length", None)
             return self._output(request)
@@ -221,19 +223,32 @@ class LocalEngine(PauseAroundUpdates):
 
     def _admit(self) -> list[_Request]:
         """Waiting requests for the free slots, up to max_prefill_tokens of distinct prompts (the
-        n samples of a prompt are prefilled once)."""
+        n samples of a prompt are prefilled once). Requests that continue a kept sequence (a
+        trajectory's next turn) go first, in arrival order, then the rest in arrival order: a
+        started trajectory runs on while its cache is kept, instead of queueing behind new ones
+        until the sequences that finish meanwhile push its cache out."""
+        free = self.max_batch_size - len(self._running)
+        if free <= 0 or not self._waiting:
+            return []
+        first = [r for r in self._waiting if r.continues]
+        order = first + [r for r in self._waiting if not r.continues] if first else list(self._waiting)
         admitted, tokens, prompts = [], 0, set()
-        while self._waiting and len(self._running) + len(admitted) < self.max_batch_size:
-            nxt = self._waiting[0]
+        for nxt in order:
+            if len(admitted) == free:
+                break
             new = tuple(nxt.prompt) not in prompts
             if admitted and new and tokens + len(nxt.prompt) > self.max_prefill_tokens:
                 break
-            self._waiting.popleft()
             nxt.weight_version = self.weight_version
             admitted.append(nxt)
             if new:
                 prompts.add(tuple(nxt.prompt))
                 tokens += len(nxt.prompt)
+        if len(admitted) == len(self._waiting):
+            self._waiting.clear()
+        else:
+            taken = {id(r) for r in admitted}
+            self._waiting = deque(r for r in self._waiting if id(r) not in taken)
         return admitted
 
     def _step(self, admitted: list[_Request]) -> None:

@@ -1,109 +1,179 @@
 """Benchmark: megarl's independent trajectories vs a lockstep multi-turn loop.
 
-Both drive the same embedded engine and model over the same trajectories: a mix of 1 to 4
-turns each, with turn lengths that differ between trajectories (as real responses do). The
-lockstep loop is the shape of Search-R1's original rollout: every turn, all trajectories
-still going generate, and the batch waits for the slowest before anyone gets an
-observation, and prefills each turn's whole history again. megarl's loop runs every
-trajectory as its own task, so one that is done (or between turns) never waits for the
-others, and its engine reuses the cache of a trajectory's previous turn (measured without
-that reuse too). The model is a random tiny Qwen2, so no turn
-contains a valid action: each turn gets the invalid-action observation, which makes the
-turn count of each trajectory exactly its max_turns + 1 in both loops.
+Both loops drive the same embedded engine and model over the same Search-R1 trajectories:
+the Search-R1 instruction as the prompt, 1 to 4 turns each, every turn but the last ending in a
+search whose observation is three retrieved passages, the last in an answer. Turn lengths are
+drawn per turn from a long-tailed (log-normal) distribution, as reasoning lengths are in real
+runs. The lockstep loop is the shape of Search-R1's original rollout: every turn, all
+trajectories still going generate, the batch waits for the slowest, searches as one batch, and
+each turn's whole history is prefilled again. megarl's loop runs every trajectory as its own
+task, so one that is between turns never waits for the others, and its engine reuses the cache
+of a trajectory's previous turn (measured without that reuse too).
 
-    python tools/bench/agent.py [--trajectories 64 --max-turn-length 96]
+The model is a random tiny Qwen2, so it cannot choose its actions: `ScriptedPolicy` stands in
+for a trained one. It lets the model sample each turn's drawn number of tokens, then appends the
+action a trained policy would end the turn with (`<search> ... </search>`, or `<answer> ...
+</answer>` on the last turn), with log-prob 0. Both loops get the same turns, the same
+searches and the same tokens (asserted).
+
+    python tools/bench/agent.py [--trajectories 64 --max-batch-size 64 --median-turn-length 32]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import random
 import time
+from dataclasses import replace
 
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from megarl.data.tokenizer import train_bpe_tokenizer
-from megarl.rollout.agent import (ANSWER_CLOSE, INVALID_ACTION_MESSAGE, SEARCH_CLOSE, AgentSettings, Trajectory,
+from megarl.retrieval.client import SearchResult
+from megarl.retrieval.documents import Document
+from megarl.rollout.agent import (ANSWER_CLOSE, INVALID_ACTION_MESSAGE, SEARCH_CLOSE, SEARCH_INSTRUCTION,
+                                  AgentSettings, Trajectory, build_search_prompt, format_observation, parse_action,
                                   run_trajectory)
-from megarl.rollout.engine import SamplingParams
+from megarl.rollout.engine import GenerationOutput, SamplingParams
 from megarl.rollout.local import LocalEngine
 from megarl.versions import installed_versions
 
+WORDS = ("river harbour council founded merchant guild charter bridge fortress abbey market tower wall "
+         "province governor treaty archive census canal mill quarry cathedral bishop duke railway").split()
 
-def trajectory_settings(n: int, max_turn_length: int, seed: int) -> list[AgentSettings]:
+
+def question(i: int) -> str:
+    return f"who founded the city of {i * 7}?"
+
+
+def passage(i: int, k: int) -> Document:
+    """A ~100-word passage, as the wiki-18 corpus holds them."""
+    rng = random.Random(i * 31 + k)
+    text = " ".join(rng.choice(WORDS) for _ in range(100))
+    return Document(id=f"{i}-{k}", contents=f'"City {i * 7} ({k})"\n{text}')
+
+
+class Passages:
+    """The searcher of both loops: three passages about the city a query names."""
+
+    def __init__(self):
+        self.queries = 0
+
+    async def search(self, queries, topk=3):
+        self.queries += len(queries)
+        return [SearchResult(docs=[passage(int(q.split()[-1].rstrip("?")) // 7, k) for k in range(topk)])
+                for q in queries]
+
+
+class ScriptedPolicy:
+    """The engine as the loops see it: the model samples `lengths[i][t]` tokens for turn t of
+    trajectory i, then the turn's action is appended (see the module docstring)."""
+
+    def __init__(self, engine, tokenizer, prompts, lengths):
+        self.engine, self.lengths = engine, lengths
+        self.index = {tuple(p): i for i, p in enumerate(prompts)}
+        self.prompt_sizes = sorted({len(p) for p in prompts})
+        self.turn = [0] * len(prompts)
+        self.search = [tokenizer.encode(f" <search> {question(i)} </search>", add_special_tokens=False)
+                       for i in range(len(prompts))]
+        self.answer = tokenizer.encode(" <answer> the founders </answer>", add_special_tokens=False)
+
+    async def generate(self, prompt_ids, params: SamplingParams) -> GenerationOutput:
+        i = next(self.index[k] for n in self.prompt_sizes if (k := tuple(prompt_ids[:n])) in self.index)
+        turn, self.turn[i] = self.turn[i], self.turn[i] + 1
+        # the model's own stop strings would end a turn at random: the script decides instead
+        out = await self.engine.generate(prompt_ids, replace(params, max_new_tokens=self.lengths[i][turn], stop=()))
+        final = turn == len(self.lengths[i]) - 1
+        action = self.answer if final else self.search[i]
+        return replace(out, token_ids=out.token_ids + action, log_probs=out.log_probs + [0.0] * len(action),
+                       token_versions=out.versions() + [out.weight_version] * len(action), finish_reason="stop",
+                       matched_stop=ANSWER_CLOSE if final else SEARCH_CLOSE)
+
+
+def trajectories(n: int, median: int, sigma: float, max_turn_length: int, seed: int):
+    """Per trajectory: its settings and its turn lengths (1 to 4 turns; trajectory 0 has 4)."""
     rng = random.Random(seed)
-    out = []
+    settings, lengths = [], []
     for i in range(n):
-        turns, length = rng.randint(0, 3) if i else 3, rng.randint(max_turn_length // 6, max_turn_length)
-        # max_turns=0 is the single-turn path, whose one turn may use the whole response
-        # budget: cap that budget at the turn length so that both loops do the same work
-        out.append(AgentSettings(max_turns=turns, max_turn_length=length, max_obs_length=64,
-                                 max_response_length=length if turns == 0 else 8192, topk=3))
-    return out
+        turns = rng.randint(0, 3) if i else 3
+        lengths.append([min(max_turn_length, max(8, round(median * math.exp(sigma * rng.gauss(0, 1)))))
+                        for _ in range(turns + 1)])
+        # max_turns=0 would be the single-turn path: every trajectory here is a search agent's
+        settings.append(AgentSettings(max_turns=max(turns, 1), max_turn_length=max_turn_length + 32,
+                                      max_obs_length=500, max_response_length=1 << 16, topk=3))
+    return settings, lengths
 
 
-async def independent(engine, tok, prompts, settings) -> list[Trajectory]:
-    # max_turns=0 would mean the single-turn path; the bench wants "1 turn of a search agent",
-    # so each trajectory runs with its own settings through run_trajectory (searcher unused)
-    return await asyncio.gather(*[run_trajectory(engine, tok, p, s, searcher=_NoSearch(), seed=i)
+async def independent(engine, tok, prompts, settings, searcher) -> list[Trajectory]:
+    return await asyncio.gather(*[run_trajectory(engine, tok, p, s, searcher=searcher, seed=i)
                                   for i, (p, s) in enumerate(zip(prompts, settings))])
 
 
-async def lockstep(engine, tok, prompts, settings) -> list[Trajectory]:
+async def lockstep(engine, tok, prompts, settings, searcher) -> list[Trajectory]:
+    """Search-R1's loop: a turn for every trajectory still going, then one batch of searches."""
     trajs = [Trajectory(prompt_ids=list(p)) for p in prompts]
-    message = tok.encode(INVALID_ACTION_MESSAGE, add_special_tokens=False)
+    active = list(range(len(prompts)))
     for turn in range(max(s.max_turns for s in settings) + 1):
-        active = [i for i, s in enumerate(settings) if turn <= s.max_turns]
         outs = await asyncio.gather(*[engine.generate(
             trajs[i].prompt_ids + trajs[i].response_ids,
             SamplingParams(max_new_tokens=settings[i].max_turn_length, temperature=1.0, seed=i + turn,
-                           stop=_stops(turn, settings[i].max_turns)))
+                           stop=(ANSWER_CLOSE,) if turn == settings[i].max_turns else (SEARCH_CLOSE, ANSWER_CLOSE)))
             for i in active])  # the whole batch waits here for its slowest member
+        searching = []
         for i, out in zip(active, outs):
             trajs[i].extend(out.token_ids, out.log_probs)
             trajs[i].num_turns += 1
-            if turn < settings[i].max_turns:
-                trajs[i].extend(message, None)
+            kind, content = parse_action(tok.decode(out.token_ids))
+            if kind == "search" and turn < settings[i].max_turns:
+                searching.append((i, content))
+            elif kind != "answer" and turn < settings[i].max_turns:
+                trajs[i].extend(tok.encode(INVALID_ACTION_MESSAGE, add_special_tokens=False), None)
+        results = await searcher.search([q for _, q in searching], topk=3) if searching else []
+        for (i, _), result in zip(searching, results):
+            observation = tok.encode(format_observation(result), add_special_tokens=False)
+            trajs[i].extend(observation[: settings[i].max_obs_length], None)
+        active = [i for i, _ in searching]
     return trajs
-
-
-def _stops(turn: int, max_turns: int) -> tuple[str, ...]:
-    if max_turns == 0:
-        return ()  # single turn: generation ends at EOS or the budget, as in run_trajectory
-    return (SEARCH_CLOSE, ANSWER_CLOSE) if turn < max_turns else (ANSWER_CLOSE,)
-
-
-class _NoSearch:
-    async def search(self, queries, topk=3):
-        raise AssertionError("the random model never emits a valid search")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trajectories", type=int, default=64)
-    parser.add_argument("--max-turn-length", type=int, default=96)
+    parser.add_argument("--median-turn-length", type=int, default=32, help="median tokens the model samples per turn")
+    parser.add_argument("--sigma", type=float, default=0.9, help="spread of log(turn length); larger = longer tail")
+    parser.add_argument("--max-turn-length", type=int, default=256)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-batch-size", type=int, default=16,
-                        help="engine slots (a GPU engine's KV memory bounds them; here fewer slots than trajectories)")
+    parser.add_argument("--max-batch-size", type=int, default=64,
+                        help="engine slots (a GPU engine holds a batch like this one at once; fewer slots than "
+                             "trajectories make both loops queue)")
     args = parser.parse_args()
     print(installed_versions(), flush=True)
-    tok = train_bpe_tokenizer([f"question {i}: who founded the city of {i * 7}?" for i in range(200)], 1000)
+    texts = [SEARCH_INSTRUCTION.format(question=question(i)) for i in range(200)]
+    texts += [format_observation(SearchResult(docs=[passage(i, k) for k in range(3)])) for i in range(20)]
+    tok = train_bpe_tokenizer(texts + [INVALID_ACTION_MESSAGE], 1000)
     torch.manual_seed(args.seed)
     model = Qwen2ForCausalLM(Qwen2Config(
         vocab_size=len(tok), hidden_size=args.hidden, intermediate_size=3 * args.hidden, num_hidden_layers=args.layers,
         num_attention_heads=args.hidden // 64, num_key_value_heads=max(args.hidden // 128, 1),
         max_position_embeddings=8192)).eval()
-    prompts = [tok.encode(f"question {i}: who founded the city of {i * 7}?") for i in range(args.trajectories)]
-    settings = trajectory_settings(args.trajectories, args.max_turn_length, args.seed)
-    turns = [s.max_turns + 1 for s in settings]
+    prompts = [build_search_prompt(tok, question(i)) for i in range(args.trajectories)]
+    settings, lengths = trajectories(args.trajectories, args.median_turn_length, args.sigma, args.max_turn_length,
+                                     args.seed)
+    turns = [len(t) for t in lengths]
+    observation = len(tok.encode(format_observation(SearchResult(docs=[passage(0, k) for k in range(3)])),
+                                 add_special_tokens=False))
     print(f"{args.trajectories} trajectories, turns per trajectory: "
           + ", ".join(f"{k}: {turns.count(k)}" for k in range(1, 5))
-          + f"; turn lengths {min(s.max_turn_length for s in settings)}-{args.max_turn_length} tokens"
-          + f"; engine slots {args.max_batch_size}")
+          + f"; sampled tokens per turn {min(map(min, lengths))}-{max(map(max, lengths))} "
+          + f"(median {args.median_turn_length}); prompt {len(prompts[0])} tokens, observation {observation} tokens; "
+          + f"engine slots {args.max_batch_size}")
+    print(f"longest trajectory {max(map(sum, lengths))} sampled tokens, sum over turns of the longest turn "
+          f"{sum(max(t[k] for t in lengths if len(t) > k) for k in range(max(turns)))}")
 
     results = {}
     # the lockstep baseline prefills each turn's whole history again, as Search-R1's loop does
@@ -113,19 +183,21 @@ def main() -> None:
         async def go(loop=loop, kept=kept):
             engine = LocalEngine(model, tok, max_batch_size=args.max_batch_size, eos_token_ids=[],
                                  kept_sequences=kept)
+            policy, searcher = ScriptedPolicy(engine, tok, prompts, lengths), Passages()
             start = time.perf_counter()
-            trajs = await loop(engine, tok, prompts, settings)
+            trajs = await loop(policy, tok, prompts, settings, searcher)
             elapsed = time.perf_counter() - start
             await engine.close()
-            return elapsed, trajs
-        elapsed, trajs = asyncio.run(go())
+            return elapsed, trajs, searcher.queries, engine.kept.reused_tokens
+        elapsed, trajs, searches, reused = asyncio.run(go())
         assert [t.num_turns for t in trajs] == turns, "both loops must run the same turns"
+        assert searches == sum(turns) - len(turns), "every turn but the last searches"
         model_tokens = sum(sum(t.loss_mask) for t in trajs)
         results.setdefault("tokens", model_tokens)
         assert model_tokens == results["tokens"], "both loops must generate the same number of tokens"
         results[name] = elapsed
         print(f"{name:17} {elapsed:7.2f} s  {len(trajs) / elapsed:7.2f} trajectories/s  "
-              f"{model_tokens / elapsed:8.1f} model tokens/s")
+              f"{model_tokens / elapsed:8.1f} model tokens/s  prompt tokens reused {reused}")
     print(f"ratio megarl / lockstep: {results['lockstep'] / results['megarl']:.2f}x")
 
 
