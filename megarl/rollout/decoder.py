@@ -101,6 +101,12 @@ class SlotDecoder:
         write_at(v_cache, v)
         if isinstance(mask, _SplitKeys):
             out = self._split_attention(q, k_cache, v_cache, mask)
+        elif t == 1:  # decode: the query heads of a K/V head attend as its queries (no K/V copies)
+            groups = self.num_heads // self.num_kv_heads
+            out = F.scaled_dot_product_attention(
+                q.view(b, self.num_kv_heads, groups, self.head_dim), k_cache[:, :, :key_len],
+                v_cache[:, :, :key_len], attn_mask=mask, scale=self.scaling,
+            ).view(b, self.num_heads, 1, self.head_dim)
         else:
             out = F.scaled_dot_product_attention(
                 q, k_cache[:, :, :key_len], v_cache[:, :, :key_len], attn_mask=mask, scale=self.scaling,
