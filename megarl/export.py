@@ -15,8 +15,11 @@ from megarl.config import load_config
 
 
 def export_checkpoint(run_dir: str | Path, out_dir: str | Path, step_dir: str | Path | None = None) -> Path:
+    import torch
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from megarl.models.hf_layout import checkpoint_views
 
     run_dir = Path(run_dir)
     cfg = load_config(run_dir / "config.yaml", [])
@@ -32,11 +35,18 @@ def export_checkpoint(run_dir: str | Path, out_dir: str | Path, step_dir: str | 
         from megarl.backends.megatron.dist_format import actor_checkpoint, read_hf_tensors
         from megarl.models import ModelSpec
 
+        # checkpoint names (per expert in a mixture of experts): copied into the model's own layout
         state = dict(read_hf_tensors(actor_checkpoint(source), ModelSpec.from_hf(cfg.model.path)))
-    else:
+        views = checkpoint_views(model)
+        missing, unexpected = [n for n in views if n not in state], [n for n in state if n not in views]
+        if not missing and not unexpected:
+            with torch.no_grad():
+                for name, tensor in state.items():
+                    views[name].copy_(tensor)
+    else:  # the torch backend's: the model's own names
         state = load_file(str(source / "actor.safetensors"))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [m for m in missing if not (m == "lm_head.weight" and model.config.tie_word_embeddings)]
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing = [m for m in missing if not (m == "lm_head.weight" and model.config.tie_word_embeddings)]
     if missing or unexpected:
         raise ValueError(f"{source} does not fit {cfg.model.path}: missing {missing[:5]}, unexpected {unexpected[:5]}")
     out_dir = Path(out_dir)

@@ -257,3 +257,31 @@ def test_bad_requests():
         SamplingParams(top_p=0)
     with pytest.raises(ValueError, match="unsupported sampling_params"):
         SamplingParams.from_sglang({"temperature": 1.0, "frequency_penalty": 0.5})
+
+
+def test_qwen3_moe_log_probs_and_weights_by_checkpoint_name():
+    import copy
+
+    from megarl.models.hf_layout import checkpoint_views
+    from tiny_models import tiny_hf_model
+
+    first, second = tiny_hf_model("qwen3_moe", seed=0), tiny_hf_model("qwen3_moe", seed=1)
+    engine = LocalEngine(copy.deepcopy(first), max_batch_size=3, eos_token_ids=[])
+    prompts = prompts_of([3, 17, 5, 9])
+    params = lambda i: SamplingParams(max_new_tokens=5, temperature=1.0, seed=i)  # noqa: E731
+
+    async def both():
+        before = await asyncio.gather(*[engine.generate(p, params(i)) for i, p in enumerate(prompts)])
+        # the trainer's tensors arrive by checkpoint name: one per expert, not transformers' fused 3-D ones
+        bucket = {n: t.clone() for n, t in checkpoint_views(second).items()}
+        assert "model.layers.0.mlp.experts.5.gate_proj.weight" in bucket
+        await engine.update_weights([bucket], version=1)
+        after = await asyncio.gather(*[engine.generate(p, params(i)) for i, p in enumerate(prompts)])
+        await engine.close()
+        return before, after
+
+    before, after = run(both())
+    for model, outs in ((first, before), (second, after)):
+        for p, o in zip(prompts, outs):
+            torch.testing.assert_close(torch.tensor(o.log_probs), reference_log_probs(model, p, o.token_ids),
+                                       atol=1e-5, rtol=0)

@@ -58,6 +58,10 @@ _FAMILY = {
                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
     "qwen3": dict(model_type="qwen3", rope_theta=1000000.0, head_dim=24, attention_bias=False),
+    # odd sizes: 6 experts (not a power of two), top-2, GQA, and layer 1 dense (mlp_only_layers)
+    "qwen3_moe": dict(model_type="qwen3_moe", rope_theta=1000000.0, head_dim=24, attention_bias=False,
+                      num_experts=6, num_experts_per_tok=2, moe_intermediate_size=40, norm_topk_prob=True,
+                      decoder_sparse_step=1, mlp_only_layers=[1], router_aux_loss_coef=0.01),
 }
 
 
@@ -77,4 +81,6 @@ def tiny_hf_model(family: str, seed: int = 0, **overrides):
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+            if name.endswith("mlp.gate.weight"):  # a decisive router: no near-ties between experts
+                p.copy_(torch.randn_like(p))
     return model.eval()

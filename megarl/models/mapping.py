@@ -1,4 +1,4 @@
-"""HF ⇄ Megatron tensor mapping for the dense families of `megarl.models.spec`.
+"""HF ⇄ Megatron tensor mapping for the families of `megarl.models.spec`.
 
 One table serves loading, export, checkpoint conversion and weight sync. Each megatron
 parameter has a `TensorRule`: the HF tensors it is made of, how they are fused, and the
@@ -12,6 +12,14 @@ Fused layouts (megatron-core's):
 - linear_fc1: [gate; up] per TP rank, i.e. rank r holds cat(gate_r, up_r).
 - embedding / output_layer: the vocabulary padded with zero rows to
   `spec.padded_vocab_size(tp)`, split by rows across ranks; padding never leaves.
+- mixture-of-experts layers: `mlp.router.weight` (the HF `mlp.gate.weight`, whole on every
+  rank) and, per expert e, linear_fc1 ([gate; up] per expert-TP rank) and linear_fc2 from the
+  HF checkpoint's `mlp.experts.{e}.{gate,up,down}_proj.weight`. The table names expert e as
+  megatron's sequential experts do with one expert-parallel rank
+  (`mlp.experts.local_experts.{e}.…`); expert parallelism gives rank r the experts
+  r * E / EP .. (r + 1) * E / EP - 1, which `local_expert_name` renames to the rank's own index,
+  in the sequential layout or Transformer Engine's grouped one (`mlp.experts.linear_fc1.weight{k}`).
+  Expert tensor parallelism splits them as TP splits the dense MLP.
 
 `shard_from_hf` builds one rank's shard from HF tensors; `hf_from_shards` inverts it from
 all ranks' shards. Both are exact (slicing and concatenation only).
@@ -35,6 +43,7 @@ class TensorRule:
     kind: str = COPY
     tp_axis: int | None = None  # None: every TP rank holds the whole tensor
     vocab: bool = False  # rows are vocabulary entries (padded on the megatron side)
+    expert: int | None = None  # the (global) expert this tensor belongs to; split by expert TP, not TP
 
 
 def layer_rules(spec: ModelSpec, i: int) -> list[TensorRule]:
@@ -54,10 +63,37 @@ def layer_rules(spec: ModelSpec, i: int) -> list[TensorRule]:
     rules += [
         TensorRule(m + "self_attention.linear_proj.weight", (att + "o_proj.weight",), COPY, 1),
         TensorRule(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",)),
-        TensorRule(m + "mlp.linear_fc1.weight", (mlp + "gate_proj.weight", mlp + "up_proj.weight"), GLU, 0),
-        TensorRule(m + "mlp.linear_fc2.weight", (mlp + "down_proj.weight",), COPY, 1),
     ]
+    if not spec.is_moe_layer(i):
+        return rules + [
+            TensorRule(m + "mlp.linear_fc1.weight", (mlp + "gate_proj.weight", mlp + "up_proj.weight"), GLU, 0),
+            TensorRule(m + "mlp.linear_fc2.weight", (mlp + "down_proj.weight",), COPY, 1),
+        ]
+    rules.append(TensorRule(m + "mlp.router.weight", (mlp + "gate.weight",)))
+    for e in range(spec.num_experts):
+        mine, hf = f"{m}mlp.experts.local_experts.{e}.", f"{mlp}experts.{e}."
+        rules += [TensorRule(mine + "linear_fc1.weight", (hf + "gate_proj.weight", hf + "up_proj.weight"), GLU, 0,
+                             expert=e),
+                  TensorRule(mine + "linear_fc2.weight", (hf + "down_proj.weight",), COPY, 1, expert=e)]
     return rules
+
+
+def experts_of_rank(spec: ModelSpec, ep_rank: int, ep_size: int) -> range:
+    """The global experts expert-parallel rank `ep_rank` holds (megatron: contiguous runs)."""
+    per = spec.num_experts // ep_size
+    return range(ep_rank * per, (ep_rank + 1) * per)
+
+
+def local_expert_name(name: str, local: int, grouped: bool = False) -> str:
+    """An expert rule's megatron name (`…mlp.experts.local_experts.{e}.linear_fc1.weight`) as
+    the rank holding the expert as its `local`-th names it: sequential experts
+    (`…local_experts.{local}.linear_fc1.weight`), or Transformer Engine's grouped GEMM
+    (`…mlp.experts.linear_fc1.weight{local}`)."""
+    head, rest = name.split("mlp.experts.local_experts.", 1)
+    _, tensor = rest.split(".", 1)
+    if grouped:
+        return f"{head}mlp.experts.{tensor}{local}"
+    return f"{head}mlp.experts.local_experts.{local}.{tensor}"
 
 
 def embedding_rule() -> TensorRule:
@@ -85,10 +121,11 @@ _TE_NAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_wei
              "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
 
 
-def te_name(name: str) -> str:
-    """The Transformer Engine layer spec's name for a local-spec parameter name."""
+def te_name(name: str, moe_layer: bool = False) -> str:
+    """The Transformer Engine layer spec's name for a local-spec parameter name. In a layer with
+    experts the norm before them stays a module of its own (there is no linear_fc1 to fuse it into)."""
     for local, te in _TE_NAMES.items():
-        if name.endswith(local) and ".layers." in name:
+        if name.endswith(local) and ".layers." in name and not (moe_layer and local.startswith("pre_mlp")):
             return name[: -len(local)] + te
     return name
 

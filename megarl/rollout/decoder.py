@@ -10,8 +10,9 @@ step attends each slot over its own prefix with a length mask. When the rows of 
 much in length, the keys past a cut are computed for the long rows only and the two parts are
 merged by their softmax statistics, so short rows do not pay for the longest one's padding.
 
-Supported families: the dense decoders megarl trains, `megarl.models.spec.FAMILIES` (their
-differences — QKV bias, QK norm, rope scaling — live in the HF modules we reuse).
+Supported families: the decoders megarl trains, `megarl.models.spec.FAMILIES` (their
+differences — QKV bias, QK norm, rope scaling, Qwen3-MoE's routed experts — live in the HF modules
+we reuse).
 Main entry point: `SlotDecoder`.
 """
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megarl.models.hf_layout import checkpoint_views
 from megarl.rollout.decoder import SlotDecoder
 from megarl.rollout.engine import PREEMPTED, GenerationOutput, PauseAroundUpdates, SamplingParams, WeightBucket
 from megarl.rollout.prefix_cache import KeptPrefixes
@@ -112,7 +113,7 @@ class LocalEngine(PauseAroundUpdates):
     async def update_weights(self, buckets: Iterable[WeightBucket], version: int) -> None:
         """Copy HF-named tensors into the model between decode steps (the model thread runs
         them in order with the steps, so no step ever sees half-updated weights)."""
-        params = self.model.state_dict(keep_vars=True)
+        params = checkpoint_views(self.model)  # checkpoint names, sharing the parameters' memory
         loop = asyncio.get_running_loop()
         for bucket in buckets:
             unknown = sorted(set(bucket) - set(params))

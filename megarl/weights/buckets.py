@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megarl.models.hf_layout import checkpoint_views
+
 WeightBucket = Mapping[str, torch.Tensor]  # HF parameter name -> full (unsharded) tensor
 
 _ALIGN = 16  # byte alignment of every tensor in a bucket (views of any dtype stay aligned)
@@ -121,9 +123,9 @@ def send_flat(buckets: Iterable[Mapping[str, torch.Tensor]], send, wait, depth: 
 
 
 def hf_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """An HF model's tensors by name; a tied LM head is left out, as HF checkpoints leave it out."""
-    tied = getattr(model.config, "tie_word_embeddings", False)
-    return ((n, t.detach()) for n, t in model.state_dict().items() if not (tied and n == "lm_head.weight"))
+    """An HF model's tensors by their checkpoint names (megarl.models.hf_layout); a tied LM head
+    is left out, as HF checkpoints leave it out."""
+    return iter(checkpoint_views(model).items())
 
 
 def weight_checksums(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:

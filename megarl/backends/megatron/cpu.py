@@ -1,7 +1,8 @@
 """Run megatron-core on a CPU-only machine (gloo, fp32, tiny models): for tests and CI.
 
 megatron-core assumes CUDA in a few places that have nothing to do with the numerics:
-the device of the current rank, the CUDA RNG state its RNG tracker forks, `synchronize`,
+the device of the current rank, the CUDA RNG state its RNG tracker forks, `synchronize`, the
+streams and events the MoE all-to-all dispatcher overlaps its host copies with,
 and factory calls that pass `device="cuda"` or `pin_memory=True` (the pipeline schedules'
 buffers, the default causal mask, rotary frequencies), and type checks that compare `tensor.type()` with
 "torch.cuda.FloatTensor" (the optimizers). `enable_cpu_mode()` redirects exactly those to the CPU
@@ -11,6 +12,7 @@ runs unchanged on GPUs. Call it before building models (the backend does).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -70,9 +72,57 @@ def enable_cpu_mode() -> bool:
         transformer_utils.get_default_causal_mask = causal_mask
         if hasattr(fused_softmax, "get_default_causal_mask"):
             fused_softmax.get_default_causal_mask = causal_mask
+        # the MoE router's gating GEMM tests `te_general_gemm is not None`, a name moe_utils
+        # imports from Transformer Engine only (megatron-core 0.16: a NameError without TE)
+        from megatron.core.transformer.moe import moe_utils
+
+        if not hasattr(moe_utils, "te_general_gemm"):
+            moe_utils.te_general_gemm = None
+        # the all-to-all token dispatcher copies its split sizes to the host on a side stream
+        # and waits on an event; on the CPU every copy is already done
+        torch.cuda.Stream = _HostStream
+        torch.cuda.current_stream = lambda device=None: _HOST_STREAM
+        torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+        # ... and passes them to all_to_all as the numpy arrays that copy makes of GPU tensors
+        from megatron.core.transformer.moe import token_dispatcher
+
+        def to_host(tensor, as_numpy=False, record_stream=False):
+            return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
+
+        moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = to_host
         _CudaToCpu().__enter__()  # for the life of the process
         _enabled = True
     return True
+
+
+class _HostEvent:
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+
+class _HostStream:
+    """A CUDA stream's stand-in on the CPU: work is done when it is issued."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None) -> _HostEvent:
+        return event or _HostEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+
+_HOST_STREAM = _HostStream()
 
 
 def _is_cuda(device) -> bool:
