@@ -19,10 +19,12 @@ def logprobs_and_export(hf_dir: str, layout_kw: dict, batch, micro_batch_size: i
 
     spec = ModelSpec.from_hf(hf_dir)
     layout = Layout(**layout_kw)
-    layout.check(spec, torch.distributed.get_world_size())
+    layout.check(spec, torch.distributed.get_world_size(), training=False)
     initialize(layout, seed=0)
     chunks = build_model(spec, layout, dtype=dtype, impl=impl, fp8=fp8, explicit_mask=packing == "mask")
     load_hf_weights(chunks, spec, hf_dir)
+    for chunk in chunks:
+        chunk.eval()  # as the worker computes log-probs
     log_probs, entropy = forward_log_probs(chunks, spec.vocab_size, batch, micro_batch_size=micro_batch_size,
                                            max_tokens=max_tokens, packing=packing, with_entropy=True)
     exported = dict(export_hf_tensors(chunks, spec))

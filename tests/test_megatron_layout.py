@@ -35,3 +35,28 @@ def test_every_problem_at_once():
     with pytest.raises(LayoutError) as info:
         Layout(tp=4, pp=3).check(SPEC, 5)
     assert str(info.value).count(";") == 2  # query groups, layers, world size
+
+
+MOE = ModelSpec.from_hf(tiny_hf_config("qwen3_moe"))  # 6 experts of intermediate size 40
+
+
+@pytest.mark.parametrize("layout, world", [(Layout(ep=2), 2), (Layout(ep=3), 3), (Layout(ep=6), 6),
+                                           (Layout(pp=2, ep=2), 4), (Layout(tp=2, ep=2, etp=1, sequence_parallel=True), 2),
+                                           (Layout(tp=2, ep=2, etp=2, sequence_parallel=True), 4)])
+def test_expert_layouts_that_fit(layout, world):
+    layout.check(MOE, world)
+
+
+@pytest.mark.parametrize("spec, layout, world, words", [
+    (MOE, Layout(ep=4), 4, "6 experts do not divide over ep=4"),
+    (MOE, Layout(ep=2, etp=3), 6, "intermediate size 40 does not divide over expert tp=3"),
+    (MOE, Layout(pp=2, ep=2), 2, "world size 2 is not a multiple of expert tp x ep x pp = 4"),
+    (MOE, Layout(tp=2, ep=2, etp=2, sequence_parallel=True), 2, "expert tp x ep x pp = 4"),
+    (MOE, Layout(tp=2, ep=2, etp=1), 2, "with tp > 1 trains only with sequence_parallel=true"),
+    (SPEC, Layout(ep=2), 2, "expert parallelism (ep > 1 or etp) needs a mixture-of-experts model"),
+])
+def test_expert_layouts_that_do_not_fit_say_why(spec, layout, world, words):
+    with pytest.raises(LayoutError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        layout.check(spec, world)
+    if "sequence_parallel" in words:
+        layout.check(spec, world, training=False)  # log-probs alone: megatron allows it

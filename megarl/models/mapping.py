@@ -27,7 +27,7 @@ all ranks' shards. Both are exact (slicing and concatenation only).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -82,6 +82,13 @@ def experts_of_rank(spec: ModelSpec, ep_rank: int, ep_size: int) -> range:
     """The global experts expert-parallel rank `ep_rank` holds (megatron: contiguous runs)."""
     per = spec.num_experts // ep_size
     return range(ep_rank * per, (ep_rank + 1) * per)
+
+
+def for_expert(rule: TensorRule, expert: int) -> TensorRule:
+    """An expert rule with its names moved to another expert of the same layer."""
+    was, now = f"experts.{rule.expert}.", f"experts.{expert}."
+    return replace(rule, megatron=rule.megatron.replace(f"local_{was}", f"local_{now}"),
+                   hf=tuple(n.replace(was, now) for n in rule.hf), expert=expert)
 
 
 def local_expert_name(name: str, local: int, grouped: bool = False) -> str:

@@ -23,8 +23,8 @@ import torch
 
 from megarl.models import ModelSpec, rope_inv_freq
 from megarl.models.hf_files import tensor_files
-from megarl.models.mapping import TensorRule, embedding_rule, head_rules, hf_from_shards, layer_rules, \
-    shard_from_hf, te_name
+from megarl.models.mapping import TensorRule, embedding_rule, experts_of_rank, for_expert, head_rules, \
+    hf_from_shards, layer_rules, local_expert_name, shard_from_hf, te_name
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +42,19 @@ class Layout:
     cp: int = 1
     vpp: int | None = None  # virtual pipeline stages per PP rank (interleaved schedule)
     sequence_parallel: bool = False
+    ep: int = 1  # expert parallelism (mixture-of-experts models)
+    etp: int | None = None  # expert tensor parallelism; None: as tp (megatron's default)
 
     def dp(self, world_size: int) -> int:
         return world_size // (self.tp * self.pp * self.cp)
 
-    def check(self, spec: ModelSpec, world_size: int) -> None:
-        """Raise LayoutError listing every way this layout does not fit `spec` and the world."""
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    def check(self, spec: ModelSpec, world_size: int, training: bool = True) -> None:
+        """Raise LayoutError listing every way this layout does not fit `spec` and the world
+        (`training`: also the rules megatron applies to training only)."""
         p = []
         if min(self.tp, self.pp, self.cp) < 1 or (self.vpp is not None and self.vpp < 1):
             p.append(f"parallel sizes must be positive (tp={self.tp}, pp={self.pp}, cp={self.cp}, vpp={self.vpp})")
@@ -65,8 +72,32 @@ class Layout:
                 p.append("sequence parallelism needs tp > 1")
             if world_size % (self.tp * self.pp * self.cp):
                 p.append(f"world size {world_size} is not a multiple of tp x pp x cp = {self.tp * self.pp * self.cp}")
+            p += self._expert_problems(spec, world_size)
+            if training and spec.is_moe and self.tp > 1 and not self.sequence_parallel:
+                p.append("a mixture of experts with tp > 1 trains only with sequence_parallel=true (megatron's "
+                         "MoE layer refuses otherwise; megatron's local layers, the CPU path, have no sequence "
+                         "parallelism: there use ep, pp and data parallelism)")
         if p:
             raise LayoutError("parallel layout does not fit: " + "; ".join(p))
+
+
+    def _expert_problems(self, spec: ModelSpec, world_size: int) -> list[str]:
+        if self.ep < 1 or self.expert_tp < 1:
+            return [f"expert parallel sizes must be positive (ep={self.ep}, etp={self.etp})"]
+        if not spec.is_moe:
+            return ["expert parallelism (ep > 1 or etp) needs a mixture-of-experts model"] \
+                if self.ep > 1 or self.etp is not None else []
+        p = []
+        if spec.num_experts % self.ep:
+            p.append(f"{spec.num_experts} experts do not divide over ep={self.ep}")
+        if spec.moe_ffn_hidden_size % self.expert_tp:
+            p.append(f"the experts' intermediate size {spec.moe_ffn_hidden_size} does not divide over "
+                     f"expert tp={self.expert_tp}")
+        # megatron lays the experts' ranks out as expert-TP x EP x expert-DP within each pipeline stage
+        if world_size % (self.expert_tp * self.ep * self.pp):
+            p.append(f"world size {world_size} is not a multiple of expert tp x ep x pp = "
+                     f"{self.expert_tp * self.ep * self.pp}")
+        return p
 
 
 def rank_environment(tp: int, cp: int = 1) -> dict[str, str]:
@@ -93,7 +124,9 @@ def initialize(layout: Layout, seed: int = 0) -> None:
     enable_cpu_mode()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(layout.tp, layout.pp, layout.vpp, context_parallel_size=layout.cp)
+    parallel_state.initialize_model_parallel(layout.tp, layout.pp, layout.vpp, context_parallel_size=layout.cp,
+                                             expert_model_parallel_size=layout.ep,
+                                             expert_tensor_parallel_size=layout.etp)
     model_parallel_cuda_manual_seed(seed)
 
 
@@ -144,7 +177,8 @@ def use_fused_softmax(*, cuda: bool, kernels: bool, explicit_mask: bool, cp: int
 
 
 def transformer_config(spec: ModelSpec, layout: Layout, dtype: str = "float32", recompute: str | None = None,
-                       fp8: dict | None = None, explicit_mask: bool = False):
+                       fp8: dict | None = None, explicit_mask: bool = False, impl: str = "local",
+                       aux_loss_coeff: float | None = None):
     """megatron's TransformerConfig for `spec`; `fp8` holds TransformerConfig's FP8 fields
     (fp8, fp8_recipe, fp8_param), passed through to Transformer Engine. `explicit_mask`:
     the local layers get attention masks of their own (packed sequences); see use_fused_softmax."""
@@ -174,41 +208,70 @@ def transformer_config(spec: ModelSpec, layout: Layout, dtype: str = "float32", 
         masked_softmax_fusion=fused_softmax, persist_layer_norm=False, gradient_accumulation_fusion=False,
         recompute_granularity=recompute, recompute_method="uniform" if recompute == "full" else None,
         recompute_num_layers=1 if recompute == "full" else None, **(fp8 or {}),
+        **moe_config(spec, layout, impl, aux_loss_coeff),
     )
 
 
-def layer_spec(spec: ModelSpec, impl: str = "local", cp: int = 1):
+def moe_config(spec: ModelSpec, layout: Layout, impl: str = "local", aux_loss_coeff: float | None = None) -> dict:
+    """TransformerConfig's mixture-of-experts fields for `spec` (none for a dense model).
+    Routing as HF's Qwen3-MoE: softmax over all experts, the top k, renormalised when
+    norm_topk_prob (megatron: top k of the logits, then a softmax over them, which is the same)
+    and left as they are otherwise (megatron's pre-softmax routing). The router runs in fp32.
+    `aux_loss_coeff` (None: the HF config's) scales megatron's load-balancing loss."""
+    if not spec.is_moe:
+        return {}
+    coeff = spec.router_aux_loss_coef if aux_loss_coeff is None else aux_loss_coeff
+    return dict(
+        num_moe_experts=spec.num_experts, moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+        moe_router_topk=spec.moe_topk, moe_router_pre_softmax=not spec.moe_norm_topk, moe_router_dtype="fp32",
+        moe_layer_freq=[1 if spec.is_moe_layer(i) else 0 for i in range(spec.num_layers)],
+        moe_router_load_balancing_type="aux_loss" if coeff > 0 else "none", moe_aux_loss_coeff=coeff,
+        moe_token_dispatcher_type="alltoall", moe_grouped_gemm=impl == "transformer_engine",
+        moe_permute_fusion=False, expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp,
+    )
+
+
+def layer_spec(spec: ModelSpec, impl: str = "local", cp: int = 1, config=None, vp_stage: int | None = None):
     """megatron's layer spec for `impl`; under context parallelism the local layers' core
-    attention is megarl's all-gathering one (megatron's local attention has no CP path)."""
+    attention is megarl's all-gathering one (megatron's local attention has no CP path). A
+    mixture of experts gets the block spec of this (virtual) stage's layers, experts or dense
+    by layer (`config`: its TransformerConfig)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    if impl == "transformer_engine":
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
-    if impl != "local":
+    if impl not in ("local", "transformer_engine"):
         raise ValueError(f"transformer_impl {impl!r}: use local or transformer_engine")
-    layer = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
-    if cp > 1:
+    if spec.is_moe:
+        block = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=impl == "transformer_engine",
+                                                           normalization="RMSNorm", vp_stage=vp_stage)
+        layers = block.layer_specs
+    elif impl == "transformer_engine":
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
+    else:
+        block = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+        layers = [block]
+    if cp > 1 and impl == "local":
         from megarl.backends.megatron.context import ContextParallelAttention
 
-        layer.submodules.self_attention.submodules.core_attention = ContextParallelAttention
-    return layer
+        for layer in layers:
+            layer.submodules.self_attention.submodules.core_attention = ContextParallelAttention
+    return block
 
 
 def build_model(spec: ModelSpec, layout: Layout, dtype: str = "float32", impl: str = "local",
                 recompute: str | None = None, fp8: dict | None = None,
-                explicit_mask: bool = False) -> list[torch.nn.Module]:
+                explicit_mask: bool = False, aux_loss_coeff: float | None = None) -> list[torch.nn.Module]:
     """This rank's GPTModel chunks (one per virtual stage; one without vpp), weights
-    uninitialised; `explicit_mask` as in `transformer_config`."""
+    uninitialised; `explicit_mask` and `aux_loss_coeff` as in `transformer_config`."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    config = transformer_config(spec, layout, dtype, recompute, fp8, explicit_mask)
+    config = transformer_config(spec, layout, dtype, recompute, fp8, explicit_mask, impl, aux_loss_coeff)
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     chunks = []
     for vp in range(layout.vpp or 1):
         vp_stage = vp if layout.vpp else None
         model = GPTModel(
-            config, layer_spec(spec, impl, layout.cp), vocab_size=spec.padded_vocab_size(layout.tp),
+            config, layer_spec(spec, impl, layout.cp, config, vp_stage), vocab_size=spec.padded_vocab_size(layout.tp),
             max_sequence_length=spec.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
@@ -227,17 +290,25 @@ def layer_offset(model: torch.nn.Module) -> int:
 
 
 def chunk_rules(model: torch.nn.Module, spec: ModelSpec) -> list[tuple[str, TensorRule]]:
-    """(this chunk's parameter name, rule) for every parameter the chunk holds."""
-    te = any(n.endswith("layer_norm_weight") for n, _ in model.named_parameters())
-    rename = te_name if te else (lambda n: n)
+    """(this chunk's parameter name, rule) for every parameter the chunk holds: of a mixture of
+    experts, the experts of this rank's expert-parallel rank only."""
+    names = [n for n, _ in model.named_parameters()]
+    te = any(n.endswith("layer_norm_weight") for n in names)
+    grouped = any(".mlp.experts.linear_fc1.weight" in n for n in names)  # Transformer Engine's grouped GEMM
+    mine = _my_experts(spec)
     out = []
     if model.pre_process:
         out.append(("embedding.word_embeddings.weight", embedding_rule()))
     offset = layer_offset(model)
     for local in range(len(model.decoder.layers)):
+        moe_layer = spec.is_moe_layer(offset + local)
         for rule in layer_rules(spec, offset + local):
+            if rule.expert is not None and rule.expert not in mine:
+                continue
             name = rule.megatron.replace(f"decoder.layers.{offset + local}.", f"decoder.layers.{local}.", 1)
-            out.append((rename(name), rule))
+            if rule.expert is not None:
+                name = local_expert_name(name, rule.expert - mine.start, grouped)
+            out.append((te_name(name, moe_layer) if te else name, rule))
     if model.post_process:
         for rule in head_rules(spec):
             out.append((rule.megatron, rule))
@@ -246,15 +317,32 @@ def chunk_rules(model: torch.nn.Module, spec: ModelSpec) -> list[tuple[str, Tens
     return out
 
 
+def _my_experts(spec: ModelSpec) -> range:
+    from megatron.core import parallel_state
+
+    if not spec.is_moe:
+        return range(0)
+    return experts_of_rank(spec, parallel_state.get_expert_model_parallel_rank(),
+                           parallel_state.get_expert_model_parallel_world_size())
+
+
+def _split_rank(rule: TensorRule) -> tuple[int, int]:
+    """(rank, size) of the group that splits `rule`'s tensor: expert TP for an expert's, TP otherwise."""
+    from megatron.core import parallel_state
+
+    if rule.expert is not None:
+        return (parallel_state.get_expert_tensor_parallel_rank(),
+                parallel_state.get_expert_tensor_parallel_world_size())
+    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+
+
 def load_hf_weights(chunks: list[torch.nn.Module], spec: ModelSpec, hf_dir: str | Path,
                     skip: tuple[str, ...] = ()) -> None:
     """Copy an HF safetensors checkpoint into this rank's shards, reading one tensor at a
     time (no process holds the whole model); raises KeyError naming missing tensors.
     Parameters named in `skip` (e.g. the critic's value head) keep their values."""
-    from megatron.core import parallel_state
     from safetensors import safe_open
 
-    tp_rank, tp = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
     where = safetensors_index(Path(hf_dir))
     with torch.no_grad():
         for model in chunks:
@@ -269,7 +357,7 @@ def load_hf_weights(chunks: list[torch.nn.Module], spec: ModelSpec, hf_dir: str 
                 for n in rule.hf:
                     with safe_open(where[n], framework="pt") as f:
                         tensors[n] = f.get_tensor(n)
-                shard = shard_from_hf(rule, tensors, spec, tp_rank, tp)
+                shard = shard_from_hf(rule, tensors, spec, *_split_rank(rule))
                 target = params[name]
                 if target.shape != shard.shape:
                     raise ValueError(f"{name}: megatron expects {tuple(target.shape)}, the mapping gave "
@@ -331,25 +419,44 @@ def high_precision(param: torch.Tensor) -> torch.Tensor:
 
 
 def export_hf_tensors(chunks: list[torch.nn.Module], spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
-    """This pipeline stage's HF-named tensors, gathered across its TP group (every TP rank
-    yields the same tensors). The tied output layer of a last stage is not exported (the
-    first stage exports the shared table). A collective: all TP ranks must iterate."""
+    """This pipeline stage's HF-named tensors, gathered across its TP group, and an expert's
+    across its expert-TP and expert-parallel groups (every rank of those groups yields the same
+    tensors). The tied output layer of a last stage is not exported (the first stage exports
+    the shared table). A collective: all ranks of the TP and expert-parallel groups must iterate."""
     from megatron.core import parallel_state
 
-    group = parallel_state.get_tensor_model_parallel_group()
-    tp = parallel_state.get_tensor_model_parallel_world_size()
     for model in chunks:
         params = dict(model.named_parameters())
         for name, rule in chunk_rules(model, spec):
             if name == "output_layer.weight" and spec.tied_embeddings:
                 continue
-            local = high_precision(params[name])
-            if rule.tp_axis is None or tp == 1:
-                shards = [local]
-            else:
-                shards = [torch.empty_like(local) for _ in range(tp)]
-                torch.distributed.all_gather(shards, local.contiguous(), group=group)
-            yield from hf_from_shards(rule, shards, spec).items()
+            if rule.expert is None:
+                group = parallel_state.get_tensor_model_parallel_group()
+                yield from hf_from_shards(rule, _gather(high_precision(params[name]), rule, group), spec).items()
+                continue
+            shards = _gather(high_precision(params[name]), rule, parallel_state.get_expert_tensor_parallel_group())
+            # each shard of the same local expert on every expert-parallel rank r: global expert r * per + local
+            by_rank = [_all_gather(shard, parallel_state.get_expert_model_parallel_group()) for shard in shards]
+            mine = _my_experts(spec)
+            for r in range(len(by_rank[0])):
+                theirs = for_expert(rule, rule.expert - mine.start + r * len(mine))
+                yield from hf_from_shards(theirs, [ranks[r] for ranks in by_rank], spec).items()
+
+
+def _gather(local: torch.Tensor, rule: TensorRule, group) -> list[torch.Tensor]:
+    """The shards of `rule`'s tensor over `group` (rank order); [local] when it is not split."""
+    if rule.tp_axis is None or torch.distributed.get_world_size(group) == 1:
+        return [local]
+    return _all_gather(local.contiguous(), group)
+
+
+def _all_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
+    size = torch.distributed.get_world_size(group)
+    if size == 1:
+        return [tensor]
+    out = [torch.empty_like(tensor) for _ in range(size)]
+    torch.distributed.all_gather(out, tensor.contiguous(), group=group)
+    return out
 
 
 def safetensors_index(hf_dir: Path) -> dict[str, Path]:
