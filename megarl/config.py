@@ -12,6 +12,8 @@ schema and the value checks next to it.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Literal
 
@@ -196,7 +198,12 @@ class ParallelConfig:
     context_parallel_size: int = param(
         1, "Context-parallel size (megatron): every sequence split over this many ranks (Transformer Engine's "
         "ring attention on GPUs, padded rows; all-gathered keys and values on the local layers).", gt=0)
-    sequence_parallel: bool = param(True, "Sequence parallelism with TP > 1 (megatron).")
+    sequence_parallel: bool = param(True, "Sequence parallelism with TP > 1 (megatron; a mixture of experts needs it).")
+    expert_model_parallel_size: int = param(
+        1, "Expert parallelism (megatron, mixture-of-experts models): each MoE layer's experts split over this many "
+        "ranks, tokens sent to them by all-to-all.", gt=0)
+    expert_tensor_parallel_size: int | None = param(
+        None, "Tensor parallelism inside each expert (megatron); None = tensor_model_parallel_size.", gt=0)
     use_distributed_optimizer: bool = param(True, "Shard optimizer state over data-parallel ranks (megatron).")
     data_parallel_size: int | None = param(
         None, "Data-parallel replicas (megatron); None = every GPU left by TP x PP x CP (cluster.nnodes x "
@@ -239,6 +246,9 @@ class TrainWorkerConfig:
         False, "Keep the frozen reference model's weights in host memory, on the device only while reference "
         "log-probs are computed (saves one model's weights of GPU memory per rank for one host-to-device copy "
         "per step; actor only).")
+    moe_aux_loss_coeff: float | None = param(
+        None, "Load-balancing loss of a mixture of experts (megatron's aux_loss, per micro-batch over its real "
+        "tokens); None = the model config's router_aux_loss_coef; 0 = off.", ge=0.0)
     transformer_impl: Literal["transformer_engine", "local"] = param("transformer_engine", "megatron layer implementation.")
     fp8: Literal["hybrid", "e4m3"] | None = param(None, "Transformer Engine FP8 format; None = off.")
     fp8_recipe: Literal["delayed", "tensorwise", "blockwise"] = param("delayed", "Transformer Engine FP8 scaling recipe.")
@@ -312,7 +322,8 @@ class RunConfig:
 
     def train_world_size(self) -> int:
         """Processes of the train worker group: 1 with the torch backend; TP x PP x CP x DP
-        megatron ranks otherwise (one per GPU, or CPU processes on a CPU run)."""
+        megatron ranks otherwise (one per GPU, or CPU processes on a CPU run: the fewest that
+        hold both the model-parallel and the expert-parallel layout)."""
         p = self.actor.parallel
         if self.actor.backend == "torch":
             return 1
@@ -320,7 +331,8 @@ class RunConfig:
             return p.model_parallel_size * p.data_parallel_size
         if self.cluster.gpus_per_node:
             return self.cluster.nnodes * self.cluster.gpus_per_node
-        return p.model_parallel_size
+        expert_tp = p.expert_tensor_parallel_size or p.tensor_model_parallel_size
+        return math.lcm(p.model_parallel_size, expert_tp * p.expert_model_parallel_size * p.pipeline_model_parallel_size)
 
     def sync_transport(self) -> str:
         """sync.transport with auto resolved: inprocess for the embedded engine, ipc for
@@ -393,8 +405,8 @@ class RunConfig:
         for name, worker in (("actor", actor), ("critic", self.critic)):
             p = worker.parallel
             if worker.backend == "torch" and (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                                              p.context_parallel_size) != (1, 1, 1):
-                problems.add(f"{name}.parallel", "sets TP/PP/CP > 1 with the torch backend",
+                                              p.context_parallel_size, p.expert_model_parallel_size) != (1, 1, 1, 1):
+                problems.add(f"{name}.parallel", "sets TP/PP/CP/EP > 1 with the torch backend",
                              f"set {name}.backend=megatron or the parallel sizes to 1")
             if p.virtual_pipeline_model_parallel_size is not None and p.pipeline_model_parallel_size == 1:
                 problems.add(f"{name}.parallel.virtual_pipeline_model_parallel_size", "is set without pipeline parallelism",

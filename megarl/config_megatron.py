@@ -1,5 +1,5 @@
 """Rules of the megatron backend's settings (megarl.config's value checks, kept apart to keep
-that module short): layouts, FP8 and optimizer offload."""
+that module short): layouts (expert parallelism included), FP8 and optimizer offload."""
 
 from __future__ import annotations
 
@@ -18,6 +18,11 @@ def check_megatron(cfg, problems: Problems) -> None:
         problems.add("actor.parallel", f"TP x PP x CP = {p.model_parallel_size} does not divide the "
                      f"{world} train ranks (cluster.nnodes x cluster.gpus_per_node)",
                      "choose parallel sizes whose product divides the number of GPUs")
+    expert_tp = p.expert_tensor_parallel_size or p.tensor_model_parallel_size
+    experts = expert_tp * p.expert_model_parallel_size * p.pipeline_model_parallel_size
+    if (p.expert_model_parallel_size > 1 or p.expert_tensor_parallel_size is not None) and world % experts:
+        problems.add("actor.parallel", f"expert TP x EP x PP = {experts} does not divide the {world} train ranks",
+                     "choose expert_model_parallel_size (and expert_tensor_parallel_size) to divide world / PP")
     dp = max(world // p.model_parallel_size, 1)
     for name, worker in (("actor", cfg.actor), ("critic", cfg.critic)):
         if name == "critic" and not cfg.critic.enable:

@@ -44,3 +44,74 @@ def test_moe_log_probs_match_hf_and_export_is_exact(tmp_path, layout):
     assert exported.keys() == state.keys()
     for name, tensor in state.items():
         assert torch.equal(exported[name], tensor), name
+
+
+def test_one_moe_optimizer_step_equals_the_torch_backend(tmp_path):
+    # EP=2 over 2 ranks: attention and the router data-parallel (a row pair each), the experts
+    # split; one row per micro-batch on both backends, since the load-balancing loss (coefficient
+    # 0.01 from the config, large enough to move the router) is a micro-batch's
+    from megarl.backends.torch.actor import TorchActor
+    from megarl.config import AlgorithmConfig, OptimConfig
+    from megarl.models.hf_layout import checkpoint_views
+    from megatron_cases import actor_step
+
+    model = tiny_hf_model("qwen3_moe")
+    model.save_pretrained(tmp_path)
+    batch = a_batch(model.config.vocab_size)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        now, _ = token_log_probs(model, batch.input_ids, batch.attention_mask)
+    batch = batch.with_fields(old_log_probs=now + 0.3 * torch.randn(now.shape, generator=g),
+                              advantages=torch.randn(len(batch), 1, generator=g).expand_as(now).clone())
+    algo = AlgorithmConfig()
+    optim = OptimConfig(lr=1e-3, eps=1e-3, lr_warmup_steps=0, weight_decay=0.1, grad_clip=1.0)
+    results = run_distributed(2, actor_step, str(tmp_path), dict(ep=2), batch, 1, algo, optim)
+
+    before = {n: t.clone() for n, t in checkpoint_views(model).items()}
+    actor = TorchActor(model, algo, optim, mini_batch_samples=len(batch), micro_batch_samples=1)
+    assert actor.moe_aux_loss_coeff == 0.01
+    want = actor.update_actor(batch)
+    exported = {}
+    for tensors, _ in results:
+        exported.update(tensors)
+    state = checkpoint_views(model)
+    assert exported.keys() == state.keys()
+    for name, tensor in state.items():
+        torch.testing.assert_close(exported[name], tensor, rtol=0, atol=1e-5, msg=name)
+    router = "model.layers.0.mlp.gate.weight"
+    assert not torch.allclose(state[router], before[router], atol=1e-4)  # the router did move
+    got = results[0][1]
+    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+    assert want["moe_aux_loss"] > 0 and want["moe_load_max_over_mean"] >= 1.0
+
+
+def test_megarl_train_at_ep2_ends_on_the_torch_backends_weights(tmp_path, monkeypatch):
+    # `megarl train` on a tiny Qwen3-MoE: the torch backend, then megatron at EP=2 (two Ray rank
+    # actors; each data-parallel rank's micro-batch is one of the torch backend's, so the
+    # load-balancing loss is the same too), the same rollouts and weights; the EP=2 checkpoint resumes
+    import ray
+
+    from megarl.config import load_config
+    from megarl.train import train
+    from train_fixtures import hf_weights, mlflow_metric, tiny_overrides, write_tiny_run_inputs
+
+    monkeypatch.setenv("PYTHONPATH", str(__import__("pathlib").Path(__file__).parent))
+    inputs = write_tiny_run_inputs(tmp_path / "inputs", family="qwen3_moe")
+
+    def run(out, steps, extra):
+        overrides = [o for o in tiny_overrides(inputs, out, steps) if not o.startswith("cluster.launcher")]
+        overrides += ["reward.custom_function=reward_fixtures:length_score", "cluster.launcher=ray", *extra]
+        return train(load_config(None, overrides))
+
+    megatron = ["actor.backend=megatron", "actor.parallel.expert_model_parallel_size=2"]  # 2 CPU ranks
+    run(tmp_path / "torch", 2, [])
+    run(tmp_path / "megatron", 2, megatron)
+    want, got = hf_weights(tmp_path / "torch" / "hf"), hf_weights(tmp_path / "megatron" / "hf")
+    initial = hf_weights(__import__("pathlib").Path(inputs["model"]))
+    assert got.keys() == want.keys()
+    assert max(float((want[n] - initial[n]).abs().max()) for n in want) > 1e-3
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-4, msg=name)
+    assert mlflow_metric(tmp_path / "megatron", "train/reward_mean") == mlflow_metric(tmp_path / "torch",
+                                                                                       "train/reward_mean")
+    assert not ray.is_initialized()

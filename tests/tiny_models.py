@@ -36,6 +36,16 @@ def tiny_model(family: str = "qwen2", vocab_size: int = 300, tie: bool = False, 
         scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                    "original_max_position_embeddings": 64}
         return LlamaForCausalLM(LlamaConfig(rope_scaling=scaling, **common)).eval()
+    if family == "qwen3_moe":
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(head_dim=16, num_experts=6, num_experts_per_tok=2,
+                                                   moe_intermediate_size=40, norm_topk_prob=True,
+                                                   router_aux_loss_coef=0.01, **common))
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.mlp.gate.weight.normal_()  # a decisive router: no near-ties between experts
+        return model.eval()
     raise ValueError(family)
 
 

@@ -10,9 +10,9 @@ import pyarrow.parquet as pq
 from tiny_models import tiny_model, tiny_tokenizer
 
 
-def write_tiny_run_inputs(root: Path, num_train: int = 8, num_val: int = 2) -> dict[str, str]:
+def write_tiny_run_inputs(root: Path, num_train: int = 8, num_val: int = 2, family: str = "qwen2") -> dict[str, str]:
     tok = tiny_tokenizer()
-    model = tiny_model("qwen2", vocab_size=len(tok), eos_token_id=tok.eos_token_id)
+    model = tiny_model(family, vocab_size=len(tok), eos_token_id=tok.eos_token_id)
     model.save_pretrained(root / "model")
     tok.save_pretrained(root / "model")
 

@@ -36,6 +36,7 @@ PATHS = {
     "nccl_sync": "NCCL weight sync",
     "ipc_sync": "CUDA IPC weight sync",
     "memory_release": "memory release/resume",
+    "moe_ep": "MoE with expert parallelism",
     "partial_rollouts": "partial rollouts on SGLang",
     "sglang_flags": "SGLang launch flags",
 }

@@ -129,6 +129,7 @@ class MicroBatch:
     cu_seqlens: torch.Tensor | None = None  # packed: (sequences + 1,) int32 starts in input_ids, then the end
     owned: torch.Tensor | None = None  # context parallel: the positions of the padded rows this rank holds
     cp: int = 1
+    real: torch.Tensor | None = None  # bool as input_ids: a token of a sequence (not padding)
 
     @property
     def width(self) -> int:
@@ -158,10 +159,22 @@ class MicroBatch:
         keep = keep.reshape(*keep.shape, *([1] * (picked.dim() - 2)))
         return torch.where(keep, picked, torch.zeros((), dtype=picked.dtype, device=picked.device))
 
-    def model_inputs(self, device) -> dict:
-        """GPTModel.forward's keyword arguments for this micro-batch."""
+    def model_inputs(self, device, model=None) -> dict:
+        """GPTModel.forward's keyword arguments for this micro-batch. A mixture of experts also
+        gets the padding (megatron's `padding_mask`, True at padding), so padding positions
+        count neither in the load-balancing loss nor in the experts' token counts; a later
+        pipeline stage under sequence parallelism gets this TP rank's share of it, as megatron
+        cuts it on the first stage."""
         kw = {"input_ids": self.input_ids.to(device), "position_ids": self.position_ids.to(device),
               "attention_mask": None}
+        if model is not None and getattr(model.config, "num_moe_experts", None) and self.real is not None:
+            padding = ~self.real
+            if model.config.sequence_parallel and not model.pre_process:
+                from megatron.core import parallel_state
+
+                padding = padding.chunk(parallel_state.get_tensor_model_parallel_world_size(), dim=1)[
+                    parallel_state.get_tensor_model_parallel_rank()]
+            kw["padding_mask"] = padding.to(device)
         if self.packing == "mask":
             kw["attention_mask"] = block_causal_mask(self.cu_seqlens).to(device)
         elif self.packing == "thd":
@@ -211,7 +224,8 @@ def make_micro_batches(batch: TrainBatch, plan: list[list[int]], multiple: int, 
         data = batch.select(index).cut(width)
         if packing is None:
             ids = torch.nn.functional.pad(data.input_ids, (0, round_up(width, multiple) - width))
-            micro = MicroBatch(rows, data, ids, torch.arange(ids.shape[1]).expand_as(ids), next_tokens(ids))
+            micro = MicroBatch(rows, data, ids, torch.arange(ids.shape[1]).expand_as(ids), next_tokens(ids),
+                               real=torch.arange(ids.shape[1])[None] < lengths[index][:, None])
         else:
             row_lengths = [max(int(n), 1) for n in lengths[index]]
             sequences = [data.input_ids[r, :n] for r, n in enumerate(row_lengths)]
@@ -222,7 +236,8 @@ def make_micro_batches(batch: TrainBatch, plan: list[list[int]], multiple: int, 
             bounds = torch.tensor([0] + [len(s) for s in sequences]).cumsum(0).to(torch.int32)
             micro = MicroBatch(rows, data, torch.cat(sequences)[None],
                                torch.cat([torch.arange(len(s)) for s in sequences])[None],
-                               torch.cat([next_tokens(s) for s in sequences])[None], packing, bounds)
+                               torch.cat([next_tokens(s) for s in sequences])[None], packing, bounds,
+                               real=(torch.arange(total) < real)[None])
         out.append(micro if cp == 1 else _context_share(micro, cp, cp_rank))
     return out
 
@@ -238,7 +253,7 @@ def _context_share(micro: MicroBatch, cp: int, cp_rank: int) -> MicroBatch:
     held = micro.by_token(mine)  # 1 where token t's output (at position t - 1) is on this rank
     data = replace(micro.data, loss_mask=micro.data.loss_mask * held)
     return replace(micro, data=data, input_ids=micro.input_ids[:, owned], position_ids=micro.position_ids[:, owned],
-                   targets=micro.targets[:, owned], owned=owned, cp=cp)
+                   targets=micro.targets[:, owned], owned=owned, cp=cp, real=micro.real[:, owned])
 
 
 def split_batch(batch: TrainBatch, config, *, micro_batch_size: int, max_tokens: int | None = None,
@@ -272,7 +287,7 @@ def run_schedule(chunks: list[torch.nn.Module], micros: list[MicroBatch], head: 
 
     def step(data_iterator, model):
         micro = next(data_iterator)
-        output = model(**micro.model_inputs(device))
+        output = model(**micro.model_inputs(device, _unwrapped(model)))
         return output, lambda output_tensor: head(output_tensor, micro)
 
     shapes = {tuple(m.input_ids.shape) for m in micros}
@@ -283,6 +298,13 @@ def run_schedule(chunks: list[torch.nn.Module], micros: list[MicroBatch], head: 
         forward_step_func=step, data_iterator=iterators, model=chunks if len(chunks) > 1 else chunks[0],
         num_microbatches=len(micros), seq_length=max(m.seq_length for m in micros), micro_batch_size=max(s[0] for s in shapes),
         forward_only=forward_only)
+
+
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside DDP (and Float16Module) wrappers."""
+    while hasattr(model, "module") and not hasattr(model, "pre_process"):
+        model = model.module
+    return model
 
 
 def forward_per_token(chunks: list[torch.nn.Module], batch: TrainBatch, per_token: Callable, names: tuple[str, ...], *,

@@ -48,7 +48,8 @@ def layout_of(worker: TrainWorkerConfig, impl: str):
         log.info("sequence parallelism is off: megatron's local layer spec does not support it")
         sequence_parallel = False
     return Layout(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size, cp=p.context_parallel_size,
-                  vpp=p.virtual_pipeline_model_parallel_size, sequence_parallel=sequence_parallel)
+                  vpp=p.virtual_pipeline_model_parallel_size, sequence_parallel=sequence_parallel,
+                  ep=p.expert_model_parallel_size, etp=p.expert_tensor_parallel_size)
 
 
 def build_options(worker: TrainWorkerConfig, dtype: str) -> dict:
@@ -62,7 +63,8 @@ def build_options(worker: TrainWorkerConfig, dtype: str) -> dict:
         fp8 = {"fp8": worker.fp8, "fp8_recipe": worker.fp8_recipe, "fp8_param": worker.fp8_param_gather}
     impl = resolve_impl(worker.transformer_impl, worker.fp8)
     return {"dtype": dtype, "impl": impl, "recompute": "full" if worker.gradient_checkpointing else None, "fp8": fp8,
-            "explicit_mask": micro_batching(worker, impl)["packing"] == "mask"}
+            "explicit_mask": micro_batching(worker, impl)["packing"] == "mask",
+            "aux_loss_coeff": worker.moe_aux_loss_coeff}
 
 
 def micro_batching(worker: TrainWorkerConfig, impl: str) -> dict:
@@ -267,10 +269,16 @@ class MegatronTrainWorker:
     # -- weights out ------------------------------------------------------------------------------
     def _hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This stage's HF-named actor tensors, TP-gathered; a collective over the TP group on
-        DP rank 0 (other DP ranks hold replicas and yield nothing)."""
+        DP rank 0 (other DP ranks hold replicas and yield nothing). With expert parallelism
+        every rank takes part, since an expert-parallel group spans data-parallel ranks, and
+        only DP rank 0 yields."""
         from megarl.backends.megatron.model import export_hf_tensors
 
-        return export_hf_tensors(self.actor.chunks, self.spec) if self._dp()[0] == 0 else iter(())
+        if self._dp()[0] == 0:
+            return export_hf_tensors(self.actor.chunks, self.spec)
+        if self.layout.ep > 1:
+            return _drained(export_hf_tensors(self.actor.chunks, self.spec))
+        return iter(())
 
     def export_hf_weights(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
         """This pipeline stage's HF-named actor tensors in buckets of about `bucket_bytes`;
@@ -440,3 +448,10 @@ def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
     tracker = {k.removeprefix("tracker/"): v for k, v in state.items() if k.startswith("tracker/")}
     if tracker:
         get_cuda_rng_tracker().set_states(tracker)
+
+
+def _drained(tensors: Iterator) -> Iterator:
+    """Run a collective iterator to its end (taking part in its gathers) and yield nothing."""
+    for _ in tensors:
+        pass
+    yield from ()

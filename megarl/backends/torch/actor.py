@@ -15,6 +15,7 @@ import torch
 from megarl.backends.batch import TrainBatch
 from megarl.backends.epochs import run_epochs
 from megarl.backends.loss import actor_loss
+from megarl.backends.moe import load_balancing_loss, load_max_over_mean, routed_counts
 from megarl.backends.schedule import lr_factor
 from megarl.backends.torch.logprobs import token_log_probs
 from megarl.backends.torch.step import accumulate_and_step, check_split
@@ -44,7 +45,7 @@ class TorchActor:
 
     def __init__(self, model: torch.nn.Module, algo: AlgorithmConfig, optim: OptimConfig, *, mini_batch_samples: int,
                  micro_batch_samples: int, ppo_epochs: int = 1, temperature: float = 1.0, total_steps: int = 1,
-                 norm_length: int | None = None):
+                 norm_length: int | None = None, moe_aux_loss_coeff: float | None = None):
         check_split(mini_batch_samples, micro_batch_samples)
         self.model, self.algo, self.optim_cfg = model, algo, optim
         self.mini, self.micro, self.epochs = mini_batch_samples, micro_batch_samples, ppo_epochs
@@ -52,6 +53,10 @@ class TorchActor:
         self.norm_length = norm_length
         self.optimizer, self.scheduler = build_optimizer(model, optim, total_steps)
         self.device = next(model.parameters()).device
+        # a mixture of experts: the load-balancing loss (megarl.backends.moe); None = the HF config's coefficient
+        self.moe_topk = getattr(model.config, "num_experts_per_tok", 0) or 0
+        coeff = getattr(model.config, "router_aux_loss_coef", 0.0) if moe_aux_loss_coeff is None else moe_aux_loss_coeff
+        self.moe_aux_loss_coeff = float(coeff or 0.0) if self.moe_topk else 0.0
 
     @torch.no_grad()
     def compute_log_prob(self, batch: TrainBatch, with_entropy: bool = False, model: torch.nn.Module | None = None):
@@ -81,5 +86,16 @@ class TorchActor:
             self.norm_length))
 
     def _loss(self, micro: TrainBatch, counts: dict) -> tuple[torch.Tensor, dict[str, float]]:
-        log_probs, entropy = self._forward(micro, with_entropy=True)
-        return actor_loss(log_probs, entropy, micro, self.algo, counts)
+        if not self.moe_topk:
+            log_probs, entropy = self._forward(micro, with_entropy=True)
+            return actor_loss(log_probs, entropy, micro, self.algo, counts)
+        routers: list[torch.Tensor] = []
+        log_probs, entropy = token_log_probs(self.model, micro.input_ids.to(self.device),
+                                             micro.attention_mask.to(self.device), self.temperature, True, routers)
+        loss, metrics = actor_loss(log_probs, entropy, micro, self.algo, counts)
+        real = micro.attention_mask.to(self.device).reshape(-1).bool()
+        aux = load_balancing_loss(routers, real, self.moe_topk, self.moe_aux_loss_coeff)
+        micro_batches = -(-counts["num_seqs"] // self.micro)
+        metrics["moe_aux_loss"] = float(aux.detach())
+        metrics["moe_load_max_over_mean"] = load_max_over_mean(routed_counts(routers, real, self.moe_topk))
+        return loss + aux / micro_batches, metrics
