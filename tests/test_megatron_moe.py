@@ -92,6 +92,7 @@ def test_megarl_train_at_ep2_ends_on_the_torch_backends_weights(tmp_path, monkey
     import ray
 
     from megarl.config import load_config
+    from megarl.export import export_checkpoint
     from megarl.train import train
     from train_fixtures import hf_weights, mlflow_metric, tiny_overrides, write_tiny_run_inputs
 
@@ -115,3 +116,6 @@ def test_megarl_train_at_ep2_ends_on_the_torch_backends_weights(tmp_path, monkey
     assert mlflow_metric(tmp_path / "megatron", "train/reward_mean") == mlflow_metric(tmp_path / "torch",
                                                                                        "train/reward_mean")
     assert not ray.is_initialized()
+    export_checkpoint(tmp_path / "megatron", tmp_path / "exported")  # megarl export reads the EP=2 checkpoint
+    exported = hf_weights(tmp_path / "exported")
+    assert exported.keys() == got.keys() and all(torch.equal(exported[n], got[n]) for n in got)

@@ -30,13 +30,20 @@ from megarl.models import ModelSpec
 from megarl.models.mapping import all_rules, hf_from_shards, te_name
 
 
-def dist_key(megatron_name: str) -> tuple[str, int | None]:
-    """(the checkpoint key, layer index or None) of a megarl.models megatron name:
-    layer weights drop their layer number (it becomes the index on the stacked axis) and
-    use Transformer Engine's names for the norms, as megatron's sharded state dict does."""
+def dist_key(megatron_name: str, stacked: bool = True) -> tuple[str, int | None]:
+    """(the checkpoint key, index on its leading axis or None) of a megarl.models megatron name,
+    as megatron's sharded state dict names it, with Transformer Engine's names for the norms.
+    `stacked` (a dense model): a layer's weights drop their layer number, which becomes the index
+    on the stacked layers' axis. A mixture of experts (megatron keeps its layers apart, since
+    they differ) keeps the layer number, and stacks each layer's experts: expert e of
+    `…mlp.experts.local_experts.{e}.linear_fc1.weight` is index e of
+    `…mlp.experts.experts.linear_fc1.weight`."""
     name = te_name(megatron_name)
+    expert = re.fullmatch(r"(decoder\.layers\.\d+\.mlp\.experts\.)local_experts\.(\d+)\.(.+)", name)
+    if expert:
+        return f"{expert[1]}experts.{expert[3]}", int(expert[2])
     m = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", name)
-    return (f"decoder.layers.{m[2]}", int(m[1])) if m else (name, None)
+    return (f"decoder.layers.{m[2]}", int(m[1])) if m and stacked else (name, None)
 
 
 class DistCheckpoint:
@@ -242,8 +249,8 @@ def check_dist_checkpoint(directory: str | Path) -> None:
 def read_hf_tensors(dist: DistCheckpoint, spec: ModelSpec):
     """(HF name, tensor) for the whole model, one megatron tensor read at a time."""
     for rule in all_rules(spec):
-        key, layer = dist_key(rule.megatron)
-        yield from hf_from_shards(rule, [dist.read(key, layer)], spec).items()
+        key, index = dist_key(rule.megatron, stacked=not spec.is_moe)
+        yield from hf_from_shards(rule, [dist.read(key, index)], spec).items()
 
 
 def actor_checkpoint(step_dir: str | Path) -> DistCheckpoint:
@@ -273,6 +280,10 @@ def write_hf_as_dist(hf_dir: str | Path, out: str | Path, spec: ModelSpec, *, tp
     from megarl.backends.megatron.model import safetensors_index
     from megarl.models.mapping import shard_from_hf
 
+    if spec.is_moe:
+        raise NotImplementedError(
+            f"writing a {spec.family} (mixture-of-experts) model as a megatron distributed checkpoint is not built "
+            "yet; megarl train loads the HF checkpoint directly (model.path), each rank reading its own experts")
     hf_dir, out = Path(hf_dir), Path(out)
     where = safetensors_index(hf_dir)
     rules = all_rules(spec)
