@@ -105,6 +105,9 @@ class RolloutConfig(SamplingConfig):
                                                "engine servers (rollout.sglang) launched by Ray.")
     max_response_length: int = param(20480, "Longest response in tokens (all turns of a trajectory together).", gt=0)
     tensor_parallel_size: int = param(1, "GPUs per rollout engine (SGLang --tp).", gt=0)
+    expert_parallel_size: int = param(
+        1, "Expert parallelism inside each engine, a mixture of experts' experts split over its GPUs (SGLang "
+        "--ep-size; divides tensor_parallel_size).", gt=0)
     num_engines: int | None = param(None, "Rollout engines; None = as many as the rollout GPUs allow.", gt=0)
     mode: Literal["colocated", "disaggregated"] = param(
         "colocated", "colocated = engines share the trainer's GPUs; disaggregated = engines on their own GPUs."
@@ -451,6 +454,10 @@ class RunConfig:
                              "use rollout.sglang.server=embedded (or rollout.engine=local) on CPU machines, or set "
                              "cluster.gpus_per_node")
             return
+        if r.tensor_parallel_size % r.expert_parallel_size:
+            problems.add("rollout.expert_parallel_size", f"{r.expert_parallel_size} does not divide the engine's "
+                         f"{r.tensor_parallel_size} GPUs (rollout.tensor_parallel_size)",
+                         "SGLang splits the experts over the GPUs of one engine: choose a divisor of its TP")
         if r.tensor_parallel_size > c.gpus_per_node:
             problems.add("rollout.tensor_parallel_size", f"{r.tensor_parallel_size} GPUs per engine is more than "
                          f"cluster.gpus_per_node={c.gpus_per_node}", "an engine's TP ranks share one node")

@@ -159,6 +159,8 @@ def test_out_of_range(override, bound):
       "actor.ppo_mini_batch_size=6", "data.train_batch_size=12", "data.gen_batch_size=12"],
      "actor.parallel", "expert TP x EP x PP = 4 does not divide the 6 train ranks"),
     (["actor.parallel.expert_model_parallel_size=2"], "actor.parallel", "sets TP/PP/CP/EP > 1 with the torch backend"),
+    (["rollout.engine=sglang", "cluster.gpus_per_node=8", "rollout.tensor_parallel_size=4", "rollout.mode=disaggregated",
+      "rollout.expert_parallel_size=3"], "rollout.expert_parallel_size", "3 does not divide the engine's 4 GPUs"),
     (["actor.backend=megatron", "critic.enable=true", "algorithm.adv_estimator=gae"], "critic.backend",
      "torch differs from actor.backend=megatron"),
     (["actor.backend=megatron", "critic.enable=true", "critic.backend=megatron", "algorithm.adv_estimator=gae",

@@ -258,8 +258,11 @@ def test_the_launch_flags_are_sglangs(sglang_files, colocated):
               if isinstance(node, ast.ClassDef) for item in node.body
               if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)}
     cfg = load_config(None, ["model.path=m", "model.tokenizer_path=t", "model.trust_remote_code=true",
-                             "rollout.engine=sglang", "rollout.sglang.server=sglang", "cluster.gpus_per_node=8"])
+                             "rollout.engine=sglang", "rollout.sglang.server=sglang", "cluster.gpus_per_node=8",
+                             "rollout.tensor_parallel_size=4", "rollout.expert_parallel_size=4",
+                             "rollout.mode=disaggregated"])
     argv = server_command(cfg, colocated)
+    assert argv[argv.index("--ep-size") + 1] == "4"  # a mixture of experts split over the engine's GPUs
     argv = [*argv[argv.index("sglang.launch_server") + 1:], "--host", "10.0.0.1", "--port", "30000"]  # as ServerProcess
     given = {argv[i]: i + 1 < len(argv) and not argv[i + 1].startswith("--")
              for i in range(len(argv)) if argv[i].startswith("--")}

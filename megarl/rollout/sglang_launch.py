@@ -61,6 +61,8 @@ def server_command(cfg: RunConfig, colocated: bool) -> list[str]:
                 "--tp-size", str(r.tensor_parallel_size), "--dtype", cfg.model.dtype,
                 "--mem-fraction-static", str(r.gpu_memory_utilization), "--random-seed", str(cfg.trainer.seed),
                 "--max-running-requests", str(r.max_concurrency), "--log-level", "warning"]
+        if r.expert_parallel_size > 1:
+            argv += ["--ep-size", str(r.expert_parallel_size)]
         if cfg.model.tokenizer_path:
             argv += ["--tokenizer-path", cfg.model.tokenizer_path]
         if cfg.model.trust_remote_code:
