@@ -46,7 +46,8 @@ def test_moe_log_probs_match_hf_and_export_is_exact(tmp_path, layout):
         assert torch.equal(exported[name], tensor), name
 
 
-def test_one_moe_optimizer_step_equals_the_torch_backend(tmp_path):
+@pytest.mark.parametrize("recompute", [None, "full"])  # full: the routers run each forward twice
+def test_one_moe_optimizer_step_equals_the_torch_backend(tmp_path, recompute):
     # EP=2 over 2 ranks: attention and the router data-parallel (a row pair each), the experts
     # split; one row per micro-batch on both backends, since the load-balancing loss (coefficient
     # 0.01 from the config, large enough to move the router) is a micro-batch's
@@ -65,7 +66,7 @@ def test_one_moe_optimizer_step_equals_the_torch_backend(tmp_path):
                               advantages=torch.randn(len(batch), 1, generator=g).expand_as(now).clone())
     algo = AlgorithmConfig()
     optim = OptimConfig(lr=1e-3, eps=1e-3, lr_warmup_steps=0, weight_decay=0.1, grad_clip=1.0)
-    results = run_distributed(2, actor_step, str(tmp_path), dict(ep=2), batch, 1, algo, optim)
+    results = run_distributed(2, actor_step, str(tmp_path), dict(ep=2), batch, 1, algo, optim, None, recompute)
 
     before = {n: t.clone() for n, t in checkpoint_views(model).items()}
     actor = TorchActor(model, algo, optim, mini_batch_samples=len(batch), micro_batch_samples=1)
@@ -83,6 +84,8 @@ def test_one_moe_optimizer_step_equals_the_torch_backend(tmp_path):
     got = results[0][1]
     assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
     assert want["moe_aux_loss"] > 0 and want["moe_load_max_over_mean"] >= 1.0
+    for key in ("moe_aux_loss", "moe_load_max_over_mean"):  # megatron's routers report what the torch backend does
+        assert results[0][1][key] == results[1][1][key] == pytest.approx(want[key], rel=1e-5), key
 
 
 def test_megarl_train_at_ep2_ends_on_the_torch_backends_weights(tmp_path, monkeypatch):

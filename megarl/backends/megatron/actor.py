@@ -13,6 +13,7 @@ from megarl.backends.batch import TrainBatch
 from megarl.backends.loss import actor_loss
 from megarl.backends.megatron.forward import MicroBatch, forward_per_token, split_batch
 from megarl.backends.megatron.logprobs import vocab_parallel_log_probs
+from megarl.backends.megatron.moe_metrics import MoeMetrics
 from megarl.backends.megatron.step import loss_scale, optimizer_step
 from megarl.config import AlgorithmConfig
 
@@ -54,5 +55,11 @@ def actor_step(model: list[torch.nn.Module], optimizer, vocab_size: int, mini: T
         loss, metrics = actor_loss(lp, ent, micro.data, algo, counts)
         return loss * scale, metrics
 
-    return optimizer_step(model, optimizer, micros, head, lr=lr, weight_decay=weight_decay,
-                          num_tokens=counts["num_tokens"])
+    config = model[0].config
+    if not getattr(config, "num_moe_experts", None):
+        return optimizer_step(model, optimizer, micros, head, lr=lr, weight_decay=weight_decay,
+                              num_tokens=counts["num_tokens"])
+    with MoeMetrics(model, config.moe_router_topk, config.moe_aux_loss_coeff) as moe:
+        metrics = optimizer_step(model, optimizer, micros, head, lr=lr, weight_decay=weight_decay,
+                                 num_tokens=counts["num_tokens"])
+    return {**metrics, **moe.metrics(micros, counts["num_tokens"])}
