@@ -375,8 +375,10 @@ def _model_key(part: _Part, i: int) -> str:
 
 
 # the optimizer's state laid out per parameter in its full shape (gathered on DP rank 0 while
-# saving), so a checkpoint reshards onto any TP/PP/DP layout
-OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
+# saving), so a checkpoint reshards onto any TP/PP/DP layout; and under the same keys whether the
+# optimizer is one or, with expert parallelism, megatron's chain of two (dense and expert
+# parameters), so that it also reshards onto another EP size
+OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
 
 
 def _sharded_state(part: _Part, loading: bool) -> dict:
@@ -425,12 +427,41 @@ def _load_optimizer_state(optimizer, state: dict) -> None:
             original(model_param, {**tensors, "step": own["step"]} if "step" in own else tensors)
 
         opt._set_main_param_and_optimizer_states = keep_step
-    optimizer.load_state_dict(state)
+    optimizer.load_state_dict(_fit_chain(optimizer, state))
     for opt in chain if torch_adam else []:
         del opt._set_main_param_and_optimizer_states  # back to the class's method
         for param_state in opt.optimizer.state.values():
             if "step" in param_state:
                 param_state["step"] = param_state["step"].clone()
+
+
+def _fit_chain(optimizer, loaded: dict) -> dict:
+    """A loaded optimizer state for `optimizer`, also when it was saved by a differently chained
+    one: with expert parallelism megatron chains two optimizers (dense and expert parameters,
+    entries 0 and 1 of the state), without it there is one. The tensors are where the current
+    optimizer asked for them (the keys are the same: OPTIMIZER_SHARDING); the rest (parameter
+    groups, settings megarl sets every step anyway) is the current optimizers' own, with the
+    saved step count (megatron keeps one step for every group)."""
+    chain = getattr(optimizer, "chained_optimizers", [optimizer])
+    # the saved common parts: one at the top, or one per chained optimizer
+    saved = [loaded] if "optimizer" in loaded else [loaded[k] for k in sorted(k for k in loaded if isinstance(k, int))]
+    if len(saved) == len(chain):
+        return loaded
+    steps = {g["step"] for part in saved for g in part["optimizer"]["param_groups"] if g.get("step") is not None}
+    if len(steps) > 1:
+        raise ValueError(f"the checkpoint's optimizers are at different steps {sorted(steps)}")
+
+    def common(opt) -> dict:
+        own = opt.state_dict()
+        for group in own["optimizer"]["param_groups"]:
+            if steps:
+                group["step"] = next(iter(steps))
+        own["param_state_sharding_type"] = saved[0]["param_state_sharding_type"]
+        return own
+
+    if len(chain) == 1:
+        return {**common(chain[0]), "param_state": loaded["param_state"]}
+    return {i: {**common(opt), "param_state": loaded[i]["param_state"]} for i, opt in enumerate(chain)}
 
 
 def _rng_state() -> dict[str, torch.Tensor]:
