@@ -131,4 +131,5 @@ def logprobs_from_dist(hf_dir: str, layout_kw: dict, ckpt_dir: str, batch):
     loaded = dist_checkpointing.load({k: c.sharded_state_dict() for k, c in zip(keys, chunks)}, ckpt_dir)
     for k, c in zip(keys, chunks):
         c.load_state_dict(loaded[k], strict=False)
+        c.eval()  # as the worker computes log-probs
     return forward_log_probs(chunks, spec.vocab_size, batch, micro_batch_size=2)[0]

@@ -61,27 +61,34 @@ def test_megatron_to_hf_says_what_is_wrong(checkpoint, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("family, tied, tp, load_layout", [
-    ("qwen2", False, 2, dict(tp=2, pp=2)), ("qwen3", True, 1, dict(tp=2)), ("llama", True, 2, dict(pp=2, vpp=2))])
+    ("qwen2", False, 2, dict(tp=2, pp=2)), ("qwen3", True, 1, dict(tp=2)), ("llama", True, 2, dict(pp=2, vpp=2)),
+    ("qwen3_moe", False, 1, dict(ep=2)), ("qwen3_moe", True, 2, dict(tp=2, ep=2, etp=1))])  # experts over 2 ranks
 def test_hf_to_megatron_loads_in_any_layout_and_round_trips_exactly(tmp_path, family, tied, tp, load_layout):
+    import math
+
     from transformers import AutoModelForCausalLM
+
+    from megarl.models.hf_layout import checkpoint_views
 
     model = tiny_hf_model(family, tie_word_embeddings=tied)
     model.save_pretrained(tmp_path / "hf", max_shard_size="40KB")  # several HF files with an index
-    assert hf_to_megatron(["--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "dist"), "--tp", str(tp)]) == 0
+    ep = ["--ep", str(load_layout["ep"])] if "ep" in load_layout else []
+    assert hf_to_megatron(["--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "dist"), "--tp", str(tp), *ep]) == 0
     assert json.loads((tmp_path / "dist" / "conversion.json").read_text())["tp"] == tp
 
     batch = a_batch(model.config.vocab_size)
     with torch.no_grad():
         want, _ = token_log_probs(model, batch.input_ids, batch.attention_mask)
-    world = load_layout.get("tp", 1) * load_layout.get("pp", 1)
+    model_parallel = load_layout.get("tp", 1) * load_layout.get("pp", 1)
+    world = math.lcm(model_parallel, load_layout.get("ep", 1) * load_layout.get("pp", 1))
     got = run_distributed(world, logprobs_from_dist, str(tmp_path / "hf"), load_layout, str(tmp_path / "dist"), batch)[0]
     real = batch.attention_mask.bool().clone()
     real[:, 0] = False
     torch.testing.assert_close(got[real], want[real], rtol=0, atol=1e-5)
 
     assert megatron_to_hf(["--ckpt", str(tmp_path / "dist"), "--out", str(tmp_path / "back")]) == 0  # hf_config/ inside
-    back = AutoModelForCausalLM.from_pretrained(tmp_path / "back").state_dict()
-    for name, tensor in model.state_dict().items():
+    back = checkpoint_views(AutoModelForCausalLM.from_pretrained(tmp_path / "back"))
+    for name, tensor in checkpoint_views(model).items():
         assert torch.equal(back[name], tensor), name
 
 

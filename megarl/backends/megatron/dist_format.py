@@ -267,6 +267,24 @@ EXTRA_STATE_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj"
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
+def _extra_state_keys(spec: ModelSpec) -> list[str]:
+    """The linear layers' extra-state objects megatron's sharded state dict holds: a dense
+    model's stacked over the layers, a mixture of experts' per layer (and per expert)."""
+    layers = spec.num_layers
+    if not spec.is_moe:
+        return [f"decoder.layers.{module}._extra_state/shard_{layer}_{layers}"
+                for layer in range(layers) for module in EXTRA_STATE_MODULES]
+    keys = []
+    for layer in range(layers):
+        for module in EXTRA_STATE_MODULES:
+            if module.startswith("mlp.") and spec.is_moe_layer(layer):
+                keys += [f"decoder.layers.{layer}.mlp.experts.experts.{module[4:]}._extra_state/shard_{e}_"
+                         f"{spec.num_experts}" for e in range(spec.num_experts)]
+            else:
+                keys.append(f"decoder.layers.{layer}.{module}._extra_state/shard_0_1")
+    return keys
+
+
 def write_hf_as_dist(hf_dir: str | Path, out: str | Path, spec: ModelSpec, *, tp: int = 1, progress=None) -> int:
     """An HF safetensors checkpoint as a megatron distributed checkpoint of the model weights
     (the embedding padded as megatron pads it at `tp`); returns the bytes of tensors written.
@@ -280,10 +298,6 @@ def write_hf_as_dist(hf_dir: str | Path, out: str | Path, spec: ModelSpec, *, tp
     from megarl.backends.megatron.model import safetensors_index
     from megarl.models.mapping import shard_from_hf
 
-    if spec.is_moe:
-        raise NotImplementedError(
-            f"writing a {spec.family} (mixture-of-experts) model as a megatron distributed checkpoint is not built "
-            "yet; megarl train loads the HF checkpoint directly (model.path), each rank reading its own experts")
     hf_dir, out = Path(hf_dir), Path(out)
     where = safetensors_index(hf_dir)
     rules = all_rules(spec)
@@ -311,21 +325,21 @@ def write_hf_as_dist(hf_dir: str | Path, out: str | Path, spec: ModelSpec, *, tp
 
     items, producers, layer_count = [], {}, spec.num_layers
     for rule in rules:
-        key, layer = dist_key(rule.megatron)
+        # stacked: a dense model's layers on the leading axis, or a mixture of experts' experts
+        key, position = dist_key(rule.megatron, stacked=not spec.is_moe)
+        count = spec.num_experts if rule.expert is not None else layer_count
         meta = megatron_tensor(rule, "meta")
-        if layer is None:
+        if position is None:
             size, offsets, sizes = tuple(meta.shape), (0,) * meta.dim(), tuple(meta.shape)
         else:
-            size, offsets, sizes = (layer_count, *meta.shape), (layer, *(0,) * meta.dim()), (1, *meta.shape)
+            size, offsets, sizes = (count, *meta.shape), (position, *(0,) * meta.dim()), (1, *meta.shape)
         index = MetadataIndex(key, torch.Size(offsets))
         items.append(WriteItem(index=index, type=WriteItemType.SHARD, tensor_data=TensorWriteData(
             chunk=ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)),
             properties=TensorProperties(dtype=meta.dtype), size=torch.Size(size))))
-        producers[index] = (rule, layer is not None)
-    for layer in range(layer_count):
-        for module in EXTRA_STATE_MODULES:
-            index = MetadataIndex(f"decoder.layers.{module}._extra_state/shard_{layer}_{layer_count}")
-            items.append(WriteItem(index=index, type=WriteItemType.BYTE_IO))
+        producers[index] = (rule, position is not None)
+    for name in _extra_state_keys(spec):
+        items.append(WriteItem(index=MetadataIndex(name), type=WriteItemType.BYTE_IO))
 
     class Planner(DefaultSavePlanner):
         """Plans the chunks above and makes each one only when the writer asks for it."""
