@@ -5,11 +5,15 @@ layers, DP the rest) it estimates the memory of one GPU while training (megatron
 gradient buffers, Adam with the distributed optimizer), picks the cheapest settings that
 fit (no recompute, then full recompute, then optimizer offload), sizes SGLang engines
 colocated on the same GPUs (or on GPUs of their own), and reports the KV cache left to them.
-The formulas, in bytes, with S = parameters of the largest pipeline stage / TP:
+A mixture of experts gets expert parallelism too (EP dividing the experts and the GPUs per
+stage, expert TP 1; megarl.planner_models has its parameter and activation counts). The
+formulas, in bytes, with S = parameters of the largest pipeline stage per GPU: its experts / EP
+plus the rest / TP:
 
     weights      2 S                       bf16
     grads        4 S                       fp32 gradient buffers (grad_reduce_in_fp32)
-    optimizer    12 S / (DP x CP)          fp32 master weights + Adam m, v, sharded (0 with offload)
+    optimizer    12 S / (DP x CP)          fp32 master weights + Adam m, v, sharded (0 with offload);
+                                           the experts' part over expert DP = GPUs / (EP x PP)
     reference    2 S                       a frozen copy, when a KL term is on
     critic       18 S / ... as the actor   weights + grads + optimizer, with a critic (PPO)
     activations  one micro-batch of T tokens (T = max_tokens_per_gpu / CP), per layer
@@ -28,7 +32,7 @@ Rollout: SGLang's --mem-fraction-static f is a fraction of the memory *free when
 starts*, not of the GPU. SGLang 0.5.23 measures free = torch.cuda.mem_get_info before loading
 the weights (the least over the engine's GPUs) and, after loading them, sizes the KV cache as
 what is free then minus free x (1 - f): KV cache = f x free - engine weights. So
-    engine weights per GPU = 2 P / engine TP,   KV bytes per token per GPU =
+    engine weights per GPU = 2 P / engine TP (experts over the engine's EP = its TP),   KV bytes per token per GPU =
     2 (K, V) x L x max(kv / engine TP, 1) x d x 2 (bf16),
     static budget (engine weights + KV cache) B, and free F at start-up:
       colocated (on the trainer's GPUs, SGLang's memory released during training):
@@ -43,7 +47,8 @@ B is what fits next to the trainer's memory while it holds its optimizer state; 
 start after the trainer is built and before its first step (and before a checkpoint is loaded),
 when Adam's m and v (8 of the optimizer's 12 bytes) do not exist yet: static at launch = static
 - 2/3 optimizer (the critic's too). The engine TP is the smallest (1, 2, 4, 8) whose weights
-take at most half of B.
+take at most half of B (else, for a model whose weights fill a node, the smallest whose weights
+leave KV cache for one sequence).
 
 These are estimates for choosing a layout, not measurements; layouts are listed by
 preference (no offload, no recompute, no context parallelism, fewer pipeline stages, smaller
@@ -61,94 +66,13 @@ import re
 import sys
 from dataclasses import asdict, dataclass, field
 
-from megarl.models.spec import ModelSpec
+from megarl.planner_models import KNOWN_MODELS, ModelShape  # noqa: F401 (the command's public names)
 
 GiB = 1 << 30
 OVERHEAD = 4 * GiB
 ENGINE_CONTEXT = 1 * GiB  # an engine server's CUDA context and NCCL communicators, before SGLang measures free memory
 ENGINE_RUNTIME = 3 * GiB  # its activations and CUDA graphs, in the (1 - mem_fraction_static) share SGLang leaves
 USABLE = 0.9  # of a GPU's memory
-
-# Public HF configs of the models megarl's recipes use (no hub access is needed to plan them).
-KNOWN_MODELS = {
-    "Qwen/Qwen2.5-7B": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
-                            num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                            tie_word_embeddings=False),
-    "Qwen/Qwen2.5-32B": dict(model_type="qwen2", vocab_size=152064, hidden_size=5120, intermediate_size=27648,
-                             num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8,
-                             tie_word_embeddings=False),
-    "Qwen/Qwen2.5-72B": dict(model_type="qwen2", vocab_size=152064, hidden_size=8192, intermediate_size=29568,
-                             num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
-                             tie_word_embeddings=False),
-    "Qwen/Qwen3-8B": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
-                          num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                          tie_word_embeddings=False),
-    "Qwen/Qwen3-32B": dict(model_type="qwen3", vocab_size=151936, hidden_size=5120, intermediate_size=25600,
-                           num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
-                           tie_word_embeddings=False),
-    "meta-llama/Llama-3.1-8B": dict(model_type="llama", vocab_size=128256, hidden_size=4096,
-                                    intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                                    num_key_value_heads=8, tie_word_embeddings=False),
-    "meta-llama/Llama-3.1-70B": dict(model_type="llama", vocab_size=128256, hidden_size=8192,
-                                     intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-                                     num_key_value_heads=8, tie_word_embeddings=False),
-}
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The sizes the estimates need, from a ModelSpec."""
-
-    spec: ModelSpec
-
-    @classmethod
-    def load(cls, name_or_path: str) -> ModelShape:
-        """A known model name (KNOWN_MODELS, case-insensitive, with or without the org) or an
-        HF config.json / model directory."""
-        wanted = name_or_path.lower()
-        for name, config in KNOWN_MODELS.items():
-            if wanted in (name.lower(), name.split("/")[1].lower()):
-                return cls(ModelSpec.from_hf(config))
-        try:
-            return cls(ModelSpec.from_hf(name_or_path))
-        except FileNotFoundError:
-            raise FileNotFoundError(f"{name_or_path!r} is neither an HF config / model directory nor a known model "
-                                    f"({', '.join(KNOWN_MODELS)})") from None
-
-    def layer_params(self) -> int:
-        s = self.spec
-        h, d, q, kv = s.hidden_size, s.head_dim, s.num_heads, s.num_kv_heads
-        attention = h * q * d + 2 * h * kv * d + q * d * h + ((q + 2 * kv) * d if s.qkv_bias else 0)
-        mlp = 3 * h * s.ffn_hidden_size
-        norms = 2 * h + (2 * d if s.qk_norm else 0)
-        return attention + mlp + norms
-
-    def params(self) -> int:
-        """All parameters as in the HF checkpoint (a tied output layer counted once)."""
-        s = self.spec
-        embeddings = s.vocab_size * s.hidden_size * (1 if s.tied_embeddings else 2)
-        return s.num_layers * self.layer_params() + embeddings + s.hidden_size
-
-    def stage_params(self, tp: int, pp: int) -> int:
-        """Parameters of the largest pipeline stage (padded vocabulary; with PP > 1 a tied
-        output layer has its own copy on the last stage, as megatron keeps it)."""
-        s = self.spec
-        layers = s.num_layers // pp * self.layer_params()
-        table = s.padded_vocab_size(tp) * s.hidden_size
-        if pp == 1:
-            return layers + table * (1 if s.tied_embeddings else 2) + s.hidden_size
-        return layers + table + s.hidden_size  # the first stage's embedding or the last stage's output layer
-
-    def activation_bytes_per_layer(self, tokens: int, tp: int) -> int:
-        s = self.spec
-        width = 4 * s.hidden_size + (s.num_heads + 2 * s.num_kv_heads) * s.head_dim + s.num_heads * s.head_dim \
-            + 3 * s.ffn_hidden_size
-        return 2 * tokens * width // tp
-
-    def kv_bytes_per_token(self, engine_tp: int) -> int:
-        s = self.spec
-        return 2 * s.num_layers * max(s.num_kv_heads // engine_tp, 1) * s.head_dim * 2
-
 
 @dataclass
 class Workload:
@@ -195,6 +119,8 @@ class Estimate:
     mem_fraction_static: float = 0.0
     rollout_gpus: int = 0  # GPUs of the engines' own (disaggregated); 0 = colocated on the trainer's
     problems: list[str] = field(default_factory=list)
+    ep: int = 1  # expert parallelism (a mixture of experts; expert TP 1)
+    moe: bool = False
 
     @property
     def static(self) -> int:
@@ -210,12 +136,20 @@ class Estimate:
 
 
 def estimate(shape: ModelShape, world: int, gpus_per_node: int, gpu_bytes: int, work: Workload, *, tp: int, pp: int,
-             cp: int = 1, recompute: bool = False, offload: bool = False, rollout_gpus: int = 0) -> Estimate:
+             cp: int = 1, recompute: bool = False, offload: bool = False, rollout_gpus: int = 0,
+             ep: int = 1) -> Estimate:
     """Memory per GPU of one layout on `world` train GPUs, the engines on them (colocated) or on
     `rollout_gpus` more (disaggregated); see the module docstring for every formula."""
     s = shape.spec
     dp = world // (tp * pp * cp) if world % (tp * pp * cp) == 0 else 0
+    expert_dp = world // (ep * pp) if world % (ep * pp) == 0 else 0  # expert TP 1: EP x expert DP per stage
     problems = []
+    if ep > 1 and not s.is_moe:
+        problems.append(f"EP={ep} needs a mixture of experts")
+    elif s.is_moe and s.num_experts % ep:
+        problems.append(f"EP={ep} does not divide the {s.num_experts} experts")
+    elif s.is_moe and not expert_dp:
+        problems.append(f"EP x PP = {ep * pp} does not divide the {world} GPUs")
     if s.num_heads % tp or s.num_kv_heads % tp:
         problems.append(f"TP={tp} does not divide the {s.num_heads} heads and {s.num_kv_heads} KV heads")
     if s.num_layers % pp:
@@ -226,24 +160,25 @@ def estimate(shape: ModelShape, world: int, gpus_per_node: int, gpu_bytes: int, 
         problems.append(f"TP x CP = {tp * cp} spans nodes ({gpus_per_node} GPUs per node)")
     if not dp:
         problems.append(f"TP x PP x CP = {tp * pp * cp} does not divide the {world} GPUs")
-    stage = shape.stage_params(tp, pp) / tp
+    rest, experts = shape.stage_split(tp, pp)
+    stage = rest / tp + experts / ep
     weights, grads = int(2 * stage), int(4 * stage)
-    optimizer = 0 if offload else int(12 * stage / max(dp * cp, 1))
+    optimizer = 0 if offload else int(12 * (rest / tp / max(dp * cp, 1) + experts / ep / max(expert_dp, 1)))
     reference = weights if work.kl else 0
     critic = weights + grads + optimizer if work.critic else 0
     tokens = math.ceil(work.tokens / cp)
-    per_layer = shape.activation_bytes_per_layer(tokens, tp)
+    per_layer = [shape.activation_bytes_per_layer(tokens, tp, i) for i in range(s.num_layers)]
     if recompute:
-        activations = 2 * tokens * s.hidden_size // tp * s.num_layers + per_layer
+        activations = 2 * tokens * s.hidden_size // tp * s.num_layers + max(per_layer)
     else:
-        activations = per_layer * s.num_layers
+        activations = sum(per_layer)
     logits = 8 * tokens * s.padded_vocab_size(tp) // tp
     peak = weights + grads + optimizer + reference + critic + activations + logits + OVERHEAD
     if peak > USABLE * gpu_bytes:
         problems.append(f"training needs {peak / GiB:.1f} GiB, more than {USABLE:.0%} of the GPU's "
                         f"{gpu_bytes / GiB:.0f} GiB")
     e = Estimate(tp, pp, cp, dp, recompute, offload, weights, grads, optimizer, reference, critic, activations,
-                 logits, OVERHEAD, peak, rollout_gpus=rollout_gpus, problems=problems)
+                 logits, OVERHEAD, peak, rollout_gpus=rollout_gpus, problems=problems, ep=ep, moe=s.is_moe)
     _size_engines(e, shape, world, gpus_per_node, gpu_bytes, work)
     return e
 
@@ -262,17 +197,19 @@ def _size_engines(e: Estimate, shape: ModelShape, world: int, gpus_per_node: int
     budget, free = engine_memory(e, gpu_bytes)
     engine_gpus = e.rollout_gpus or world
     total = 2 * shape.params()
-    for engine_tp in (1, 2, 4, 8):
-        if engine_tp > gpus_per_node or engine_gpus % engine_tp:
-            break
-        if total / engine_tp <= budget / 2:
-            e.engine_tp, e.engines = engine_tp, engine_gpus // engine_tp
-            break
+    sizes = [t for t in (1, 2, 4, 8) if t <= gpus_per_node and engine_gpus % t == 0]
+    # weights in at most half of the budget; else (a model whose weights fill a node: a large
+    # mixture of experts) the smallest TP that leaves KV cache for one sequence
+    fits = [t for t in sizes if total / t <= budget / 2] or \
+        [t for t in sizes if budget - total / t >= work.sequence * shape.kv_bytes_per_token(t)]
+    if fits:
+        e.engine_tp, e.engines = fits[0], engine_gpus // fits[0]
     if not e.engine_tp:
         where = (f"on GPUs of {gpu_bytes / GiB:.0f} GiB" if e.rollout_gpus
                  else f"next to the trainer's {e.static / GiB:.1f} GiB")
         e.problems.append(f"no room for SGLang engines {where} (an engine's weights would take more than half "
-                          f"of the {max(budget, 0) / GiB:.1f} GiB left)")
+                          f"of the {max(budget, 0) / GiB:.1f} GiB left, and leave no KV cache for one "
+                          f"{work.sequence}-token sequence)")
         return
     e.engine_weights = int(total / e.engine_tp)
     e.mem_fraction_static = math.floor(100 * budget / free) / 100
@@ -297,13 +234,15 @@ def plan_layouts(shape: ModelShape, nodes: int, gpus_per_node: int, gpu_bytes: i
                          f"the {nodes * gpus_per_node} GPUs, so that the trainer keeps some")
     world = nodes * gpus_per_node - rollout_gpus
     out = []
+    s = shape.spec
+    eps = [e for e in (1, 2, 4, 8, 16, 32, 64, 128) if s.num_experts % e == 0] if s.is_moe else [1]
     for tp, cp in ((t, c) for t in (1, 2, 4, 8) for c in (1, 2, 4, 8)):
-        for pp in (p for p in range(1, 17) if shape.spec.num_layers % p == 0):
-            if tp * cp > gpus_per_node or world % (tp * pp * cp):
+        for pp, ep in ((p, e) for p in range(1, 17) if s.num_layers % p == 0 for e in eps):
+            if tp * cp > gpus_per_node or world % (tp * pp * cp) or world % (ep * pp):
                 continue
             for recompute, offload in ((False, False), (True, False), (True, True)):
                 e = estimate(shape, world, gpus_per_node, gpu_bytes, work, tp=tp, pp=pp, cp=cp, recompute=recompute,
-                             offload=offload, rollout_gpus=rollout_gpus)
+                             offload=offload, rollout_gpus=rollout_gpus, ep=ep)
                 if not e.problems:
                     break
             out.append(e)
@@ -311,7 +250,7 @@ def plan_layouts(shape: ModelShape, nodes: int, gpus_per_node: int, gpu_bytes: i
 
 
 def preference(e: Estimate) -> tuple:
-    return bool(e.problems), e.offload, e.recompute, e.cp, e.pp, e.tp
+    return bool(e.problems), e.offload, e.recompute, e.cp, e.pp, e.tp, e.ep
 
 
 def parse_bytes(text: str) -> int:
@@ -332,11 +271,11 @@ def render(shape: ModelShape, nodes: int, gpus_per_node: int, gpu_bytes: int, wo
              f"({work.max_prompt_length} prompt + {work.max_response_length} response), micro-batches of "
              f"{work.tokens} tokens; rollout batch {work.rollout_batch} sequences",
              "", "memory per GPU in GiB while training (w = weights, g = grads, opt = optimizer, act = activations):",
-             "  TP PP CP DP recompute offload |      w      g    opt    act logits   peak | engines x TP  KV GiB  "
+             "  TP PP CP EP DP recompute offload |      w      g    opt    act logits   peak | engines x TP  KV GiB  "
              "seq/engine waves mem_frac"]
     shown = [e for e in estimates if not e.problems][:top]
     for e in shown:
-        lines.append(f"  {e.tp:2d} {e.pp:2d} {e.cp:2d} {e.dp:2d} {'yes' if e.recompute else 'no':>9} "
+        lines.append(f"  {e.tp:2d} {e.pp:2d} {e.cp:2d} {e.ep:2d} {e.dp:2d} {'yes' if e.recompute else 'no':>9} "
                      f"{'yes' if e.offload else 'no':>7} | {g(e.weights)} {g(e.grads)} {g(e.optimizer)} "
                      f"{g(e.activations)} {g(e.logits)} {g(e.train_peak)} | {e.engines:7d} x {e.engine_tp:2d} "
                      f"{g(e.kv_cache)} {e.sequences_per_engine:10d} {e.rollout_waves:5d} {e.mem_fraction_static:8.2f}")
@@ -345,7 +284,8 @@ def render(shape: ModelShape, nodes: int, gpus_per_node: int, gpu_bytes: int, wo
     ruled_out = [e for e in estimates if e.problems]
     if ruled_out:
         lines += ["", "ruled out:"]
-        lines += [f"  TP={e.tp} PP={e.pp}{f' CP={e.cp}' if e.cp > 1 else ''}{' recompute' if e.recompute else ''}"
+        lines += [f"  TP={e.tp} PP={e.pp}{f' CP={e.cp}' if e.cp > 1 else ''}{f' EP={e.ep}' if e.moe else ''}"
+                  f"{' recompute' if e.recompute else ''}"
                   f"{' offload' if e.offload else ''}: "
                   + "; ".join(e.problems) for e in ruled_out]
     if shown:
@@ -362,9 +302,12 @@ def overrides(e: Estimate) -> list[str]:
         out += [f"{w}.parallel.tensor_model_parallel_size={e.tp}", f"{w}.parallel.pipeline_model_parallel_size={e.pp}",
                 f"{w}.parallel.context_parallel_size={e.cp}", f"{w}.parallel.data_parallel_size={e.dp}", f"{w}.gradient_checkpointing={str(e.recompute).lower()}",
                 f"{w}.optim.offload={str(e.offload).lower()}"]
+        if e.moe:
+            out += [f"{w}.parallel.expert_model_parallel_size={e.ep}", f"{w}.parallel.expert_tensor_parallel_size=1"]
     mode = "disaggregated" if e.rollout_gpus else "colocated"
+    engines = [f"rollout.expert_parallel_size={e.engine_tp}"] if e.moe else []
     return out + [f"rollout.mode={mode}", f"rollout.tensor_parallel_size={e.engine_tp}",
-                  f"rollout.gpu_memory_utilization={e.mem_fraction_static}"]
+                  f"rollout.gpu_memory_utilization={e.mem_fraction_static}", *engines]
 
 
 def add_plan_command(sub) -> None:

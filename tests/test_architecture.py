@@ -24,7 +24,7 @@ LAYERS = [
     ("parts", ["megarl.backends", "megarl.rollout", "megarl.tracking", "megarl.checkpoint"]),
     ("runtime", ["megarl.runtime"]),
     ("loop", ["megarl.components", "megarl.experience", "megarl.export", "megarl.async_rollouts", "megarl.train"]),
-    ("commands", ["megarl.cli", "megarl.planner", "megarl.quickstart", "megarl.data.prepare",
+    ("commands", ["megarl.cli", "megarl.planner", "megarl.planner_models", "megarl.quickstart", "megarl.data.prepare",
                   "megarl.retrieval.commands"]),
 ]
 

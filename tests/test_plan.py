@@ -217,3 +217,48 @@ def test_command_line(capsys, tmp_path):
                                             ("0.5T", 512 * GiB)])
 def test_gpu_memory_sizes(text, expected):
     assert parse_bytes(text) == expected
+
+
+def test_qwen3_30b_a3b_parameters_by_hand():
+    # h 2048, 48 layers, 32 heads and 4 KV heads of 128, QK norm; 128 experts of 768, router 128 x 2048
+    attention = 2048 * 32 * 128 + 2 * 2048 * 4 * 128 + 32 * 128 * 2048 + 2 * 2048 + 2 * 128
+    layer = attention + 128 * 2048 + 128 * 3 * 2048 * 768
+    assert layer == 623_120_640
+    assert ModelShape.load("Qwen3-30B-A3B").params() == 48 * layer + 2 * 151936 * 2048 + 2048 == 30_532_122_624
+
+
+def test_qwen3_30b_a3b_tp4_cp2_ep8_by_hand():
+    """2 nodes: attention over TP 4 x CP 2 x DP 2, the experts over EP 8 x expert DP 2 (expert TP 1)."""
+    shape = ModelShape.load("Qwen3-30B-A3B")
+    e = estimate(shape, 16, 8, GPU, Workload(2048, 20480, 22528), tp=4, pp=1, cp=2, ep=8)
+    rest = 48 * (18_874_368 + 4352 + 262_144) + 152064 * 2048 * 2 + 2048  # vocabulary padded to 512 x 297
+    experts = 48 * 603_979_776
+    assert e.weights == int(2 * (rest / 4 + experts / 8)) == 8_018_566_144
+    assert e.optimizer == int(12 * (rest / 4 / (2 * 2) + experts / 8 / 2)) == 22_899_485_184  # DP x CP; expert DP
+    # per token: 4h + (q + 2 kv) d + q d + 3 k I (the 8 experts' gate, up, product) + 2 k h (all-to-all copies)
+    width = 4 * 2048 + (32 + 8) * 128 + 32 * 128 + 3 * 8 * 768 + 2 * 8 * 2048
+    assert width == 68608
+    assert e.activations == 48 * (2 * 11264 * width // 4) == 18_547_212_288  # 22528 / CP tokens
+    assert e.problems == [] and e.engine_tp == 8
+    layout = overrides(e)
+    assert "actor.parallel.expert_model_parallel_size=8" in layout and "rollout.expert_parallel_size=8" in layout
+
+
+def test_expert_layouts_that_cannot_work_say_why():
+    moe, dense = ModelShape.load("Qwen3-30B-A3B"), ModelShape.load("Qwen2.5-7B")
+    assert "EP=3 does not divide the 128 experts" in estimate(moe, 24, 8, GPU, Workload(), tp=1, pp=1, ep=3).problems
+    assert "EP x PP = 16 does not divide the 24 GPUs" in estimate(moe, 24, 8, GPU, Workload(), tp=1, pp=1,
+                                                                   ep=16).problems
+    assert "EP=2 needs a mixture of experts" in estimate(dense, 8, 8, GPU, Workload(), tp=1, pp=1, ep=2).problems
+
+
+def test_qwen3_235b_a22b_engines_need_gpus_of_their_own():
+    """An engine's bf16 weights take 59 GB of each of 8 GPUs: never next to the trainer; on GPUs of
+    their own, a layout fits on 8 and on 16 nodes."""
+    shape = ModelShape.load("Qwen3-235B-A22B")
+    assert 2 * shape.params() / 8 > 58e9
+    for nodes in (8, 16):
+        colocated = plan_layouts(shape, nodes, 8, GPU, Workload(2048, 20480, 22528))
+        assert all(any("no room for SGLang engines" in p for p in e.problems) for e in colocated)
+        best = plan_layouts(shape, nodes, 8, GPU, Workload(2048, 20480, 22528), rollout_gpus=nodes * 4)[0]
+        assert not best.problems and best.engine_tp == 8 and best.ep > 1

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPES = sorted((ROOT / "examples").glob("*/run_*_qwen2.5_*.sh"))
+RECIPES = sorted((ROOT / "examples").glob("*/run_*_qwen*.sh"))
 
 
 def run_recipe(recipe: Path, **env) -> subprocess.CompletedProcess:
@@ -28,10 +28,19 @@ def declared_nodes(recipe: Path) -> int:
     return int(re.search(r"#SBATCH --nodes=(\d+)", recipe.read_text()).group(1))
 
 
+def plan_model(recipe: Path) -> str:
+    return re.search(r"PLAN_MODEL=\$\{PLAN_MODEL:-([^}]+)\}", recipe.read_text()).group(1)
+
+
+def rollout_gpus(recipe: Path, nodes: int) -> list[str]:
+    """The recipe's own GPUs for the engines (half of the job's, as its PLAN_ARGS say), if any."""
+    return ["--rollout-gpus", str(nodes * 8 // 2)] if "--rollout-gpus" in recipe.read_text() else []
+
+
 def test_every_recipe_is_covered():
     names = {r.name for r in RECIPES}
     assert {"run_dapo_qwen2.5_32b.sh", "run_dapo_qwen2.5_7b.sh", "run_search_r1_qwen2.5_7b.sh",
-            "run_search_r1_qwen2.5_32b.sh"} <= names
+            "run_search_r1_qwen2.5_32b.sh", "run_dapo_qwen3_30b_a3b.sh", "run_dapo_qwen3_235b_a22b.sh"} <= names
 
 
 CASES = [(r, "dapo") for r in RECIPES] + [(r, "ppo") for r in RECIPES if "search_r1" in r.name]
@@ -50,9 +59,10 @@ def test_recipe_assembles_a_valid_run_with_the_planned_layout(recipe, algo):
     if algo == "ppo":
         plan_args += ["--critic", "--kl"]
         assert cfg["critic"]["enable"] and cfg["algorithm"]["adv_estimator"] == "gae"
-    model = "Qwen/Qwen2.5-32B" if "32b" in recipe.name else "Qwen/Qwen2.5-7B"
-    planned = subprocess.run([sys.executable, "-m", "megarl.cli", "plan", "--model", model, "--nodes", str(nodes),
-                              *plan_args, "--overrides"], cwd=ROOT, capture_output=True, text=True, check=True)
+    plan_args += rollout_gpus(recipe, nodes)
+    planned = subprocess.run([sys.executable, "-m", "megarl.cli", "plan", "--model", plan_model(recipe), "--nodes",
+                              str(nodes), *plan_args, "--overrides"], cwd=ROOT, capture_output=True, text=True,
+                             check=True)
     for override in planned.stdout.split():
         key, value = override.split("=")
         section = cfg
@@ -72,7 +82,7 @@ def planned_layout(model: str, nodes: int, cfg: dict, *extra: str) -> list[str]:
                            *args, "--overrides"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
 
 
-@pytest.mark.parametrize("config", sorted((ROOT / "examples").glob("*/*_qwen2.5_*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("config", sorted((ROOT / "examples").glob("*/*_qwen*.yaml")), ids=lambda p: p.name)
 def test_an_example_config_holds_the_planned_layout_of_its_nodes(config):
     # run without its recipe (megarl train CONFIG on a cluster of cluster.nnodes nodes), a
     # config must hold what the planner recommends there, engine memory fraction included
@@ -80,8 +90,10 @@ def test_an_example_config_holds_the_planned_layout_of_its_nodes(config):
 
     raw = yaml.safe_load(config.read_text())
     resolved = load_config(str(config), [])
-    model = "Qwen/Qwen2.5-32B" if "32b" in config.name else "Qwen/Qwen2.5-7B"
-    for override in planned_layout(model, raw["cluster"]["nnodes"], raw):
+    nodes = raw["cluster"]["nnodes"]
+    engines = nodes * 8 - resolved.train_world_size() if resolved.rollout.mode == "disaggregated" else 0
+    extra = ["--rollout-gpus", str(engines)] if engines else []
+    for override in planned_layout(raw["model"]["path"], nodes, raw, *extra):
         key, value = override.split("=")
         found = resolved
         for part in key.split("."):

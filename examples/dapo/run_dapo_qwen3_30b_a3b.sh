@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+#SBATCH --job-name=megarl-dapo-qwen3-30b-a3b
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=8
+#SBATCH --exclusive
+#SBATCH --time=7-00:00:00
+#SBATCH --signal=B:TERM@300
+#SBATCH --output=%x-%j.out
+#
+# DAPO on Qwen3-30B-A3B base (a mixture of experts: 128 experts, 8 per token) with the paper's settings (examples/dapo/dapo_qwen3_30b_a3b.yaml):
+# 512 prompts x 16 samples, 3x over-generation with dynamic sampling, responses up to 20480
+# tokens with a 4096-token overlong buffer, clip 0.2 / 0.28, token-mean loss, lr 1e-6 with
+# warm-up, weight decay 0.1, grad clip 1.0; AIME-2024 avg@32 at top_p 0.7. Megatron actor with
+# expert parallelism and SGLang engines colocated; the layout is `megarl plan`'s for the nodes of
+# the job.
+#
+#   python tools/prepare_dapo_math.py --out $DATA_DIR      # once: train and validation parquet
+#   sbatch examples/dapo/run_dapo_qwen3_30b_a3b.sh [key=value ...]
+#
+# Environment (defaults): MODEL_PATH [models/Qwen3-30B-A3B], DATA_DIR [data/dapo],
+# OUTPUT_DIR [outputs/dapo_qwen3_30b_a3b], MLFLOW_TRACKING_URI [a store in OUTPUT_DIR],
+# NNODES [the job's nodes], GPUS_PER_NODE [8], GPU_MEMORY [80GB], LAYOUT [megarl plan's].
+#
+# To stop the run cleanly (MLflow status, actors, exit 143; the same command resumes it):
+# scancel --batch --signal=TERM JOBID. --signal above does the same 5 minutes before the time
+# limit (docs/slurm.md#stopping-a-run).
+set -euo pipefail
+cd "${MEGARL_HOME:-${SLURM_SUBMIT_DIR:-$(dirname "$0")/../..}}"
+
+NAME=qwen3_30b_a3b
+MODEL_PATH=${MODEL_PATH:-models/Qwen3-30B-A3B}
+PLAN_MODEL=${PLAN_MODEL:-Qwen/Qwen3-30B-A3B}
+source examples/dapo/dapo.sh "$@"
