@@ -83,7 +83,11 @@ def test_generation_is_paused_around_a_sync_and_resumes_after_a_failure():
     assert engine.calls == ["pause", "resume"]
 
 
-def test_megatron_tp2_pp2_trainer_syncs_into_the_embedded_engine_exactly(tmp_path):
+@pytest.mark.parametrize("family, layout, world", [
+    ("llama", ["actor.parallel.tensor_model_parallel_size=2", "actor.parallel.pipeline_model_parallel_size=2"], 4),
+    # Qwen3-MoE at EP=2: the source rank sends every expert, gathered from both ranks, by checkpoint name
+    ("qwen3_moe", ["actor.parallel.expert_model_parallel_size=2"], 2)])
+def test_megatron_trainer_syncs_into_the_embedded_engine_exactly(tmp_path, family, layout, world):
     pytest.importorskip("megatron.core")
     from megarl.backends.torch.logprobs import token_log_probs
     from megarl.rollout.local import LocalEngine
@@ -92,16 +96,18 @@ def test_megatron_tp2_pp2_trainer_syncs_into_the_embedded_engine_exactly(tmp_pat
     from test_megatron_worker import update_batch
     from tiny_models import tiny_hf_model
 
-    model = tiny_hf_model("llama", tie_word_embeddings=True)
+    tied = family == "llama"
+    model = tiny_hf_model(family, tie_word_embeddings=tied)
     model.save_pretrained(tmp_path)
     update, batch = update_batch(model, seed=1), update_batch(model, seed=2)
-    layout = ["actor.parallel.tensor_model_parallel_size=2", "actor.parallel.pipeline_model_parallel_size=2"]
-    results = run_distributed(4, trained_export, str(tmp_path), layout, update, batch, 20_000)
+    results = run_distributed(world, trained_export, str(tmp_path), layout, update, batch, 20_000)
     buckets = [FlatBucket(data, [TensorEntry(*e) for e in entries]) for sent, _, _ in results for data, entries in sent]
-    assert len(buckets) > 4  # several buckets from each of the two stages
+    assert len(buckets) > 4  # several buckets (from each of the stages)
     trainer_checksums, trainer_log_probs = results[0][1], results[0][2]
+    if family == "qwen3_moe":
+        assert "model.layers.3.mlp.experts.5.down_proj.weight" in trainer_checksums
 
-    engine_model = tiny_hf_model("llama", seed=7, tie_word_embeddings=True)  # other weights until the sync
+    engine_model = tiny_hf_model(family, seed=7, tie_word_embeddings=tied)  # other weights until the sync
     engine = LocalEngine(engine_model, eos_token_ids=[])
 
     async def sync():
