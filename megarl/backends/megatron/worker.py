@@ -443,10 +443,15 @@ def _fit_chain(optimizer, loaded: dict) -> dict:
     groups, settings megarl sets every step anyway) is the current optimizers' own, with the
     saved step count (megatron keeps one step for every group)."""
     chain = getattr(optimizer, "chained_optimizers", [optimizer])
-    # the saved common parts: one at the top, or one per chained optimizer
-    saved = [loaded] if "optimizer" in loaded else [loaded[k] for k in sorted(k for k in loaded if isinstance(k, int))]
-    if len(saved) == len(chain):
-        return loaded
+    # the saved common parts: one per chained optimizer (entries 0, 1, ...), or one at the top
+    saved_chain = [loaded[k] for k in sorted(k for k in loaded if isinstance(k, int))
+                   if isinstance(loaded[k], dict) and "optimizer" in loaded[k]]
+    if (len(chain) == 1 and not saved_chain) or (len(chain) > 1 and len(saved_chain) == len(chain)):
+        return loaded  # saved as it is now
+    saved = saved_chain or [loaded]
+    if not all(isinstance(part.get("optimizer"), dict) and "param_groups" in part["optimizer"] for part in saved):
+        raise ValueError("this checkpoint was saved with another expert-parallel size; loading it needs megatron's "
+                         "distributed optimizer (actor.parallel.use_distributed_optimizer=true) on both sides")
     steps = {g["step"] for part in saved for g in part["optimizer"]["param_groups"] if g.get("step") is not None}
     if len(steps) > 1:
         raise ValueError(f"the checkpoint's optimizers are at different steps {sorted(steps)}")
