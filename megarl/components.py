@@ -88,7 +88,8 @@ class Components:
         c, s = self.cfg, (self.cfg.rollout.val if validation else self.cfg.rollout)
         return AgentSettings(max_turns=c.agent.max_turns, max_turn_length=c.agent.max_turn_length,
                              max_obs_length=c.agent.max_obs_length, max_response_length=c.rollout.max_response_length,
-                             topk=c.agent.retrieval.topk, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
+                             topk=c.agent.retrieval.topk, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                             routed_experts=c.actor.moe_routing_replay and not validation)
 
     def close(self) -> None:
         self.runtime.shutdown()

@@ -252,6 +252,10 @@ class TrainWorkerConfig:
     moe_aux_loss_coeff: float | None = param(
         None, "Load-balancing loss of a mixture of experts (megatron's aux_loss, per micro-batch over its real "
         "tokens); None = the model config's router_aux_loss_coef; 0 = off.", ge=0.0)
+    moe_routing_replay: bool = param(
+        False, "Mixture of experts: the actor's forwards (old log-probs and updates, not the reference) route "
+        "each token to the experts the rollout engine routed it to, so both see one routing (rollout routing "
+        "replay); the engines record it (SGLang: --enable-return-routed-experts).")
     transformer_impl: Literal["transformer_engine", "local"] = param("transformer_engine", "megatron layer implementation.")
     fp8: Literal["hybrid", "e4m3"] | None = param(None, "Transformer Engine FP8 format; None = off.")
     fp8_recipe: Literal["delayed", "tensorwise", "blockwise"] = param("delayed", "Transformer Engine FP8 scaling recipe.")

@@ -50,10 +50,12 @@ def shape_overlong(scores: list[float], lengths: list[int], max_response_length:
             for s, n in zip(scores, lengths)]
 
 
-def to_train_batch(samples: list[Sample], pad_id: int) -> TrainBatch:
+def to_train_batch(samples: list[Sample], pad_id: int, routed_experts: bool = False) -> TrainBatch:
+    """The samples' rows; with `routed_experts` (routing replay) the engines' routing too."""
     t = [s.trajectory for s in samples]
     return TrainBatch.from_sequences([x.prompt_ids for x in t], [x.response_ids for x in t], [x.loss_mask for x in t],
-                                     pad_id=pad_id, rollout_log_probs=[x.rollout_log_probs for x in t])
+                                     pad_id=pad_id, rollout_log_probs=[x.rollout_log_probs for x in t],
+                                     routed_experts=[x.routing() for x in t] if routed_experts else None)
 
 
 def compute_advantages(batch: TrainBatch, scores: list[float], groups: list[int], algo: AlgorithmConfig,

@@ -151,7 +151,7 @@ def train_step(c: Components, step: int, rollouts: SyncRollouts | None = None) -
     c.last_samples = samples
     metrics.update(c.engine_metrics())
     metrics.update(staleness_metrics(samples, step))
-    batch = to_train_batch(samples, pad_id=c.tokenizer.pad_token_id or 0)
+    batch = to_train_batch(samples, pad_id=c.tokenizer.pad_token_id or 0, routed_experts=cfg.actor.moe_routing_replay)
     scores = [s.score for s in samples]
     groups = [s.group for s in samples]
     with _timer(metrics, "old_log_prob"):

@@ -3,7 +3,9 @@
 Every per-token tensor is (B, L) and aligned with `input_ids`: position t holds the
 quantity of token t (its log-prob given tokens < t, its advantage, ...). `loss_mask` is 1
 on the response tokens the model sampled (0 on prompt, padding and retrieved
-observations). Main entry point: `TrainBatch.from_sequences`.
+observations). `routed_experts` (routing replay) is (B, L, MoE layers x top-k): position t
+holds the experts token t was routed to when the rollout engine read it.
+Main entry point: `TrainBatch.from_sequences`.
 """
 
 from __future__ import annotations
@@ -26,14 +28,17 @@ class TrainBatch:
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
     values: torch.Tensor | None = None
+    routed_experts: torch.Tensor | None = None  # (B, L, width) int16, -1 where none (padding, last tokens)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
     @classmethod
     def from_sequences(cls, prompts: list[list[int]], responses: list[list[int]], response_masks: list[list[int]],
-                       pad_id: int = 0, rollout_log_probs: list[list[float]] | None = None) -> TrainBatch:
-        """Rows prompt + response, right-padded to the longest row."""
+                       pad_id: int = 0, rollout_log_probs: list[list[float]] | None = None,
+                       routed_experts: list[torch.Tensor | None] | None = None) -> TrainBatch:
+        """Rows prompt + response, right-padded to the longest row. `routed_experts[row]`:
+        (prompt + response - 1, width), the experts of every token but the last."""
         if not (len(prompts) == len(responses) == len(response_masks)):
             raise ValueError(f"{len(prompts)} prompts, {len(responses)} responses, {len(response_masks)} masks")
         width = max(len(p) + len(r) for p, r in zip(prompts, responses))
@@ -41,6 +46,7 @@ class TrainBatch:
         attention = torch.zeros((len(prompts), width), dtype=torch.long)
         loss_mask = torch.zeros((len(prompts), width), dtype=torch.long)
         rollout = torch.zeros((len(prompts), width)) if rollout_log_probs is not None else None
+        routed = _routing_rows(routed_experts, prompts, responses, width) if routed_experts is not None else None
         for row, (p, r, m) in enumerate(zip(prompts, responses, response_masks)):
             if len(m) != len(r):
                 raise ValueError(f"row {row}: response of {len(r)} tokens but a mask of {len(m)}")
@@ -52,7 +58,7 @@ class TrainBatch:
             loss_mask[row, len(p):n] = torch.tensor(m, dtype=torch.long)
             if rollout is not None:
                 rollout[row, len(p):n] = torch.tensor(rollout_log_probs[row])
-        return cls(ids, attention, loss_mask, rollout_log_probs=rollout)
+        return cls(ids, attention, loss_mask, rollout_log_probs=rollout, routed_experts=routed)
 
     def select(self, index: torch.Tensor | slice) -> TrainBatch:
         """The rows at `index` (every tensor field sliced alike)."""
@@ -70,3 +76,20 @@ class TrainBatch:
         if unknown:
             raise KeyError(f"unknown TrainBatch fields {sorted(unknown)}; valid: {PER_TOKEN_FIELDS}")
         return replace(self, **values)
+
+
+def _routing_rows(routed: list[torch.Tensor | None], prompts: list[list[int]], responses: list[list[int]],
+                  width: int) -> torch.Tensor:
+    widths = {r.shape[-1] for r in routed if r is not None}
+    if len(widths) != 1 or any(r is None for r in routed):
+        missing = [i for i, r in enumerate(routed) if r is None]
+        raise ValueError(f"routed experts missing for rows {missing[:8]} (or of widths {sorted(widths)}): "
+                         "routing replay needs the engine's routing of every sample")
+    out = torch.full((len(prompts), width, widths.pop()), -1, dtype=torch.int16)
+    for row, (p, r, experts) in enumerate(zip(prompts, responses, routed)):
+        n = len(p) + len(r)
+        if experts.shape[0] != n - 1:
+            raise ValueError(f"row {row}: routed experts for {experts.shape[0]} positions, expected {n - 1} "
+                             "(every token but the last)")
+        out[row, : n - 1] = experts
+    return out

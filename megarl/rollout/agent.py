@@ -18,6 +18,8 @@ import asyncio
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+import torch
+
 from megarl.rollout.engine import GenerationOutput, RolloutEngine, SamplingParams
 
 SEARCH_OPEN, SEARCH_CLOSE = "<search>", "</search>"
@@ -63,6 +65,7 @@ class AgentSettings:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    routed_experts: bool = False  # ask the engine for every token's experts (routing replay)
 
 
 @dataclass
@@ -79,8 +82,21 @@ class Trajectory:
     finish_reason: str = ""  # answer | eos | length | max_turns | abort
     weight_version: int = 0  # the weights its first token came from
     num_continued: int = 0  # generations a weight sync preempted and that went on from their tokens
+    routed_experts: list[torch.Tensor] = field(default_factory=list)  # the engine's routing, by turn
 
-    def extend(self, ids: list[int], log_probs: list[float] | None, versions: list[int] | None = None) -> None:
+    @property
+    def routed_rows(self) -> int:
+        """Positions whose routing the trajectory holds (from position 0 on)."""
+        return sum(r.shape[0] for r in self.routed_experts)
+
+    def routing(self) -> torch.Tensor | None:
+        """(positions, width) the experts of every token but the last, or None when not asked for."""
+        return torch.cat(self.routed_experts) if self.routed_experts else None
+
+    def extend(self, ids: list[int], log_probs: list[float] | None, versions: list[int] | None = None,
+               routed: torch.Tensor | None = None) -> None:
+        if routed is not None:
+            self.routed_experts.append(routed)
         self.response_ids += ids
         self.loss_mask += [1 if log_probs is not None else 0] * len(ids)
         self.rollout_log_probs += log_probs if log_probs is not None else [0.0] * len(ids)
@@ -138,11 +154,12 @@ async def run_trajectory(engine: RolloutEngine, tokenizer, prompt_ids: list[int]
             temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
             stop=() if single_turn else ((ANSWER_CLOSE,) if final else (SEARCH_CLOSE, ANSWER_CLOSE)),
             seed=None if seed is None else seed + turn,
+            routed_experts_from=traj.routed_rows if settings.routed_experts else None,
         )
         out = await generate_continued(engine, tokenizer, traj.prompt_ids + traj.response_ids, params, traj)
         if turn == 0:
             traj.weight_version = out.weight_version
-        traj.extend(out.token_ids, out.log_probs, out.versions())
+        traj.extend(out.token_ids, out.log_probs, out.versions(), out.routed_experts)
         traj.num_turns += 1
         if out.finish_reason == "abort":
             traj.finish_reason = "abort"
@@ -176,24 +193,33 @@ async def generate_continued(engine: RolloutEngine, tokenizer, prompt_ids: list[
                              traj: Trajectory) -> GenerationOutput:
     """One turn's generation. One that a weight sync preempted (GenerationOutput.preempted) goes
     on from its tokens under the new weights until it ends: every token is kept once, with the
-    log-prob and version of the weights that sampled it (partial rollouts)."""
+    log-prob and version of the weights that sampled it (partial rollouts); the routing asked for
+    goes on from the positions the parts before computed."""
     out = await engine.generate(prompt_ids, params)
     parts = [out]
     while out.preempted and sum(len(p.token_ids) for p in parts) < params.max_new_tokens:
         traj.num_continued += 1
         done = [t for p in parts for t in p.token_ids]
         seed = None if params.seed is None else params.seed + 1_000_003 * len(parts)
+        routed = None if params.routed_experts_from is None else params.routed_experts_from + sum(
+            _rows(p) for p in parts)
         out = await engine.generate(prompt_ids + done, replace(params, max_new_tokens=params.max_new_tokens - len(done),
-                                                              seed=seed))
+                                                              seed=seed, routed_experts_from=routed))
         parts.append(out)
     if len(parts) == 1:
         return out
+    routing = [p.routed_experts for p in parts if p.routed_experts is not None]
     whole = GenerationOutput(
         token_ids=[t for p in parts for t in p.token_ids], log_probs=[x for p in parts for x in p.log_probs],
         finish_reason="length" if out.preempted else out.finish_reason, matched_stop=out.matched_stop,
         weight_version=parts[0].weight_version, token_versions=[v for p in parts for v in p.versions()],
-        prompt_tokens=len(prompt_ids), message=None if out.preempted else out.message)
+        prompt_tokens=len(prompt_ids), message=None if out.preempted else out.message,
+        routed_experts=torch.cat(routing) if routing else None)
     return _stop_across_parts(whole, [len(p.token_ids) for p in parts], params, tokenizer)
+
+
+def _rows(out: GenerationOutput) -> int:
+    return 0 if out.routed_experts is None else out.routed_experts.shape[0]
 
 
 def _stop_across_parts(out: GenerationOutput, lengths: list[int], params: SamplingParams,
@@ -210,8 +236,12 @@ def _stop_across_parts(out: GenerationOutput, lengths: list[int], params: Sampli
             tail = tokenizer.decode(out.token_ids[max(end - longest - 2, 0):end])
             matched = next((s for s in params.stop if s in tail), None)
             if matched is not None:
+                routed = out.routed_experts
+                if routed is not None:  # every position but the new last token's
+                    routed = routed[: out.prompt_tokens + end - 1 - params.routed_experts_from]
                 return replace(out, token_ids=out.token_ids[:end], log_probs=out.log_probs[:end],
-                               token_versions=out.token_versions[:end], finish_reason="stop", matched_stop=matched)
+                               token_versions=out.token_versions[:end], finish_reason="stop", matched_stop=matched,
+                               routed_experts=routed)
     return out
 
 

@@ -9,6 +9,8 @@ sequences occupy slots [0, n) (a finished one is swapped with the last), and one
 step attends each slot over its own prefix with a length mask. When the rows of a step differ
 much in length, the keys past a cut are computed for the long rows only and the two parts are
 merged by their softmax statistics, so short rows do not pay for the longest one's padding.
+With `record_routing` (a mixture of experts) each slot also keeps, per position, the experts
+its token was routed to in each MoE layer (`routes`), moved and kept with the K/V.
 
 Supported families: the decoders megarl trains, `megarl.models.spec.FAMILIES` (their
 differences — QKV bias, QK norm, rope scaling, Qwen3-MoE's routed experts — live in the HF modules
@@ -29,7 +31,7 @@ from megarl.models.spec import FAMILIES
 class SlotDecoder:
     """Runs `model` over a K/V cache of `num_slots` sequences that grows in length as needed."""
 
-    def __init__(self, model: torch.nn.Module, num_slots: int, initial_len: int = 256):
+    def __init__(self, model: torch.nn.Module, num_slots: int, initial_len: int = 256, record_routing: bool = False):
         cfg = model.config
         if cfg.model_type not in FAMILIES:
             raise ValueError(f"the embedded engine supports model types {sorted(FAMILIES)}, "
@@ -49,9 +51,15 @@ class SlotDecoder:
         self.max_positions = getattr(cfg, "max_position_embeddings", None) or 1 << 30
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        self.moe_layers = [i for i, layer in enumerate(self.layers) if hasattr(layer.mlp, "experts")]
+        if record_routing and not self.moe_layers:
+            raise ValueError(f"record_routing needs a mixture of experts; {cfg.model_type!r} has no routed experts")
+        self.record_routing = record_routing
+        self.route_width = len(self.moe_layers) * getattr(cfg, "num_experts_per_tok", 0)
         self.capacity = 0
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
+        self.routes: torch.Tensor | None = None  # (slots, capacity, MoE layers x top-k) int16 with record_routing
         self.ensure_capacity(initial_len)
 
     # -- cache -------------------------------------------------------------------------
@@ -73,16 +81,30 @@ class SlotDecoder:
                     cache[i] = grown
                 else:
                     cache.append(grown)
+        if self.record_routing:
+            grown = torch.full((self.num_slots, new_len, self.route_width), -1, dtype=torch.int16, device=self.device)
+            if self.routes is not None:
+                grown[:, : self.capacity] = self.routes
+            self.routes = grown
         self.capacity = new_len
 
     def release(self) -> None:
-        self.k_cache, self.v_cache, self.capacity = [], [], 0
+        self.k_cache, self.v_cache, self.routes, self.capacity = [], [], None, 0
 
     @torch.inference_mode()
     def move_slot(self, src: int, dst: int, length: int) -> None:
         """Copy the first `length` cached positions of slot src into slot dst."""
         for cache in (*self.k_cache, *self.v_cache):
             cache[dst, :, :length] = cache[src, :, :length]
+        if self.routes is not None:
+            self.routes[dst, :length] = self.routes[src, :length]
+
+    def routed_experts(self, slot: int, start: int, end: int) -> torch.Tensor:
+        """(end - start, MoE layers x top-k) int16: the experts of the tokens at positions
+        start .. end - 1 of `slot`, a copy (record_routing)."""
+        if self.routes is None:
+            raise RuntimeError("this decoder does not record routing (record_routing=False)")
+        return self.routes[slot, start:max(start, end)].cpu().clone()
 
     # -- forward -----------------------------------------------------------------------
     def _attention(self, layer_idx: int, attn, hidden, positions, slots: slice, write_at, key_len, mask):
@@ -135,15 +157,31 @@ class SlotDecoder:
 
     def _run(self, input_ids, positions, slots: slice, write_at, key_len, mask, last_index):
         hidden = self.model.model.embed_tokens(input_ids)
+        routed = [] if self.record_routing else None
         for i, layer in enumerate(self.layers):
             residual = hidden
             hidden = layer.input_layernorm(hidden)
             hidden = residual + self._attention(i, layer.self_attn, hidden, positions, slots, write_at, key_len, mask)
             residual = hidden
-            hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
+            hidden = residual + self._mlp(layer.mlp, layer.post_attention_layernorm(hidden), routed)
         rows = torch.arange(hidden.shape[0], device=hidden.device)
+        if routed:  # (n, T, MoE layers x top-k) at the tokens' positions of their slots
+            self.routes[slots][rows[:, None], positions] = torch.cat(routed, dim=-1).to(torch.int16)
         last = self.model.model.norm(hidden[rows, last_index])
         return self.model.lm_head(last).float()
+
+    @staticmethod
+    def _mlp(mlp, hidden, routed: list | None):
+        """The layer's MLP; a mixture of experts with `routed` given appends its routing (the
+        top-k experts of each token, (n, T, top-k)) to it: HF's Qwen3-MoE block, its router's
+        indices kept."""
+        if routed is None or not hasattr(mlp, "experts"):
+            return mlp(hidden)
+        b, t, width = hidden.shape
+        flat = hidden.reshape(-1, width)
+        _, weights, experts = mlp.gate(flat)
+        routed.append(experts.view(b, t, -1))
+        return mlp.experts(flat, experts, weights).view(b, t, width)
 
     @torch.inference_mode()
     def prefill(self, first_slot: int, prompts: list[list[int]], cached: list[int] | None = None) -> torch.Tensor:

@@ -16,6 +16,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
+import torch
+
 from megarl.weights.buckets import WeightBucket
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -34,6 +36,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # in addition to the model's EOS ids
     ignore_eos: bool = False
     seed: int | None = None  # per-request seed; None = engine's generator
+    # not a sampling parameter: return the experts each token was routed to, from this position
+    # of the prompt on (SGLang's return_routed_experts and routed_experts_start_len); None = not
+    routed_experts_from: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0:
@@ -46,6 +51,8 @@ class SamplingParams:
             raise ValueError(f"top_k={self.top_k} must be -1 (off) or >= 1")
         if isinstance(self.stop, str) or isinstance(self.stop_token_ids, int):
             raise TypeError("stop and stop_token_ids take sequences; wrap a single value in a tuple")
+        if self.routed_experts_from is not None and self.routed_experts_from < 0:
+            raise ValueError(f"routed_experts_from={self.routed_experts_from} must be >= 0")
 
     @classmethod
     def from_sglang(cls, params: Mapping | None) -> SamplingParams:
@@ -94,6 +101,11 @@ class GenerationOutput:
     prompt_tokens: int = 0
     message: str | None = None  # why it aborted
     meta: dict = field(default_factory=dict)
+    # asked for with SamplingParams.routed_experts_from = s: (positions, MoE layers x top-k) int16,
+    # row i the experts that the token at position s + i was routed to in each MoE layer, for the
+    # positions the engine computed: s .. prompt_tokens + len(token_ids) - 2 (the last token is
+    # never an input); fewer rows, or None, where it ended before computing them (aborted waiting)
+    routed_experts: torch.Tensor | None = None
 
     @property
     def preempted(self) -> bool:

@@ -46,6 +46,7 @@ class _Request:
     continues: bool = False  # its prompt started with a kept sequence when it came: admitted first
     cancelled: bool = False  # set on the event loop; the scheduler retires it between steps
     preempted: bool = False  # abort_requests: retired between steps with what it has
+    routed: torch.Tensor | None = None  # SamplingParams.routed_experts_from: read from its slot on retiring
 
     @property
     def length(self) -> int:  # tokens in the cache once the last output is appended
@@ -57,15 +58,17 @@ class LocalEngine(PauseAroundUpdates):
 
     def __init__(self, model: torch.nn.Module, tokenizer=None, *, max_batch_size: int = 64,
                  max_prefill_tokens: int = 8192, eos_token_ids: Iterable[int] | None = None, seed: int = 0,
-                 kept_sequences: int | None = None):
+                 kept_sequences: int | None = None, record_routing: bool = False):
         """`kept_sequences`: finished sequences whose cache is kept for prompts that continue
-        them (megarl.rollout.prefix_cache; default max_batch_size, 0 = none)."""
+        them (megarl.rollout.prefix_cache; default max_batch_size, 0 = none). `record_routing`
+        (a mixture of experts): keep the experts of every token, for requests that ask for them
+        (SamplingParams.routed_experts_from), as SGLang's --enable-return-routed-experts."""
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
         kept = max_batch_size if kept_sequences is None else kept_sequences
-        self.decoder = SlotDecoder(model, num_slots=max_batch_size + kept)
+        self.decoder = SlotDecoder(model, num_slots=max_batch_size + kept, record_routing=record_routing)
         self.kept = KeptPrefixes(first_slot=max_batch_size, size=kept)
         self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else _eos_ids(model, tokenizer))
         self.generator = torch.Generator().manual_seed(seed)
@@ -96,6 +99,13 @@ class LocalEngine(PauseAroundUpdates):
             raise ValueError("prompt_ids is empty: a generation needs at least one prompt token")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; pass tokenizer= to LocalEngine or use stop_token_ids")
+        if params.routed_experts_from is not None:
+            if not self.decoder.record_routing:
+                raise ValueError("routed experts asked for, but this engine does not record them: "
+                                 "LocalEngine(record_routing=True)")
+            if params.routed_experts_from > len(prompt_ids):
+                raise ValueError(f"routed_experts_from={params.routed_experts_from} is past the prompt's "
+                                 f"{len(prompt_ids)} tokens")
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         request = _Request(list(prompt_ids), params, asyncio.get_running_loop().create_future(), generator)
         request.continues = len(self.kept) > 0 and self.kept.find(request.prompt) is not None
@@ -313,6 +323,8 @@ class LocalEngine(PauseAroundUpdates):
         """Keep the request's cache for a prompt that continues it (a finished one), then free
         its slot by moving the last running sequence into it."""
         idx = self._running.index(request)
+        if request.params.routed_experts_from is not None:
+            request.routed = self.decoder.routed_experts(idx, request.params.routed_experts_from, request.length)
         if request.finish[0] != "abort":
             slot = self.kept.keep(tuple(request.prompt + request.output)[:request.length])
             if slot is not None:
@@ -350,7 +362,7 @@ class LocalEngine(PauseAroundUpdates):
             token_ids=list(request.output), log_probs=list(request.log_probs), finish_reason=reason,
             matched_stop=detail if reason == "stop" else None, weight_version=request.weight_version,
             prompt_tokens=len(request.prompt), message=detail if reason == "abort" else None,
-            token_versions=list(request.versions),
+            token_versions=list(request.versions), routed_experts=request.routed,
         )
 
 

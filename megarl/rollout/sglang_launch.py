@@ -69,6 +69,8 @@ def server_command(cfg: RunConfig, colocated: bool) -> list[str]:
             argv.append("--trust-remote-code")
         if colocated:  # weights and KV cache can be released while the trainer runs
             argv.append("--enable-memory-saver")
+    if cfg.actor.moe_routing_replay:  # the experts of every token, for the trainer to replay
+        argv.append("--enable-return-routed-experts")
     return argv + list(s.extra_args)
 
 

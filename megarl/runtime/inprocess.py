@@ -56,7 +56,7 @@ class InProcessRuntime(Runtime):
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
         self.worker = TorchTrainWorker(model, cfg, total_steps=total_steps)
         self.engine = LocalEngine(copy.deepcopy(model).eval(), tokenizer, max_batch_size=cfg.rollout.max_concurrency,
-                                  seed=cfg.trainer.seed)
+                                  seed=cfg.trainer.seed, record_routing=cfg.actor.moe_routing_replay)
         self.reward_pool = RewardPool(cfg.reward, num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
         self.ranks = LocalRanks(RankEndpoint(self.worker))
         self.transport = transport_class(cfg.sync_transport())(cfg, self.engine)

@@ -107,7 +107,7 @@ class EngineActor:
 
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
         self.engine = LocalEngine(load_model(cfg).eval(), tokenizer, max_batch_size=cfg.rollout.max_concurrency,
-                                  seed=cfg.trainer.seed)
+                                  seed=cfg.trainer.seed, record_routing=cfg.actor.moe_routing_replay)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationOutput:
         return await self.engine.generate(prompt_ids, params)

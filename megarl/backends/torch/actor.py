@@ -15,9 +15,10 @@ import torch
 from megarl.backends.batch import TrainBatch
 from megarl.backends.epochs import run_epochs
 from megarl.backends.loss import actor_loss
-from megarl.backends.moe import load_balancing_loss, load_max_over_mean, routed_counts
+from megarl.backends.moe import load_balancing_loss, load_max_over_mean, replay_indices, routed_counts
 from megarl.backends.schedule import lr_factor
 from megarl.backends.torch.logprobs import token_log_probs
+from megarl.backends.torch.routing import replayed_routing
 from megarl.backends.torch.step import accumulate_and_step, check_split
 from megarl.config import AlgorithmConfig, OptimConfig
 
@@ -45,7 +46,8 @@ class TorchActor:
 
     def __init__(self, model: torch.nn.Module, algo: AlgorithmConfig, optim: OptimConfig, *, mini_batch_samples: int,
                  micro_batch_samples: int, ppo_epochs: int = 1, temperature: float = 1.0, total_steps: int = 1,
-                 norm_length: int | None = None, moe_aux_loss_coeff: float | None = None):
+                 norm_length: int | None = None, moe_aux_loss_coeff: float | None = None,
+                 routing_replay: bool = False):
         check_split(mini_batch_samples, micro_batch_samples)
         self.model, self.algo, self.optim_cfg = model, algo, optim
         self.mini, self.micro, self.epochs = mini_batch_samples, micro_batch_samples, ppo_epochs
@@ -57,6 +59,9 @@ class TorchActor:
         self.moe_topk = getattr(model.config, "num_experts_per_tok", 0) or 0
         coeff = getattr(model.config, "router_aux_loss_coef", 0.0) if moe_aux_loss_coeff is None else moe_aux_loss_coeff
         self.moe_aux_loss_coeff = float(coeff or 0.0) if self.moe_topk else 0.0
+        if routing_replay and not self.moe_topk:
+            raise ValueError("actor.moe_routing_replay is for a mixture of experts; this model has no routed experts")
+        self.routing_replay = routing_replay  # the actor's forwards route as the batch's routed_experts say
 
     @torch.no_grad()
     def compute_log_prob(self, batch: TrainBatch, with_entropy: bool = False, model: torch.nn.Module | None = None):
@@ -69,9 +74,22 @@ class TorchActor:
         entropy = torch.cat([p[1] for p in parts]).cpu() if with_entropy else None
         return log_probs, entropy
 
-    def _forward(self, batch: TrainBatch, with_entropy: bool, model: torch.nn.Module | None = None):
-        return token_log_probs(model or self.model, batch.input_ids.to(self.device),
-                               batch.attention_mask.to(self.device), self.temperature, with_entropy)
+    def _forward(self, batch: TrainBatch, with_entropy: bool, model: torch.nn.Module | None = None,
+                 router_logits: list | None = None):
+        model = model or self.model
+        with replayed_routing(model, self._replayed(batch) if model is self.model else None):
+            return token_log_probs(model, batch.input_ids.to(self.device), batch.attention_mask.to(self.device),
+                                   self.temperature, with_entropy, router_logits)
+
+    def _replayed(self, batch: TrainBatch) -> list[torch.Tensor] | None:
+        """Each MoE layer's replayed experts for `batch`'s tokens (routing replay), or None."""
+        if not self.routing_replay:
+            return None
+        if batch.routed_experts is None:
+            raise ValueError("actor.moe_routing_replay: the batch carries no routed experts from the rollout engine")
+        cfg = self.model.config
+        moe_layers = [i for i, layer in enumerate(self.model.model.layers) if hasattr(layer.mlp, "experts")]
+        return replay_indices(batch.routed_experts.to(self.device), self.moe_topk, moe_layers, cfg.num_hidden_layers)
 
     def update_actor(self, batch: TrainBatch) -> dict[str, float]:
         """PPO epochs over the batch; needs old_log_probs and advantages. Returns mean metrics."""
@@ -90,8 +108,7 @@ class TorchActor:
             log_probs, entropy = self._forward(micro, with_entropy=True)
             return actor_loss(log_probs, entropy, micro, self.algo, counts)
         routers: list[torch.Tensor] = []
-        log_probs, entropy = token_log_probs(self.model, micro.input_ids.to(self.device),
-                                             micro.attention_mask.to(self.device), self.temperature, True, routers)
+        log_probs, entropy = self._forward(micro, True, router_logits=routers)
         loss, metrics = actor_loss(log_probs, entropy, micro, self.algo, counts)
         real = micro.attention_mask.to(self.device).reshape(-1).bool()
         aux = load_balancing_loss(routers, real, self.moe_topk, self.moe_aux_loss_coeff)

@@ -35,7 +35,7 @@ class TorchTrainWorker:
             model, a, cfg.actor.optim, mini_batch_samples=cfg.actor.ppo_mini_batch_size * samples,
             micro_batch_samples=cfg.actor.ppo_micro_batch_size, ppo_epochs=cfg.actor.ppo_epochs,
             temperature=cfg.rollout.temperature, total_steps=total_steps, norm_length=cfg.rollout.max_response_length,
-            moe_aux_loss_coeff=cfg.actor.moe_aux_loss_coeff)
+            moe_aux_loss_coeff=cfg.actor.moe_aux_loss_coeff, routing_replay=cfg.actor.moe_routing_replay)
         needs_reference = a.use_kl_loss or a.use_kl_in_reward
         self.reference = copy.deepcopy(model).eval().requires_grad_(False) if needs_reference else None
         self.reference_weights = None  # HostOffloaded with actor.reference_offload
