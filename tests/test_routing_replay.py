@@ -181,3 +181,40 @@ def test_a_batch_places_each_tokens_experts_and_refuses_a_sample_without_them():
         TrainBatch.from_sequences([[7, 8], [9]], [[1, 2], [3]], [[1, 1], [1]], routed_experts=[routed[0], None])
     with pytest.raises(ValueError, match="row 0: routed experts for 2 positions, expected 3"):
         TrainBatch.from_sequences([[7, 8]], [[1, 2]], [[1, 1]], routed_experts=[routed[0][:2]])
+
+
+def test_the_embedded_server_answers_routed_experts_as_sglang_does():
+    import threading
+    import time
+
+    import uvicorn
+
+    from megarl.rollout.http import HTTPEngine, create_engine_app
+    from test_rollout_http import free_port
+
+    model = tiny_hf_model("qwen3_moe")
+    engine = LocalEngine(model, eos_token_ids=[], record_routing=True)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_engine_app(engine), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started and time.time() < deadline:
+        time.sleep(0.05)
+    prompt = prompts_of([10])[0]
+
+    async def ask():
+        client = HTTPEngine(f"http://127.0.0.1:{port}")
+        try:
+            return await client.generate(prompt, SamplingParams(max_new_tokens=4, seed=1, routed_experts_from=7))
+        finally:
+            await client.close()
+
+    try:
+        out = asyncio.run(ask())
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+    whole = prompt + out.token_ids
+    assert out.routed_experts.shape == (len(whole) - 1 - 7, 3 * TOPK)
+    assert torch.equal(ascending(out.routed_experts), own_routing(model, whole)[7:-1])

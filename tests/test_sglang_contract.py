@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import base64
 import importlib.util
 import re
+import struct
 from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from megarl.rollout import sglang_api
 from megarl.rollout.engine import GenerationOutput, SamplingParams
@@ -260,8 +263,9 @@ def test_the_launch_flags_are_sglangs(sglang_files, colocated):
     cfg = load_config(None, ["model.path=m", "model.tokenizer_path=t", "model.trust_remote_code=true",
                              "rollout.engine=sglang", "rollout.sglang.server=sglang", "cluster.gpus_per_node=8",
                              "rollout.tensor_parallel_size=4", "rollout.expert_parallel_size=4",
-                             "rollout.mode=disaggregated"])
+                             "rollout.mode=disaggregated", "actor.moe_routing_replay=true"])
     argv = server_command(cfg, colocated)
+    assert "--enable-return-routed-experts" in argv  # the experts of every token, for the trainer to replay
     assert argv[argv.index("--ep-size") + 1] == "4"  # a mixture of experts split over the engine's GPUs
     argv = [*argv[argv.index("sglang.launch_server") + 1:], "--host", "10.0.0.1", "--port", "30000"]  # as ServerProcess
     given = {argv[i]: i + 1 < len(argv) and not argv[i + 1].startswith("--")
@@ -287,3 +291,22 @@ def test_the_api_key_is_sglangs(sglang_files):
                 and isinstance(call.func.value, ast.Name) and call.func.value.id == "path"}
     assert prefixes == set(sglang_api.OPEN_PATH_PREFIXES)
     assert "bearer" in {c.value for c in ast.walk(decide) if isinstance(c, ast.Constant)}  # Authorization: Bearer
+
+
+def test_routed_experts_bodies_and_answers(api_types, request_structs):
+    # asked for from position 5: the typed contract has the start, the route's GenerateReqInput the switch
+    body = sglang_api.generate_body([1, 2, 3, 4, 5, 6], SamplingParams(max_new_tokens=3, routed_experts_from=5))
+    assert api_types.GenerateRequest.from_json_value(body).routed_experts_start_len == 5
+    fields, _ = request_structs["GenerateReqInput"]
+    assert {"return_routed_experts", "routed_experts_start_len"} <= fields
+    # the answer: base64 of little-endian int32 (positions 5 .. 7 of 6 prompt + 3 output tokens, 2 layers x top-2)
+    routed = torch.tensor([[0, 3, 1, 2], [5, 4, 0, 1], [2, 3, 3, 2]], dtype=torch.int16)
+    out = GenerationOutput([7, 8, 9], [-0.1, -0.2, -0.3], "length", prompt_tokens=6, routed_experts=routed)
+    payload = sglang_api.output_to_sglang(out, return_logprob=True)
+    raw = base64.b64decode(payload["meta_info"]["routed_experts"])
+    assert struct.unpack("<12i", raw) == tuple(routed.flatten().tolist())
+    api_types.GenerateResponse.from_json_value(payload)  # unknown meta_info keys are SGLang's too
+    assert torch.equal(sglang_api.output_from_sglang(payload, 5).routed_experts, routed)
+    assert sglang_api.output_from_sglang(payload).routed_experts is None  # not asked for
+    with pytest.raises(ValueError, match="not a whole row for each of the 7 positions"):
+        sglang_api.output_from_sglang({**payload, "output_ids": [7, 8, 9] * 2 + [7]}, 5)

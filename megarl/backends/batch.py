@@ -84,7 +84,8 @@ def _routing_rows(routed: list[torch.Tensor | None], prompts: list[list[int]], r
     if len(widths) != 1 or any(r is None for r in routed):
         missing = [i for i, r in enumerate(routed) if r is None]
         raise ValueError(f"routed experts missing for rows {missing[:8]} (or of widths {sorted(widths)}): "
-                         "routing replay needs the engine's routing of every sample")
+                         "routing replay needs the engine's routing of every sample (SGLang: started with "
+                         "--enable-return-routed-experts, which megarl adds with actor.moe_routing_replay)")
     out = torch.full((len(prompts), width, widths.pop()), -1, dtype=torch.int16)
     for row, (p, r, experts) in enumerate(zip(prompts, responses, routed)):
         n = len(p) + len(r)

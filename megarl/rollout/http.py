@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import tempfile
 from collections.abc import Iterable
+from dataclasses import replace
 
 import httpx
 from fastapi import FastAPI, HTTPException, Request
@@ -37,14 +38,17 @@ def create_engine_app(engine: RolloutEngine, tokenizer=None, model_path: str = "
     app = FastAPI(title="megarl engine (SGLang-compatible API)")
     require_api_key(app, api_key, sglang_api.open_without_key)
 
-    async def one(ids, params: dict | None, return_logprob: bool) -> dict:
+    async def one(ids, params: dict | None, return_logprob: bool, routed_from: int | None) -> dict:
         if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
             raise HTTPException(400, "input_ids must be a non-empty list of token ids (or a list of such lists)")
         try:
-            sampling = SamplingParams.from_sglang(params)
+            sampling = replace(SamplingParams.from_sglang(params), routed_experts_from=routed_from)
         except (ValueError, TypeError) as e:
             raise HTTPException(400, f"bad sampling_params: {e}")
-        out = await engine.generate(ids, sampling)
+        try:
+            out = await engine.generate(ids, sampling)
+        except ValueError as e:  # a request the engine cannot serve (routed experts it does not record)
+            raise HTTPException(400, str(e))
         text = tokenizer.decode(out.token_ids) if tokenizer is not None else ""
         return sglang_api.output_to_sglang(out, return_logprob, text)
 
@@ -54,12 +58,17 @@ def create_engine_app(engine: RolloutEngine, tokenizer=None, model_path: str = "
             raise HTTPException(400, "megarl engines take input_ids, not text (tokens in, tokens out)")
         ids, params = body.get("input_ids"), body.get("sampling_params")
         return_logprob = bool(body.get("return_logprob", False))
+        routed_from = None
+        if body.get("return_routed_experts"):
+            routed_from = body.get("routed_experts_start_len", 0)
+            if not isinstance(routed_from, int) or isinstance(routed_from, bool):
+                raise HTTPException(400, "routed_experts_start_len must be one integer")
         if isinstance(ids, list) and ids and isinstance(ids[0], list):  # a batch
             per_item = params if isinstance(params, list) else [params] * len(ids)
             if len(per_item) != len(ids):
                 raise HTTPException(400, f"{len(per_item)} sampling_params for {len(ids)} prompts")
-            return await asyncio.gather(*[one(i, p, return_logprob) for i, p in zip(ids, per_item)])
-        return await one(ids, params, return_logprob)
+            return await asyncio.gather(*[one(i, p, return_logprob, routed_from) for i, p in zip(ids, per_item)])
+        return await one(ids, params, return_logprob, routed_from)
 
     @app.get("/health")
     async def health():
@@ -180,7 +189,7 @@ class HTTPEngine(PauseAroundUpdates):
             self._preempted.discard(id(call))
         if response.status_code != 200:
             raise ServerError(f"{self.base_url}/generate", response.status_code, response.text)
-        out = sglang_api.output_from_sglang(response.json())
+        out = sglang_api.output_from_sglang(response.json(), params.routed_experts_from)
         out.prompt_tokens = out.prompt_tokens or len(prompt_ids)
         if preempted and out.finish_reason == "abort":
             out.message = PREEMPTED  # ended by abort_requests: to be continued, not a failure

@@ -29,6 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-running-requests", type=int, default=64, help="sequences decoded together")
     parser.add_argument("--random-seed", type=int, default=0)
     parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--enable-return-routed-experts", action="store_true",
+                        help="record every token's experts (a mixture of experts) for requests that ask (as SGLang's)")
     parser.add_argument("--api-key", default=None,
                         help=f"require 'Authorization: Bearer KEY' on every route but /health* (as SGLang's "
                         f"--api-key); default: ${ENGINE_KEY_ENV}, else no key")
@@ -45,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         engine = LocalEngine.from_pretrained(args.model_path, dtype=args.dtype, max_batch_size=args.max_running_requests,
-                                             seed=args.random_seed)
+                                             seed=args.random_seed,
+                                             record_routing=args.enable_return_routed_experts)
     except OSError as e:
         print(f"megarl serve: cannot load {args.model_path}: {e}", file=sys.stderr)
         return 1

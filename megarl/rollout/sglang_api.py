@@ -16,6 +16,11 @@ Main entry points: `generate_body`, `output_from_sglang`, `output_to_sglang`, `C
 
 from __future__ import annotations
 
+import base64
+
+import numpy as np
+import torch
+
 from megarl.rollout.engine import GenerationOutput, SamplingParams
 from megarl.versions import SGLANG_ROUTER_VERSION, SGLANG_VERSION  # noqa: F401 (the server API megarl is written against)
 from megarl.weights import all_transports
@@ -48,8 +53,30 @@ MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
 
 
 def generate_body(prompt_ids: list[int], params: SamplingParams) -> dict:
-    """POST /generate: token ids in, token ids and sampled-token log-probs out (never text)."""
-    return {"input_ids": list(prompt_ids), "sampling_params": params.to_sglang(), "return_logprob": True}
+    """POST /generate: token ids in, token ids and sampled-token log-probs out (never text);
+    the routed experts when asked for (the route parses io_struct's GenerateReqInput, which has
+    return_routed_experts; the typed GenerateRequest of api_types has the start only)."""
+    body = {"input_ids": list(prompt_ids), "sampling_params": params.to_sglang(), "return_logprob": True}
+    if params.routed_experts_from is not None:
+        body |= {"return_routed_experts": True, "routed_experts_start_len": params.routed_experts_from}
+    return body
+
+
+def encode_routed_experts(routed: torch.Tensor) -> str:
+    """meta_info.routed_experts as SGLang sends it: base64 of the little-endian int32 array
+    (tokens, layers, top-k) in C order."""
+    return base64.b64encode(routed.to(torch.int32).numpy().astype("<i4").tobytes()).decode("ascii")
+
+
+def decode_routed_experts(text: str, rows: int) -> torch.Tensor:
+    """(rows, layers x top-k) int16 from meta_info.routed_experts, `rows` the positions it covers."""
+    flat = np.frombuffer(base64.b64decode(text), dtype="<i4")
+    if rows <= 0 or flat.size % rows:
+        raise ValueError(f"meta_info.routed_experts holds {flat.size} expert ids, not a whole row for each "
+                         f"of the {rows} positions asked for")
+    if flat.size and (flat.min() < -1 or flat.max() >= 1 << 15):
+        raise ValueError(f"meta_info.routed_experts holds expert ids out of range ({flat.min()} .. {flat.max()})")
+    return torch.from_numpy(flat.astype(np.int16).reshape(rows, -1))
 
 
 def output_to_sglang(out: GenerationOutput, return_logprob: bool, text: str = "") -> dict:
@@ -64,11 +91,14 @@ def output_to_sglang(out: GenerationOutput, return_logprob: bool, text: str = ""
             "weight_version": str(out.weight_version), "weight_versions": version_spans(out.versions())}
     if return_logprob:
         meta["output_token_logprobs"] = [[lp, tid, None] for lp, tid in zip(out.log_probs, out.token_ids)]
+    if out.routed_experts is not None:
+        meta["routed_experts"] = encode_routed_experts(out.routed_experts)
     return {"text": text, "output_ids": list(out.token_ids), "meta_info": meta}
 
 
-def output_from_sglang(payload: dict) -> GenerationOutput:
-    """Read a /generate answer; the tokens are output_ids (or the log-prob entries' ids)."""
+def output_from_sglang(payload: dict, routed_experts_from: int | None = None) -> GenerationOutput:
+    """Read a /generate answer; the tokens are output_ids (or the log-prob entries' ids); the
+    routed experts (asked for from position `routed_experts_from`) where the answer has them."""
     meta = payload.get("meta_info") or {}
     finish = meta.get("finish_reason") or {"type": "abort", "message": "no finish_reason in the response"}
     logprobs = meta.get("output_token_logprobs")
@@ -79,7 +109,12 @@ def output_from_sglang(payload: dict) -> GenerationOutput:
         raise ValueError("the server's response has neither output_ids nor output_token_logprobs; "
                          "megarl needs token ids (send return_logprob=true)")
     version = meta.get("weight_version")
+    routed = None
+    if routed_experts_from is not None and meta.get("routed_experts"):
+        rows = int(meta.get("prompt_tokens", 0)) + len(ids) - 1 - routed_experts_from
+        routed = decode_routed_experts(meta["routed_experts"], rows)
     return GenerationOutput(
+        routed_experts=routed,
         token_versions=token_versions(meta.get("weight_versions"), len(ids)),
         token_ids=list(ids),
         log_probs=[float(item[0]) for item in logprobs] if logprobs is not None else [],
