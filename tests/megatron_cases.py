@@ -7,10 +7,10 @@ import torch
 
 def logprobs_and_export(hf_dir: str, layout_kw: dict, batch, micro_batch_size: int, dtype: str = "float32",
                         max_tokens: int | None = None, impl: str = "local", fp8: dict | None = None,
-                        packing: str | None = None):
+                        packing: str | None = None, replay: bool = False):
     """On this rank: build the layout, load the HF checkpoint, compute log-probs and entropy
-    of `batch`, and export the HF tensors. Returns (log_probs, entropy, {name: tensor} of
-    this stage when TP rank 0 else {})."""
+    of `batch` (`replay`: routed as its routed_experts say), and export the HF tensors. Returns
+    (log_probs, entropy, {name: tensor} of this stage when TP rank 0 else {})."""
     from megatron.core import parallel_state
 
     from megarl.backends.megatron.actor import forward_log_probs
@@ -23,6 +23,10 @@ def logprobs_and_export(hf_dir: str, layout_kw: dict, batch, micro_batch_size: i
     initialize(layout, seed=0)
     chunks = build_model(spec, layout, dtype=dtype, impl=impl, fp8=fp8, explicit_mask=packing == "mask")
     load_hf_weights(chunks, spec, hf_dir)
+    if replay:
+        from megarl.backends.megatron.routing import install_replay
+
+        install_replay(chunks)
     for chunk in chunks:
         chunk.eval()  # as the worker computes log-probs
     log_probs, entropy = forward_log_probs(chunks, spec.vocab_size, batch, micro_batch_size=micro_batch_size,
@@ -33,9 +37,10 @@ def logprobs_and_export(hf_dir: str, layout_kw: dict, batch, micro_batch_size: i
 
 
 def actor_step(hf_dir: str, layout_kw: dict, batch, micro_batch_size: int, algo, optim, max_tokens=None,
-               recompute=None, packing=None):
+               recompute=None, packing=None, replay=False):
     """One megatron optimizer step on `batch` (each DP rank takes its contiguous share of the
-    rows); returns this stage's updated HF tensors (on TP rank 0 of DP rank 0) and the metrics."""
+    rows; `replay`: routed as its routed_experts say); returns this stage's updated HF tensors
+    (on TP rank 0 of DP rank 0) and the metrics."""
     from megatron.core import parallel_state
 
     from megarl.backends.megatron.actor import actor_step
@@ -48,6 +53,10 @@ def actor_step(hf_dir: str, layout_kw: dict, batch, micro_batch_size: int, algo,
     initialize(layout, seed=0)
     chunks = build_model(spec, layout, recompute=recompute, explicit_mask=packing == "mask")
     load_hf_weights(chunks, spec, hf_dir)
+    if replay:
+        from megarl.backends.megatron.routing import install_replay
+
+        install_replay(chunks)
     model, optimizer = wrap_for_training(chunks, optim)
     dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     rows = len(batch) // dp

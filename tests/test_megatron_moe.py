@@ -4,8 +4,12 @@ one GPU runs use; megarl's CPU mode stands in for its CUDA streams), expert para
 alone and with tensor (TP) and pipeline (PP) parallelism. The tiny model has 6 experts (not a
 power of two), top-2 routing, grouped-query attention and one dense layer among the MoE ones."""
 
+from dataclasses import replace
+
 import pytest
 import torch
+
+from megarl.backends.batch import TrainBatch
 
 from megarl.backends.torch.logprobs import token_log_probs
 from megatron_cases import logprobs_and_export
@@ -46,11 +50,56 @@ def test_moe_log_probs_match_hf_and_export_is_exact(tmp_path, layout):
         assert torch.equal(exported[name], tensor), name
 
 
-@pytest.mark.parametrize("recompute", [None, "full"])  # full: the routers run each forward twice
-def test_one_moe_optimizer_step_equals_the_torch_backend(tmp_path, recompute):
+def with_routing(batch, seed: int = 2):
+    """`batch` with a routing of its own (distinct random experts per token and MoE layer), as a
+    rollout engine on other weights would have routed it."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = batch.attention_mask.sum(1).tolist()
+    routed = [torch.stack([torch.cat([torch.randperm(6, generator=g)[:2] for _ in range(3)]) for _ in range(n - 1)])
+              for n in lengths]
+    return replace(batch, routed_experts=TrainBatch.from_sequences(
+        [[0]] * len(batch), [[0] * (n - 1) for n in lengths], [[1] * (n - 1) for n in lengths],
+        routed_experts=[r.to(torch.int16) for r in routed]).routed_experts)
+
+
+def replayed_log_probs(model, batch):
+    from megarl.backends.moe import replay_indices
+    from megarl.backends.torch.routing import replayed_routing
+
+    with torch.no_grad(), replayed_routing(model, replay_indices(batch.routed_experts, 2, [0, 2, 3], 4)):
+        return token_log_probs(model, batch.input_ids, batch.attention_mask, with_entropy=True)
+
+
+@pytest.mark.parametrize("layout, packing", [("ep2", None), ("ep2", "mask"), ("pp2ep2", None)])
+def test_replayed_routing_log_probs_match_hf_replaying_it(tmp_path, layout, packing):
+    # the routing replayed on megatron's routers (padded rows, and packed end to end; two
+    # pipeline stages) gives the log-probs of the HF model replaying the same routing
+    model = tiny_hf_model("qwen3_moe")
+    model.save_pretrained(tmp_path)
+    batch = with_routing(a_batch(model.config.vocab_size))
+    want_lp, want_ent = replayed_log_probs(model, batch)
+    real = batch.attention_mask.bool().clone()
+    real[:, 0] = False
+    with torch.no_grad():
+        own, _ = token_log_probs(model, batch.input_ids, batch.attention_mask)
+    assert (own - want_lp)[real].abs().max() > 1e-2  # the routing replayed is not the model's own
+    kw, world = MOE_LAYOUTS[layout]
+    results = run_distributed(world, logprobs_and_export, str(tmp_path), kw, batch, 2, "float32", None, "local",
+                              None, packing, True)
+    for log_probs, entropy, _ in results:
+        torch.testing.assert_close(log_probs[real], want_lp[real], rtol=0, atol=1e-5)
+        torch.testing.assert_close(entropy[real], want_ent[real], rtol=0, atol=1e-5)
+
+
+# full recomputation: the routers run each forward twice, the second time in the backward pass;
+# with two pipeline stages (1F1B) the second micro-batch's forward comes before the first's backward
+@pytest.mark.parametrize("recompute, replay, layout", [(None, False, "ep2"), ("full", False, "ep2"),
+                                                      ("full", True, "ep2"), ("full", True, "pp2ep2")])
+def test_one_moe_optimizer_step_equals_the_torch_backend(tmp_path, recompute, replay, layout):
     # EP=2 over 2 ranks: attention and the router data-parallel (a row pair each), the experts
     # split; one row per micro-batch on both backends, since the load-balancing loss (coefficient
-    # 0.01 from the config, large enough to move the router) is a micro-batch's
+    # 0.01 from the config, large enough to move the router) is a micro-batch's; `replay`: both
+    # route as the batch's routed_experts say
     from megarl.backends.torch.actor import TorchActor
     from megarl.config import AlgorithmConfig, OptimConfig
     from megarl.models.hf_layout import checkpoint_views
@@ -59,6 +108,7 @@ def test_one_moe_optimizer_step_equals_the_torch_backend(tmp_path, recompute):
     model = tiny_hf_model("qwen3_moe")
     model.save_pretrained(tmp_path)
     batch = a_batch(model.config.vocab_size)
+    batch = with_routing(batch) if replay else batch
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         now, _ = token_log_probs(model, batch.input_ids, batch.attention_mask)
@@ -66,10 +116,12 @@ def test_one_moe_optimizer_step_equals_the_torch_backend(tmp_path, recompute):
                               advantages=torch.randn(len(batch), 1, generator=g).expand_as(now).clone())
     algo = AlgorithmConfig()
     optim = OptimConfig(lr=1e-3, eps=1e-3, lr_warmup_steps=0, weight_decay=0.1, grad_clip=1.0)
-    results = run_distributed(2, actor_step, str(tmp_path), dict(ep=2), batch, 1, algo, optim, None, recompute)
+    kw, world = MOE_LAYOUTS[layout]
+    results = run_distributed(world, actor_step, str(tmp_path), kw, batch, 1, algo, optim, None, recompute, None,
+                              replay)
 
     before = {n: t.clone() for n, t in checkpoint_views(model).items()}
-    actor = TorchActor(model, algo, optim, mini_batch_samples=len(batch), micro_batch_samples=1)
+    actor = TorchActor(model, algo, optim, mini_batch_samples=len(batch), micro_batch_samples=1, routing_replay=replay)
     assert actor.moe_aux_loss_coeff == 0.01
     want = actor.update_actor(batch)
     exported = {}
@@ -85,7 +137,7 @@ def test_one_moe_optimizer_step_equals_the_torch_backend(tmp_path, recompute):
     assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
     assert want["moe_aux_loss"] > 0 and want["moe_load_max_over_mean"] >= 1.0
     for key in ("moe_aux_loss", "moe_load_max_over_mean"):  # megatron's routers report what the torch backend does
-        assert results[0][1][key] == results[1][1][key] == pytest.approx(want[key], rel=1e-5), key
+        assert all(r[1][key] == pytest.approx(want[key], rel=1e-5) for r in results), key
 
 
 def test_megarl_train_at_ep2_ends_on_the_torch_backends_weights(tmp_path, monkeypatch):

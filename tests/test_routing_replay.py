@@ -218,3 +218,14 @@ def test_the_embedded_server_answers_routed_experts_as_sglang_does():
     whole = prompt + out.token_ids
     assert out.routed_experts.shape == (len(whole) - 1 - 7, 3 * TOPK)
     assert torch.equal(ascending(out.routed_experts), own_routing(model, whole)[7:-1])
+
+
+def test_a_routers_tokens_come_sequence_first_and_sequence_parallel_ranks_take_their_share():
+    from megarl.backends.megatron.routing import routing_for_rank
+
+    # 2 rows of 4 tokens, one MoE layer of top-1: token (b, s) routed to expert 10 * b + s
+    routed = torch.tensor([[[0], [1], [2], [3]], [[10], [11], [12], [13]]], dtype=torch.int16)
+    whole = routing_for_rank(routed, 1, [0], 1)[0]
+    assert whole.flatten().tolist() == [0, 10, 1, 11, 2, 12, 3, 13]  # [S, B] flattened, as megatron's hidden states
+    second_half = routing_for_rank(routed, 1, [0], 1, sequence_share=(1, 2))[0]
+    assert second_half.flatten().tolist() == [2, 12, 3, 13]  # TP rank 1 of 2 holds positions 2 and 3

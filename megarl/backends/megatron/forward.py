@@ -130,6 +130,7 @@ class MicroBatch:
     owned: torch.Tensor | None = None  # context parallel: the positions of the padded rows this rank holds
     cp: int = 1
     real: torch.Tensor | None = None  # bool as input_ids: a token of a sequence (not padding)
+    routed: torch.Tensor | None = None  # routing replay: as input_ids, plus the experts' width (-1: none)
 
     @property
     def width(self) -> int:
@@ -224,8 +225,10 @@ def make_micro_batches(batch: TrainBatch, plan: list[list[int]], multiple: int, 
         data = batch.select(index).cut(width)
         if packing is None:
             ids = torch.nn.functional.pad(data.input_ids, (0, round_up(width, multiple) - width))
+            routed = None if data.routed_experts is None else torch.nn.functional.pad(
+                data.routed_experts, (0, 0, 0, ids.shape[1] - width), value=-1)
             micro = MicroBatch(rows, data, ids, torch.arange(ids.shape[1]).expand_as(ids), next_tokens(ids),
-                               real=torch.arange(ids.shape[1])[None] < lengths[index][:, None])
+                               real=torch.arange(ids.shape[1])[None] < lengths[index][:, None], routed=routed)
         else:
             row_lengths = [max(int(n), 1) for n in lengths[index]]
             sequences = [data.input_ids[r, :n] for r, n in enumerate(row_lengths)]
@@ -234,10 +237,14 @@ def make_micro_batches(batch: TrainBatch, plan: list[list[int]], multiple: int, 
             if total > real:  # a padding segment of its own, so the last sequence never sees it
                 sequences.append(data.input_ids.new_zeros(total - real))
             bounds = torch.tensor([0] + [len(s) for s in sequences]).cumsum(0).to(torch.int32)
+            routed = None
+            if data.routed_experts is not None:  # the sequences' rows end to end, then the padding's
+                routed = torch.full((1, total, data.routed_experts.shape[-1]), -1, dtype=data.routed_experts.dtype)
+                routed[0, :real] = torch.cat([data.routed_experts[r, :n] for r, n in enumerate(row_lengths)])
             micro = MicroBatch(rows, data, torch.cat(sequences)[None],
                                torch.cat([torch.arange(len(s)) for s in sequences])[None],
                                torch.cat([next_tokens(s) for s in sequences])[None], packing, bounds,
-                               real=(torch.arange(total) < real)[None])
+                               real=(torch.arange(total) < real)[None], routed=routed)
         out.append(micro if cp == 1 else _context_share(micro, cp, cp_rank))
     return out
 
@@ -253,7 +260,8 @@ def _context_share(micro: MicroBatch, cp: int, cp_rank: int) -> MicroBatch:
     held = micro.by_token(mine)  # 1 where token t's output (at position t - 1) is on this rank
     data = replace(micro.data, loss_mask=micro.data.loss_mask * held)
     return replace(micro, data=data, input_ids=micro.input_ids[:, owned], position_ids=micro.position_ids[:, owned],
-                   targets=micro.targets[:, owned], owned=owned, cp=cp, real=micro.real[:, owned])
+                   targets=micro.targets[:, owned], owned=owned, cp=cp, real=micro.real[:, owned],
+                   routed=None if micro.routed is None else micro.routed[:, owned])
 
 
 def split_batch(batch: TrainBatch, config, *, micro_batch_size: int, max_tokens: int | None = None,
@@ -283,10 +291,13 @@ def run_schedule(chunks: list[torch.nn.Module], micros: list[MicroBatch], head: 
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from megarl.backends.megatron.routing import replaying, set_micro_routing
+
     device = next(chunks[0].parameters()).device
 
     def step(data_iterator, model):
         micro = next(data_iterator)
+        set_micro_routing(model, micro.routed)  # routing replay, on the actor's routers
         output = model(**micro.model_inputs(device, _unwrapped(model)))
         return output, lambda output_tensor: head(output_tensor, micro)
 
@@ -294,10 +305,11 @@ def run_schedule(chunks: list[torch.nn.Module], micros: list[MicroBatch], head: 
     config = chunks[0].config
     config.variable_seq_lengths = len(shapes) > 1 and parallel_state.get_pipeline_model_parallel_world_size() > 1
     iterators = [iter(micros) for _ in chunks] if len(chunks) > 1 else iter(micros)
-    return get_forward_backward_func()(
-        forward_step_func=step, data_iterator=iterators, model=chunks if len(chunks) > 1 else chunks[0],
-        num_microbatches=len(micros), seq_length=max(m.seq_length for m in micros), micro_batch_size=max(s[0] for s in shapes),
-        forward_only=forward_only)
+    with replaying(chunks):
+        return get_forward_backward_func()(
+            forward_step_func=step, data_iterator=iterators, model=chunks if len(chunks) > 1 else chunks[0],
+            num_microbatches=len(micros), seq_length=max(m.seq_length for m in micros),
+            micro_batch_size=max(s[0] for s in shapes), forward_only=forward_only)
 
 
 def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:

@@ -25,6 +25,7 @@ import torch
 
 from megarl.backends.batch import TrainBatch
 from megarl.backends.epochs import run_epochs
+from megarl.backends.megatron.routing import install_replay
 from megarl.backends.offload import HostOffloaded
 from megarl.backends.rng import rng_state, set_rng_state
 from megarl.backends.schedule import lr_factor
@@ -121,6 +122,8 @@ class MegatronTrainWorker:
         chunks = build_model(self.spec, self.layout, **options)
         load_hf_weights(chunks, self.spec, cfg.model.path)  # before the optimizer: its masters start from these
         self.actor = trained(chunks, cfg.actor, options["impl"])
+        if cfg.actor.moe_routing_replay:  # the actor's forwards route as the rollout engine did
+            install_replay(chunks)
         self.reference = None
         self.reference_weights = None  # HostOffloaded with actor.reference_offload
         if a.use_kl_loss or a.use_kl_in_reward:
