@@ -174,3 +174,33 @@ def test_megarl_train_at_ep2_ends_on_the_torch_backends_weights(tmp_path, monkey
     export_checkpoint(tmp_path / "megatron", tmp_path / "exported")  # megarl export reads the EP=2 checkpoint
     exported = hf_weights(tmp_path / "exported")
     assert exported.keys() == got.keys() and all(torch.equal(exported[n], got[n]) for n in got)
+
+
+def test_megarl_train_replaying_the_engines_routing(tmp_path, monkeypatch):
+    # actor.moe_routing_replay through the whole loop: the embedded engine records each token's
+    # experts, the batch carries them to the torch backend (in process) and to megatron at EP=2
+    # (two Ray rank actors, each its data-parallel share). A step has two mini-batches: the first
+    # trains under the engine's weights (the replayed routing is the model's own), the second
+    # after an optimizer step, where the replay routes as the engine did and the model's own
+    # routing would differ: both backends end on the same weights, not those of a run without replay
+    from megarl.config import load_config
+    from megarl.train import train
+    from train_fixtures import hf_weights, mlflow_metric, tiny_overrides, write_tiny_run_inputs
+
+    monkeypatch.setenv("PYTHONPATH", str(__import__("pathlib").Path(__file__).parent))
+    inputs = write_tiny_run_inputs(tmp_path / "inputs", family="qwen3_moe")
+
+    def run(out, extra):
+        overrides = [o for o in tiny_overrides(inputs, out, 1) if not o.startswith("cluster.launcher")]
+        return train(load_config(None, [*overrides, "reward.custom_function=reward_fixtures:length_score", *extra]))
+
+    run(tmp_path / "plain", ["cluster.launcher=inprocess"])
+    run(tmp_path / "torch", ["cluster.launcher=inprocess", "actor.moe_routing_replay=true"])
+    run(tmp_path / "megatron", ["cluster.launcher=ray", "actor.moe_routing_replay=true", "actor.backend=megatron",
+                                "actor.parallel.expert_model_parallel_size=2"])
+    plain, want, got = (hf_weights(tmp_path / name / "hf") for name in ("plain", "torch", "megatron"))
+    assert max(float((want[n] - plain[n]).abs().max()) for n in want) > 1e-3
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-4, msg=key)  # as the other train tests
+    for name in ("torch", "megatron"):  # old log-probs under the engine's weights and routing
+        assert mlflow_metric(tmp_path / name, "rollout/logprob_mismatch")[0] < 1e-5
