@@ -66,7 +66,7 @@ def replayed_log_probs(model, batch):
     from megarl.backends.moe import replay_indices
     from megarl.backends.torch.routing import replayed_routing
 
-    with torch.no_grad(), replayed_routing(model, replay_indices(batch.routed_experts, 2, [0, 2, 3], 4)):
+    with torch.no_grad(), replayed_routing(model, replay_indices(batch.routing(), 2, [0, 2, 3], 4)):
         return token_log_probs(model, batch.input_ids, batch.attention_mask, with_entropy=True)
 
 

@@ -175,8 +175,10 @@ def test_replay_indices_by_hand():
 def test_a_batch_places_each_tokens_experts_and_refuses_a_sample_without_them():
     routed = [torch.tensor([[1, 2], [3, 4], [5, 0]], dtype=torch.int16), torch.tensor([[2, 3]], dtype=torch.int16)]
     batch = TrainBatch.from_sequences([[7, 8], [9]], [[1, 2], [3]], [[1, 1], [1]], routed_experts=routed)
-    assert batch.routed_experts.tolist() == [[[1, 2], [3, 4], [5, 0], [-1, -1]], [[2, 3], [-1, -1], [-1, -1], [-1, -1]]]
-    assert batch.select(torch.tensor([1])).cut(2).routed_experts.tolist() == [[[2, 3], [-1, -1]]]
+    assert batch.routing().tolist() == [[[1, 2], [3, 4], [5, 0], [-1, -1]], [[2, 3], [-1, -1], [-1, -1], [-1, -1]]]
+    assert batch.select(torch.tensor([1])).cut(2).routing().tolist() == [[[2, 3], [-1, -1]]]
+    assert batch.select(slice(0, 1)).routing().tolist() == [[[1, 2], [3, 4], [5, 0], [-1, -1]]]
+    assert [len(r) for r in batch.routed_experts.rows] == [3, 1]  # kept unpadded
     with pytest.raises(ValueError, match="missing for rows \\[1\\]"):
         TrainBatch.from_sequences([[7, 8], [9]], [[1, 2], [3]], [[1, 1], [1]], routed_experts=[routed[0], None])
     with pytest.raises(ValueError, match="row 0: routed experts for 2 positions, expected 3"):

@@ -3,8 +3,10 @@
 Every per-token tensor is (B, L) and aligned with `input_ids`: position t holds the
 quantity of token t (its log-prob given tokens < t, its advantage, ...). `loss_mask` is 1
 on the response tokens the model sampled (0 on prompt, padding and retrieved
-observations). `routed_experts` (routing replay) is (B, L, MoE layers x top-k): position t
-holds the experts token t was routed to when the rollout engine read it.
+observations). `routed_experts` (routing replay) holds, per row, the experts each token was
+routed to when the rollout engine read it, unpadded (`RaggedRows`: a token's row is MoE layers
+x top-k wide, 192 times an fp32 field's bytes for Qwen3-30B-A3B, so it is padded per
+micro-batch only).
 Main entry point: `TrainBatch.from_sequences`.
 """
 
@@ -28,7 +30,7 @@ class TrainBatch:
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
     values: torch.Tensor | None = None
-    routed_experts: torch.Tensor | None = None  # (B, L, width) int16, -1 where none (padding, last tokens)
+    routed_experts: RaggedRows | None = None  # row i: (tokens of row i - 1, width) int16
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -46,7 +48,7 @@ class TrainBatch:
         attention = torch.zeros((len(prompts), width), dtype=torch.long)
         loss_mask = torch.zeros((len(prompts), width), dtype=torch.long)
         rollout = torch.zeros((len(prompts), width)) if rollout_log_probs is not None else None
-        routed = _routing_rows(routed_experts, prompts, responses, width) if routed_experts is not None else None
+        routed = _routing_rows(routed_experts, prompts, responses) if routed_experts is not None else None
         for row, (p, r, m) in enumerate(zip(prompts, responses, response_masks)):
             if len(m) != len(r):
                 raise ValueError(f"row {row}: response of {len(r)} tokens but a mask of {len(m)}")
@@ -61,15 +63,20 @@ class TrainBatch:
         return cls(ids, attention, loss_mask, rollout_log_probs=rollout, routed_experts=routed)
 
     def select(self, index: torch.Tensor | slice) -> TrainBatch:
-        """The rows at `index` (every tensor field sliced alike)."""
+        """The rows at `index` (every field sliced alike)."""
         return replace(self, **{f.name: (getattr(self, f.name)[index] if getattr(self, f.name) is not None else None)
                                 for f in fields(self)})
 
     def cut(self, width: int) -> TrainBatch:
         """The first `width` columns of every per-token tensor (rows are right-padded, so
         columns past the longest row hold padding only)."""
-        return replace(self, **{f.name: (getattr(self, f.name)[:, :width] if getattr(self, f.name) is not None else None)
-                                for f in fields(self)})
+        return replace(self, **{f.name: (getattr(self, f.name)[:, :width] if isinstance(getattr(self, f.name), torch.Tensor)
+                                         else getattr(self, f.name)) for f in fields(self)})
+
+    def routing(self) -> torch.Tensor | None:
+        """(B, L, width) the routed experts padded as the rows are (-1: padding and each row's
+        last token, which is never an engine's input), or None."""
+        return None if self.routed_experts is None else self.routed_experts.padded(self.input_ids.shape[1])
 
     def with_fields(self, **values: torch.Tensor) -> TrainBatch:
         unknown = set(values) - set(PER_TOKEN_FIELDS)
@@ -78,19 +85,41 @@ class TrainBatch:
         return replace(self, **values)
 
 
-def _routing_rows(routed: list[torch.Tensor | None], prompts: list[list[int]], responses: list[list[int]],
-                  width: int) -> torch.Tensor:
+@dataclass(frozen=True)
+class RaggedRows:
+    """Per-row tensors of different lengths, (length of row i, width) each; indexed by rows
+    like a tensor field."""
+
+    rows: tuple[torch.Tensor, ...]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: torch.Tensor | slice) -> RaggedRows:
+        if isinstance(index, slice):
+            return RaggedRows(self.rows[index])
+        return RaggedRows(tuple(self.rows[i] for i in torch.as_tensor(index).flatten().tolist()))
+
+    def padded(self, length: int, fill: int = -1) -> torch.Tensor:
+        """(rows, length, width), each row's entries first, `fill` after."""
+        width = self.rows[0].shape[-1] if self.rows else 0
+        out = torch.full((len(self.rows), length, width), fill, dtype=torch.int16)
+        for i, row in enumerate(self.rows):
+            out[i, : min(len(row), length)] = row[:length]
+        return out
+
+
+def _routing_rows(routed: list[torch.Tensor | None], prompts: list[list[int]],
+                  responses: list[list[int]]) -> RaggedRows:
     widths = {r.shape[-1] for r in routed if r is not None}
     if len(widths) != 1 or any(r is None for r in routed):
         missing = [i for i, r in enumerate(routed) if r is None]
         raise ValueError(f"routed experts missing for rows {missing[:8]} (or of widths {sorted(widths)}): "
                          "routing replay needs the engine's routing of every sample (SGLang: started with "
                          "--enable-return-routed-experts, which megarl adds with actor.moe_routing_replay)")
-    out = torch.full((len(prompts), width, widths.pop()), -1, dtype=torch.int16)
     for row, (p, r, experts) in enumerate(zip(prompts, responses, routed)):
         n = len(p) + len(r)
         if experts.shape[0] != n - 1:
             raise ValueError(f"row {row}: routed experts for {experts.shape[0]} positions, expected {n - 1} "
                              "(every token but the last)")
-        out[row, : n - 1] = experts
-    return out
+    return RaggedRows(tuple(r.to(torch.int16) for r in routed))

@@ -225,8 +225,7 @@ def make_micro_batches(batch: TrainBatch, plan: list[list[int]], multiple: int, 
         data = batch.select(index).cut(width)
         if packing is None:
             ids = torch.nn.functional.pad(data.input_ids, (0, round_up(width, multiple) - width))
-            routed = None if data.routed_experts is None else torch.nn.functional.pad(
-                data.routed_experts, (0, 0, 0, ids.shape[1] - width), value=-1)
+            routed = None if data.routed_experts is None else data.routed_experts.padded(ids.shape[1])
             micro = MicroBatch(rows, data, ids, torch.arange(ids.shape[1]).expand_as(ids), next_tokens(ids),
                                real=torch.arange(ids.shape[1])[None] < lengths[index][:, None], routed=routed)
         else:
@@ -239,8 +238,9 @@ def make_micro_batches(batch: TrainBatch, plan: list[list[int]], multiple: int, 
             bounds = torch.tensor([0] + [len(s) for s in sequences]).cumsum(0).to(torch.int32)
             routed = None
             if data.routed_experts is not None:  # the sequences' rows end to end, then the padding's
-                routed = torch.full((1, total, data.routed_experts.shape[-1]), -1, dtype=data.routed_experts.dtype)
-                routed[0, :real] = torch.cat([data.routed_experts[r, :n] for r, n in enumerate(row_lengths)])
+                whole = data.routing()
+                routed = torch.full((1, total, whole.shape[-1]), -1, dtype=whole.dtype)
+                routed[0, :real] = torch.cat([whole[r, :n] for r, n in enumerate(row_lengths)])
             micro = MicroBatch(rows, data, torch.cat(sequences)[None],
                                torch.cat([torch.arange(len(s)) for s in sequences])[None],
                                torch.cat([next_tokens(s) for s in sequences])[None], packing, bounds,

@@ -89,7 +89,7 @@ class TorchActor:
             raise ValueError("actor.moe_routing_replay: the batch carries no routed experts from the rollout engine")
         cfg = self.model.config
         moe_layers = [i for i, layer in enumerate(self.model.model.layers) if hasattr(layer.mlp, "experts")]
-        return replay_indices(batch.routed_experts.to(self.device), self.moe_topk, moe_layers, cfg.num_hidden_layers)
+        return replay_indices(batch.routing().to(self.device), self.moe_topk, moe_layers, cfg.num_hidden_layers)
 
     def update_actor(self, batch: TrainBatch) -> dict[str, float]:
         """PPO epochs over the batch; needs old_log_probs and advantages. Returns mean metrics."""
