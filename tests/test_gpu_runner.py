@@ -19,7 +19,7 @@ from gpu_status import TestResult, summarise  # noqa: E402
 
 ROWS = ["Transformer Engine layers", "THD packing", "TE context parallelism", "FP8", "FP8 param gather",
         "optimizer offload", "NCCL weight sync", "CUDA IPC weight sync", "memory release/resume",
-        "MoE with expert parallelism", "partial rollouts on SGLang", "SGLang launch flags"]
+        "MoE with expert parallelism", "MoE routing replay", "partial rollouts on SGLang", "SGLang launch flags"]
 
 
 def test_paths_are_the_rows_of_the_gpu_status_table():
@@ -155,6 +155,7 @@ def test_a_real_pytest_run(tmp_path):
         "NOT RUN CUDA IPC weight sync (no test checks it)",
         "NOT RUN memory release/resume (no test checks it)",
         "NOT RUN MoE with expert parallelism (no test checks it)",
+        "NOT RUN MoE routing replay (no test checks it)",
         "NOT RUN partial rollouts on SGLang (no test checks it)",
         f"NOT RUN SGLang launch flags (1 of 2 tests passed; {f}test_flags_left_out: deselected)",
         "PASS other GPU tests",

@@ -37,6 +37,7 @@ PATHS = {
     "ipc_sync": "CUDA IPC weight sync",
     "memory_release": "memory release/resume",
     "moe_ep": "MoE with expert parallelism",
+    "moe_replay": "MoE routing replay",
     "partial_rollouts": "partial rollouts on SGLang",
     "sglang_flags": "SGLang launch flags",
 }

@@ -136,6 +136,36 @@ def test_moe_expert_parallel_log_probs_match_hf(tmp_path, impl):
         assert torch.equal(results[0][2][name], tensor.cpu()), name
 
 
+@path("moe_replay")
+def test_moe_routing_replay_under_sequence_parallelism_matches_hf(tmp_path):
+    """Routing replay at TP=2 with sequence parallelism x EP=2 on Transformer Engine's layers
+    (each TP rank's router sees its share of the sequence) against HF replaying the same routing."""
+    from dataclasses import replace
+
+    from megarl.backends.moe import replay_indices
+    from megarl.backends.torch.routing import replayed_routing
+    from test_megatron_moe import with_routing
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    if not te_available():
+        pytest.skip("Transformer Engine is not installed")
+    model = tiny_hf_model("qwen3_moe")
+    model.save_pretrained(tmp_path)
+    batch = with_routing(a_batch(model.config.vocab_size))
+    hf = model.to(device="cuda", dtype=torch.bfloat16)
+    gpu = replace(batch, input_ids=batch.input_ids.cuda(), attention_mask=batch.attention_mask.cuda())
+    with torch.no_grad(), replayed_routing(hf, replay_indices(batch.routing().cuda(), 2, [0, 2, 3], 4)):
+        want, _ = token_log_probs(hf, gpu.input_ids, gpu.attention_mask)
+    layout = {"tp": 2, "ep": 2, "etp": 1, "sequence_parallel": True}
+    results = run_distributed(2, logprobs_and_export, str(tmp_path), layout, batch, 2, "bfloat16", None,
+                              "transformer_engine", None, None, True)
+    real = batch.attention_mask.bool().clone()
+    real[:, 0] = False
+    for got, _, _ in results:
+        close_in_bf16(got[real], want.cpu()[real], worst=0.15, mean=0.02)
+
+
 @path("optimizer_offload")
 def test_optimizer_offload_takes_the_same_step(tmp_path):
     """actor.optim.offload (megatron's hybrid device optimizer: Adam's state and step on the
