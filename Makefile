@@ -16,7 +16,16 @@ STAMP := $(VENV)/.megarl-installed
 
 .PHONY: setup test test-slurm test-ui quickstart quickstart-math quickstart-megatron bench clean
 
-setup: $(STAMP)
+setup: $(STAMP) sandbox-tool
+
+# bubblewrap, the code rewards' sandbox (megarl/reward/sandbox.py): Debian's package, installed
+# when missing and we are root; otherwise a note (the code rewards then say what is missing).
+.PHONY: sandbox-tool
+sandbox-tool:
+	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		{ DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null || \
+		  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; }; }; } || \
+		echo "megarl: bubblewrap (bwrap) is not installed; the code rewards need it (apt-get install bubblewrap)" >&2
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "megarl needs Python >= 3.11, found " + sys.version' 
@@ -26,7 +35,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python tools/fetch_sglang_api.py $(VENV)/sglang-api
 	touch $@
 
-test: $(STAMP)
+test: $(STAMP) sandbox-tool
 	$(BIN)/python -m pytest tests $(PYTEST_ARGS)
 
 # On a GPU machine, first: tests/gpu, then PASS / FAIL / NOT RUN per GPU-only path (docs/testing.md).

@@ -5,6 +5,7 @@
     megarl retrieval build --corpus FILE --out DIR [--kind bm25|dense]
     megarl retrieval serve --index DIR [--host 127.0.0.1 --port 8000 --topk 3]
     megarl plan --model HF_CONFIG_OR_NAME --nodes N [--gpus-per-node 8 --gpu-memory 80GB ...]
+    megarl sandbox serve [--host 127.0.0.1 --port 8100 --max-concurrency N --max-queue 64]
 
 Configuration errors are reported (every problem, with its key and fix) before anything
 heavy is imported, with exit status 2.
@@ -13,6 +14,7 @@ heavy is imported, with exit status 2.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 
@@ -75,7 +77,27 @@ def build_parser() -> argparse.ArgumentParser:
     export.set_defaults(func=_export)
     add_retrieval_commands(sub)
     add_plan_command(sub)
+    sandbox = sub.add_parser("sandbox", help="Run the code rewards' sandbox as an HTTP service.")
+    serve = sandbox.add_subparsers(dest="sandbox_command", metavar="{serve}", required=True).add_parser(
+        "serve", help="serve POST /run: programs run on test inputs in bubblewrap sandboxes")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8100, help="port (default 8100)")
+    serve.add_argument("--max-concurrency", type=int, default=os.cpu_count() or 1,
+                       help="requests run at once (default: the CPU count)")
+    serve.add_argument("--max-queue", type=int, default=64, help="requests waiting at most; more get 503 (default 64)")
+    serve.add_argument("--processes", type=int, default=32, help="processes of one program at once (default 32)")
+    serve.set_defaults(func=_sandbox_serve)
     return parser
+
+
+def _sandbox_serve(args: argparse.Namespace) -> int:
+    from megarl.reward.sandbox import Limits
+    from megarl.reward.sandbox_service import SANDBOX_KEY_ENV, serve
+
+    print(f"megarl sandbox: http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    serve(host=args.host, port=args.port, api_key=os.environ.get(SANDBOX_KEY_ENV) or None,
+          max_concurrency=args.max_concurrency, max_queue=args.max_queue, limits=Limits(processes=args.processes))
+    return 0
 
 
 def _export(args: argparse.Namespace) -> int:

@@ -76,6 +76,7 @@ def test_compute_score_rejects_unknown_options():
 def test_scorer_options_exist_on_every_scorer():
     assert set(SCORER_OPTION_NAMES) == {
         "format_score", "structure_format_score", "final_format_score", "retrieval_score", "dapo_math_normalization",
+        "code_sandbox_url", "code_wall_s", "code_memory_mb",
     }
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
+from megarl.reward.code import binary_code_score, code_format_score, code_score, ioi_score
 from megarl.reward.dapo_math import dapo_math_score
 from megarl.reward.search_r1 import search_r1_em_score, search_r1_format_score
 
@@ -35,12 +36,17 @@ class Scorer:
     options: tuple[str, ...] = ()
 
 
+CODE_OPTIONS = ("code_sandbox_url", "code_wall_s", "code_memory_mb")
 SCORERS: dict[str, Scorer] = {
     "search_r1_em": Scorer(search_r1_em_score, ("format_score",)),
     "search_r1_format": Scorer(
         search_r1_format_score, ("structure_format_score", "final_format_score", "retrieval_score")
     ),
     "dapo_math": Scorer(dapo_math_score, ("dapo_math_normalization",)),
+    "code": Scorer(code_score, CODE_OPTIONS),
+    "code_binary": Scorer(binary_code_score, CODE_OPTIONS),
+    "ioi": Scorer(ioi_score, CODE_OPTIONS),
+    "code_format": Scorer(code_format_score),
 }
 SCORER_OPTION_NAMES = tuple(sorted({option for scorer in SCORERS.values() for option in scorer.options}))
 
@@ -64,6 +70,10 @@ ROUTES: tuple[Route, ...] = (
         prefixes=("search",),
     ),
     Route("dapo_math", names=frozenset({"math_dapo", "math"}), prefixes=("aime",)),
+    Route("code", names=frozenset({"code"})),
+    Route("code_binary", names=frozenset({"code_binary"})),
+    Route("ioi", names=frozenset({"ioi"})),
+    Route("code_format", names=frozenset({"code_format"})),
 )
 
 

@@ -44,7 +44,7 @@ class RewardConfig:
 
     custom_function: str | None = param(
         None, "Scorer used instead of routing by data_source: a built-in name (search_r1_em, search_r1_format, "
-        "dapo_math) or 'module.path:function' (fn(data_source, solution_str, ground_truth, extra_info) -> "
+        "dapo_math, code, code_binary, ioi, code_format) or 'module.path:function' (fn(data_source, solution_str, ground_truth, extra_info) -> "
         "float | dict).")
     weights: dict[str, float] = param(
         help="Component name -> weight; the reward is Σ weight · component. Empty = the task score alone "
@@ -75,6 +75,11 @@ class RewardConfig:
         "len, 1.0 from cosine_scaled; the cosine followed past cosine_max_len); megarl = correctness from accuracy "
         "or task_score, lengths in tokens (the generation cost), such a response skipped, cosine_scaled held at its "
         "end value past cosine_max_len (its scores are not open-r1's).")
+    code_sandbox_url: str | None = param(
+        None, "code, code_binary, ioi: where programs run. None = a bubblewrap sandbox on this machine (the "
+        "README's rewards section); a URL = a sandbox service (`megarl sandbox serve`), its key from $MEGARL_SANDBOX_API_KEY.")
+    code_wall_s: float = param(5.0, "code rewards: wall-time limit of one test case (CPU time: as many seconds).", gt=0)
+    code_memory_mb: int = param(512, "code rewards: address-space limit of each process of a test case, in MiB.", gt=0)
     format_strict_end: bool = param(
         False, "format: false = open-r1's check, which ends at '</answer>' followed by the end or a newline (what "
         "follows that newline is not read); true = nothing but one newline may follow '</answer>'.")
