@@ -21,6 +21,7 @@ import os
 from dataclasses import asdict
 
 import httpx
+from pydantic import BaseModel, Field
 
 from megarl.http_auth import bearer, require_api_key
 from megarl.reward.sandbox import COMPILE_LIMITS, LANGUAGES, Limits, LocalSandbox, RunResult, run_cases
@@ -29,6 +30,14 @@ SANDBOX_KEY_ENV = "MEGARL_SANDBOX_API_KEY"
 MAX_INPUTS = 512  # test cases in one request
 MAX_SOURCE_BYTES = 1 << 20
 MAX_INPUT_BYTES = 64 << 20  # all inputs of one request together
+
+
+class RunRequest(BaseModel):
+    language: str
+    source: str = Field(max_length=MAX_SOURCE_BYTES)
+    inputs: list[str] = Field(min_length=1, max_length=MAX_INPUTS)
+    wall_s: float = Field(default=Limits.wall_s, gt=0, le=60)
+    memory_mb: int = Field(default=Limits.memory_mb, gt=0, le=16384)
 
 
 def request_deadline_s(inputs: int, wall_s: float) -> float:
@@ -40,14 +49,6 @@ def create_sandbox_app(sandbox: LocalSandbox, *, api_key: str | None = None, max
                        max_queue: int = 64):
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse
-    from pydantic import BaseModel, Field
-
-    class RunRequest(BaseModel):
-        language: str
-        source: str = Field(max_length=MAX_SOURCE_BYTES)
-        inputs: list[str] = Field(min_length=1, max_length=MAX_INPUTS)
-        wall_s: float = Field(default=sandbox.limits.wall_s, gt=0, le=60)
-        memory_mb: int = Field(default=sandbox.limits.memory_mb, gt=0, le=16384)
 
     app = FastAPI(title="megarl sandbox")
     require_api_key(app, api_key, lambda path: path.startswith("/health"))
