@@ -74,6 +74,12 @@ quickstart-math: $(STAMP)
 	$(BIN)/python -m megarl.quickstart prepare-math outputs/quickstart_math
 	$(BIN)/megarl train examples/quickstart/dapo_math_tiny.yaml
 
+# Code RL: a tiny model writes Python programs, each run on its test cases in the sandbox.
+.PHONY: quickstart-code
+quickstart-code: $(STAMP) sandbox-tool
+	$(BIN)/python -m megarl.quickstart prepare-code outputs/quickstart_code
+	$(BIN)/megarl train examples/quickstart/code_tiny.yaml
+
 # The Search-R1 quickstart on the Megatron backend: two CPU ranks at tensor parallel 2.
 quickstart-megatron: $(STAMP)
 	$(BIN)/python -m megarl.quickstart prepare outputs/quickstart

@@ -1,15 +1,18 @@
 """The quickstart's inputs and config, end to end at a tiny scale."""
 
 import json
+import os
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 from mlflow.tracking import MlflowClient
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from megarl.config import load_config
-from megarl.quickstart import MathSettings, QuickstartSettings, prepare, prepare_math
+from megarl.quickstart import CodeSettings, MathSettings, QuickstartSettings, prepare, prepare_code, prepare_math
 from megarl.quickstart.__main__ import main
 from megarl.quickstart.worlds import read_facts, read_sums
 from megarl.tracking import local_store_uri
@@ -89,4 +92,34 @@ def test_math_quickstart_config_trains_on_prepared_inputs(tmp_path, monkeypatch)
     (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
     # the DAPO math reward scores every sample +1 or -1 (overlong shaping only lowers it)
     assert -2.0 <= client.get_metric_history(run.info.run_id, "train/reward_mean")[0].value <= 1.0
+    assert {m.step for m in client.get_metric_history(run.info.run_id, "val/acc")} == {0, 1}
+
+
+CODE_CONFIG = CONFIG.with_name("code_tiny.yaml")
+TINY_CODE = replace(CodeSettings(), num_val=2, vocab_size=300, hidden_size=32, steps=3, batch_size=4)
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None and not os.environ.get("CI"),
+                    reason="the code reward needs bubblewrap (make setup installs it)")
+def test_code_quickstart_config_trains_on_prepared_inputs(tmp_path, monkeypatch):
+    # the whole path of a code run: open-r1 code rows, every sampled program run in the sandbox
+    from megarl.quickstart.code_task import read_code_problems, response_text
+    from megarl.reward import compute_score
+
+    monkeypatch.chdir(tmp_path)
+    out = prepare_code(Path("outputs/quickstart_code"), TINY_CODE)
+    problems = read_code_problems(out / "data" / "train.parquet")
+    assert len(problems) == 40 and set(read_code_problems(out / "data" / "val.parquet")) <= set(problems)
+    row = pq.read_table(out / "data" / "train.parquet").to_pylist()[0]
+    right = compute_score("code", response_text(problems[0].program()), row["reward_model"]["ground_truth"])
+    assert right["score"] == 1.0  # the reference program passes its own test cases, in the sandbox
+    cfg = load_config(str(CODE_CONFIG), ["trainer.total_training_steps=1", "data.train_batch_size=2",
+                                         "data.gen_batch_size=2", "rollout.n=2", "rollout.val.n=1",
+                                         "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size=4",
+                                         "cluster.launcher=inprocess", "algorithm.dynamic_sampling.enable=false"])
+    train(cfg)
+    client = MlflowClient(tracking_uri=local_store_uri(Path("outputs/quickstart_code/run")))
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert 0.0 <= client.get_metric_history(run.info.run_id, "train/reward_mean")[0].value <= 1.0
+    assert client.get_metric_history(run.info.run_id, "reward/failures")[0].value == 0
     assert {m.step for m in client.get_metric_history(run.info.run_id, "val/acc")} == {0, 1}

@@ -7,6 +7,8 @@ what each command writes):
     megarl train examples/quickstart/search_r1_tiny.yaml
     python -m megarl.quickstart prepare-math outputs/quickstart_math      # single-turn DAPO math
     megarl train examples/quickstart/dapo_math_tiny.yaml
+    python -m megarl.quickstart prepare-code outputs/quickstart_code      # code RL, programs in a sandbox
+    megarl train examples/quickstart/code_tiny.yaml
 
 Main entry point: `main`.
 """
@@ -18,7 +20,7 @@ import logging
 import sys
 from dataclasses import replace
 
-from megarl.quickstart.inputs import QuickstartSettings, prepare, prepare_math
+from megarl.quickstart.inputs import QuickstartSettings, prepare, prepare_code, prepare_math
 
 
 def _search_settings(warmup_steps: int | None) -> QuickstartSettings:
@@ -43,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("out_dir", help="where data/ and model/ go (the math config reads outputs/quickstart_math)")
     m.add_argument("--force", action="store_true", help="rebuild even when up to date")
     m.set_defaults(run=lambda a: prepare_math(a.out_dir, force=a.force))
+    c = sub.add_parser("prepare-code", help="build the programming problems and warmed-up tiny model")
+    c.add_argument("out_dir", help="where data/ and model/ go (the code config reads outputs/quickstart_code)")
+    c.add_argument("--force", action="store_true", help="rebuild even when up to date")
+    c.set_defaults(run=lambda a: prepare_code(a.out_dir, force=a.force))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args.run(args)

@@ -19,9 +19,14 @@ a + b of one-digit numbers, in the DAPO-Math prompt and "Answer:" format) and mo
 up on answers that are right only `correct_fraction` of the time, so DAPO has a noisy policy
 to sharpen.
 
+`prepare_code` (`python -m megarl.quickstart prepare-code DIR`) writes data/ (40 problems: a
+Python program printing the sum, maximum, minimum or count of the input numbers plus k, as
+open-r1 code rows with test cases) and model/, warmed up on programs that are right only
+`correct_fraction` of the time; the code reward runs every sampled program in the sandbox.
+
 Every output is written to a temporary directory and renamed into place, and a finished
 preparation is skipped when run again with the same settings (see `prepared.json`).
-Main entry points: `prepare`, `prepare_math`.
+Main entry points: `prepare`, `prepare_math`, `prepare_code`.
 """
 
 from __future__ import annotations
@@ -168,6 +173,59 @@ def prepare_math(out_dir: str | Path, settings: MathSettings = MathSettings(), f
     return out
 
 
+@dataclass(frozen=True)
+class CodeSettings:
+    num_val: int = 8
+    seed: int = 0
+    vocab_size: int = 600
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    steps: int = 300
+    correct_fraction: float = 0.3
+    batch_size: int = 16
+    lr: float = 1e-3
+
+
+def prepare_code(out_dir: str | Path, settings: CodeSettings = CodeSettings(), force: bool = False) -> Path:
+    """Build data/ and model/ for the code RL run (skipped when up to date)."""
+    from megarl.config import OptimConfig
+    from megarl.data.tokenizer import train_bpe_tokenizer
+    from megarl.quickstart.code_task import code_examples, read_code_problems, response_text, write_code_world
+    from megarl.quickstart.sft import supervised_warmup
+
+    out = Path(out_dir)
+    if _up_to_date(out, settings, force):
+        return out
+    s, start = settings, time.perf_counter()
+    data = _fresh(out / "data")
+    write_code_world(data, s.num_val, s.seed)
+    _replace(data, out / "data")
+    problems = read_code_problems(out / "data" / "train.parquet")
+    print(f"[1/3] code problems: {len(problems)} for training, {s.num_val} of them for validation")
+    texts = [p.prompt + "\n" + response_text(p.program(o, k)) for p in problems for o in ("sum", "count") for k in (0, 9)]
+    tokenizer = train_bpe_tokenizer(texts, s.vocab_size)
+    model = _tiny_qwen2(len(tokenizer), tokenizer.eos_token_id, s)
+    model_dir = _fresh(out / "model")
+    tokenizer = _as_the_trainer_loads_it(model, tokenizer, model_dir)
+    print(f"[2/3] tokenizer ({len(tokenizer)} tokens) and a tiny Qwen2 "
+          f"({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters)")
+    optim = OptimConfig(lr=s.lr, lr_warmup_steps=30, lr_scheduler="constant", weight_decay=0.0, grad_clip=1.0)
+    examples = code_examples(problems, tokenizer, s.correct_fraction, s.seed,
+                             repeats=-(-s.steps * s.batch_size // len(problems)))
+    losses = supervised_warmup(model, examples, steps=s.steps, batch_size=s.batch_size, optim=optim, seed=s.seed,
+                               pad_id=tokenizer.pad_token_id, desc="warm-up (programs)")
+    model.save_pretrained(model_dir)
+    _replace(model_dir, out / "model")
+    tail = losses[-50:]
+    stats = {"final_loss": sum(tail) / len(tail), "seconds": round(time.perf_counter() - start, 1)}
+    (out / STAMP).write_text(json.dumps({"settings": asdict(s), "stats": stats}, indent=2))
+    print(f"[3/3] warmed-up model in {out / 'model'} (final loss {stats['final_loss']:.4f}; programs right "
+          f"{s.correct_fraction:.0%} of the time in the demonstrations); {stats['seconds']:.0f} s in all")
+    return out
+
+
 def _train_tokenizer(corpus: Path, facts, s: QuickstartSettings):
     from megarl.data.tokenizer import train_bpe_tokenizer
     from megarl.quickstart.worlds import question
@@ -198,7 +256,7 @@ def _as_the_trainer_loads_it(model, tokenizer, model_dir: Path):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def _tiny_qwen2(vocab_size: int, eos_id: int, s: QuickstartSettings | MathSettings):
+def _tiny_qwen2(vocab_size: int, eos_id: int, s: QuickstartSettings | MathSettings | CodeSettings):
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
