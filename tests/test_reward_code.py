@@ -128,3 +128,34 @@ def test_the_service_refuses_past_its_queue(service):
     assert outcomes.count("1\n") == 2
     (refused,) = [o for o in outcomes if o != "1\n"]
     assert "answered 503" in refused and "queue is full" in refused
+
+
+def test_a_ray_run_starts_sandbox_services_and_its_reward_workers_use_them(tmp_path):
+    # reward.sandbox_servers under cluster.launcher=ray: a sandbox service per server, spread over
+    # the nodes; the reward actor's workers send the code rewards to it with its key
+    from dataclasses import replace
+
+    import ray
+
+    from megarl.config import load_config
+    from megarl.quickstart import CodeSettings, prepare_code
+    from megarl.reward import RewardRequest
+    from megarl.runtime import build_runtime
+
+    out = prepare_code(tmp_path / "code", replace(CodeSettings(), num_val=2, vocab_size=300, hidden_size=32, steps=2,
+                                                  batch_size=4))
+    cfg = load_config(None, [f"model.path={out / 'model'}", f"data.train_files=[{out / 'data' / 'train.parquet'}]",
+                             "cluster.launcher=ray", "reward.sandbox_servers=1", "reward.num_workers=1",
+                             f"trainer.output_dir={tmp_path / 'run'}", "agent.max_turns=0"])
+    runtime = build_runtime(cfg, total_steps=1)
+    try:
+        assert "sandbox services on 127.0.0.1" in runtime.placement()
+        url = ray.get(runtime.sandbox_actors[0].url.remote())
+        wrong_on_5 = SUM.replace("print(a + b)", "print(0 if a == 5 else a + b)")
+        requests = [RewardRequest("code", fenced(code), INFO) for code in (SUM, wrong_on_5)]
+        results, _ = runtime.reward_pool.compute(requests)
+        assert [(r.score, r.error) for r in results] == [(1.0, None), (0.75, None)]
+        assert httpx.get(f"{url}/health").json()["served"] == 2  # both through the service
+        assert httpx.post(f"{url}/run", json={"language": "python", "source": SUM, "inputs": ["1 2\n"]}).status_code == 401
+    finally:
+        runtime.shutdown()

@@ -2,7 +2,7 @@
 
     POST /run  {"language": "python", "source": "...", "inputs": ["1 2\\n", ...], "wall_s": 5, "memory_mb": 512}
       -> {"results": [{"status": "ok", "stdout": "3\\n", "stderr": "", "exit_code": 0, "wall_s": 0.02}, ...]}
-    GET /health -> {"healthy": true, "running": n, "waiting": n}
+    GET /health -> {"healthy": true, "running": n, "waiting": n, "served": n}
 
 Each request's program runs on its inputs one after another, each in a fresh local sandbox
 (megarl.reward.sandbox); `max_concurrency` requests run at once, up to `max_queue` more wait,
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 from dataclasses import asdict
 
 import httpx
@@ -53,7 +54,7 @@ def create_sandbox_app(sandbox: LocalSandbox, *, api_key: str | None = None, max
     app = FastAPI(title="megarl sandbox")
     require_api_key(app, api_key, lambda path: path.startswith("/health"))
     slots = asyncio.Semaphore(max_concurrency)
-    state = {"running": 0, "waiting": 0}
+    state = {"running": 0, "waiting": 0, "served": 0}  # served: requests answered
 
     @app.get("/health")
     async def health():
@@ -81,6 +82,7 @@ def create_sandbox_app(sandbox: LocalSandbox, *, api_key: str | None = None, max
         finally:
             state["running"] -= 1
             slots.release()
+        state["served"] += 1
         return {"results": [asdict(r) for r in results]}
 
     return app
@@ -102,25 +104,29 @@ def serve(*, host: str = "127.0.0.1", port: int = 8100, api_key: str | None = No
 
 
 class SandboxClient:
-    """Runs test cases on a sandbox service (reward.code_sandbox_url); the key from
-    $MEGARL_SANDBOX_API_KEY unless given."""
+    """Runs test cases on a sandbox service (reward.code_sandbox_url: one URL, or several
+    separated by commas, one drawn at random per request); the key from $MEGARL_SANDBOX_API_KEY
+    unless given."""
 
     def __init__(self, url: str, api_key: str | None = None):
-        self.url = url.rstrip("/")
+        self.urls = [u.strip().rstrip("/") for u in url.split(",") if u.strip()]
+        if not self.urls:
+            raise ValueError(f"sandbox service URL {url!r} names no server")
         self.headers = bearer(api_key if api_key is not None else os.environ.get(SANDBOX_KEY_ENV))
 
     def run(self, language: str, source: str, inputs: list[str], *, wall_s: float = 5.0,
             memory_mb: int = 512) -> list[RunResult]:
         body = {"language": language, "source": source, "inputs": inputs, "wall_s": wall_s, "memory_mb": memory_mb}
+        url = random.choice(self.urls)
         try:
-            response = httpx.post(f"{self.url}/run", json=body, headers=self.headers,
+            response = httpx.post(f"{url}/run", json=body, headers=self.headers,
                                   timeout=request_deadline_s(len(inputs), wall_s) + 10.0)
         except httpx.HTTPError as e:
-            raise RuntimeError(f"sandbox service {self.url}: {type(e).__name__}: {e}") from e
+            raise RuntimeError(f"sandbox service {url}: {type(e).__name__}: {e}") from e
         if response.status_code != 200:
-            raise RuntimeError(f"sandbox service {self.url} answered {response.status_code}: {response.text[:300]}")
+            raise RuntimeError(f"sandbox service {url} answered {response.status_code}: {response.text[:300]}")
         results = response.json().get("results")
         if not isinstance(results, list) or len(results) != len(inputs):
-            raise RuntimeError(f"sandbox service {self.url}: {len(inputs)} inputs sent, the answer has "
+            raise RuntimeError(f"sandbox service {url}: {len(inputs)} inputs sent, the answer has "
                                f"{len(results) if isinstance(results, list) else 'no'} results")
         return [RunResult(**r) for r in results]

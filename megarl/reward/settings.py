@@ -78,6 +78,10 @@ class RewardConfig:
     code_sandbox_url: str | None = param(
         None, "code, code_binary, ioi: where programs run. None = a bubblewrap sandbox on this machine (the "
         "README's rewards section); a URL = a sandbox service (`megarl sandbox serve`), its key from $MEGARL_SANDBOX_API_KEY.")
+    sandbox_servers: int = param(
+        0, "code rewards under cluster.launcher=ray: sandbox services (`megarl sandbox serve`) megarl starts as Ray "
+        "actors, spread over the cluster's nodes with a CPU each, which the reward workers then use (0: each reward "
+        "worker runs its sandboxes on its own node).", ge=0)
     code_wall_s: float = param(5.0, "code rewards: wall-time limit of one test case (CPU time: as many seconds).", gt=0)
     code_memory_mb: int = param(512, "code rewards: address-space limit of each process of a test case, in MiB.", gt=0)
     format_strict_end: bool = param(

@@ -1,12 +1,15 @@
-"""The Ray actors of a run: each train rank, the embedded engine, the retrieval server and
-the reward workers, each in a process of its own (placed by megarl.runtime.ray_runtime).
+"""The Ray actors of a run: each train rank, the embedded engine, the retrieval server, the
+reward workers and the code rewards' sandbox services, each in a process of its own (placed by
+megarl.runtime.ray_runtime).
 
 The driver reaches them through the proxies of megarl.runtime.ray_proxies, which give them
 the same typed interfaces as the in-process objects. Main entry points: `TrainWorkerActor`,
-`EngineActor`, `RetrievalActor`, `RewardActor`.
+`EngineActor`, `RetrievalActor`, `RewardActor`, `SandboxActor`.
 """
 
 from __future__ import annotations
+
+import os
 
 import ray
 
@@ -180,11 +183,36 @@ class RetrievalActor:
         self.server.stop()
 
 
+@ray.remote
+class SandboxActor:
+    """A sandbox service (`megarl sandbox serve`) in its own process, bound to its node's address
+    (127.0.0.1 on a one-node run), requiring `api_key` on /run."""
+
+    def __init__(self, api_key: str, nnodes: int, wall_s: float, memory_mb: int):
+        from megarl.retrieval.server import BackgroundServer
+        from megarl.reward.sandbox import Limits, LocalSandbox
+        from megarl.reward.sandbox_service import create_sandbox_app
+
+        sandbox = LocalSandbox(Limits(wall_s=wall_s, cpu_s=max(1, int(wall_s)), memory_mb=memory_mb))
+        sandbox.check()  # here, so a node without bubblewrap says so at the start
+        host = ray.util.get_node_ip_address() if nnodes > 1 else "127.0.0.1"
+        self.server = BackgroundServer(create_sandbox_app(sandbox, api_key=api_key, max_concurrency=os.cpu_count() or 1),
+                                       host=host).start()
+
+    def url(self) -> str:
+        return self.server.url
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
 @ray.remote(concurrency_groups=HEALTH_GROUP)
 class RewardActor:
-    """A RewardPool (and its worker processes, if any) in its own process."""
+    """A RewardPool (and its worker processes, if any) in its own process; `env`: variables its
+    workers need (a sandbox service's key), set before they start."""
 
-    def __init__(self, settings, num_workers: int, timeout_s: float):
+    def __init__(self, settings, num_workers: int, timeout_s: float, env: dict[str, str] | None = None):
+        os.environ.update(env or {})
         self.pool = RewardPool(settings, num_workers=num_workers, timeout_s=timeout_s)
 
     def compute(self, requests):

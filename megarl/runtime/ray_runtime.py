@@ -25,7 +25,7 @@ from megarl.driver_loop import run_async
 from megarl.errors import ComponentDied
 from megarl.runtime.base import Runtime, hosted_retrieval_key
 from megarl.runtime.local_ray import init_local_ray
-from megarl.runtime.ray_actors import EngineActor, RetrievalActor, RewardActor, TrainWorkerActor
+from megarl.runtime.ray_actors import EngineActor, RetrievalActor, RewardActor, SandboxActor, TrainWorkerActor
 from megarl.runtime.liveness import died, frozen, wait_started
 from megarl.runtime.ray_proxies import RayRanks, RemoteEngine, RemoteRewardPool, RemoteTrainWorker, rank_name
 from megarl.termination import handlers_kept
@@ -55,11 +55,12 @@ class RayRuntime(Runtime):
                 if c.ray_address:
                     ray.init(address=c.ray_address, log_to_driver=True)
                 else:
-                    init_local_ray(num_cpus=c.cpus_per_node or max(len(placement_bundles(cfg)[0]),
-                                                                   os.cpu_count() or 2),
+                    init_local_ray(num_cpus=c.cpus_per_node or max(len(placement_bundles(cfg)[0])
+                                                                   + cfg.reward.sandbox_servers, os.cpu_count() or 2),
                                    num_gpus=c.gpus_per_node, include_dashboard=False, log_to_driver=True)
             self._started_ray = True
         self.pg, self.worker_actors, self.engine_actor, self.reward_actor, self.retrieval_actor = None, [], None, None, None
+        self.sandbox_actors = []  # reward.sandbox_servers
         self.parts = []  # (kind, name, actor, node address), once all are started
         self.fleet, self.transport, self.engine, self.reward_pool = None, None, None, None
         gpus = cfg.cluster.gpus_per_node > 0
@@ -84,8 +85,9 @@ class RayRuntime(Runtime):
         train_gpus = 0.8 if self.colocated else gpus  # a colocated engine server takes the other 0.2
         self.worker_actors = [TrainWorkerActor.options(num_cpus=1, num_gpus=train_gpus, scheduling_strategy=place[r])
                               .remote() for r in range(world)]
+        reward, env = self._start_sandboxes(cfg)
         self.reward_actor = RewardActor.options(num_cpus=0.5, scheduling_strategy=place[misc]).remote(
-            cfg.reward, cfg.reward.num_workers, cfg.reward.timeout_s)
+            reward, cfg.reward.num_workers, cfg.reward.timeout_s, env)
         if cfg.agent.max_turns > 0 and cfg.agent.retrieval.url is None:
             self.retrieval_api_key = hosted_retrieval_key(cfg.agent.retrieval)
             self.retrieval_actor = RetrievalActor.options(num_cpus=0.5, scheduling_strategy=place[misc]).remote(
@@ -129,12 +131,36 @@ class RayRuntime(Runtime):
         self.parts = self._locate_parts()
         print(f"megarl placement: {self.placement()}", file=sys.stderr, flush=True)  # where to find each part's logs
 
+    def _start_sandboxes(self, cfg: RunConfig):
+        """reward.sandbox_servers sandbox services, spread over the nodes with a CPU each; the
+        reward settings that send the code rewards to them, and their key for the reward workers."""
+        r = cfg.reward
+        if not r.sandbox_servers:
+            return r, {}
+        from dataclasses import replace
+
+        from megarl.http_auth import new_api_key
+        from megarl.reward.sandbox_service import SANDBOX_KEY_ENV
+
+        key = new_api_key()
+        self.sandbox_actors = [SandboxActor.options(num_cpus=1, scheduling_strategy="SPREAD").remote(
+            key, cfg.cluster.nnodes, r.code_wall_s, r.code_memory_mb) for _ in range(r.sandbox_servers)]
+        try:
+            urls = ray.get([a.url.remote() for a in self.sandbox_actors], timeout=cfg.cluster.liveness.startup_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise ComponentDied(f"the {r.sandbox_servers} sandbox services (Ray actors SandboxActor) did not start "
+                                f"within {cfg.cluster.liveness.startup_timeout_s:.0f} s") from None
+        except ray.exceptions.RayActorError as e:
+            raise died("sandbox service (Ray actor SandboxActor)", e) from e
+        return replace(r, code_sandbox_url=",".join(urls)), {SANDBOX_KEY_ENV: key}
+
     def _locate_parts(self) -> list[tuple[str, str, object, str]]:
         """(kind, name, Ray actor, node address) of each part of the run."""
         parts = [("train ranks", f"train rank {r}", a) for r, a in enumerate(self.worker_actors)]
         parts += [(kind, kind, a) for kind, a in (("rollout engine", self.engine_actor),
                                                   ("reward workers", self.reward_actor),
                                                   ("retrieval server", self.retrieval_actor)) if a is not None]
+        parts += [("sandbox services", f"sandbox service {i}", a) for i, a in enumerate(self.sandbox_actors)]
         if self.fleet is not None:
             parts += [("rollout engines", f"rollout {s.name}", s.actor) for s in self.fleet.servers]
             if self.fleet.router_actor is not None:
@@ -208,10 +234,12 @@ class RayRuntime(Runtime):
             from megarl.rollout.sglang_launch import stop_fleet
 
             stop_fleet(self.fleet)
-        for actor in (*self.worker_actors, self.engine_actor, self.reward_actor, self.retrieval_actor):
+        for actor in (*self.worker_actors, self.engine_actor, self.reward_actor, self.retrieval_actor,
+                      *self.sandbox_actors):
             if actor is not None:
                 ray.kill(actor)
         self.worker_actors, self.engine_actor, self.reward_actor, self.retrieval_actor = [], None, None, None
+        self.sandbox_actors = []
         self.engine = self.reward_pool = self.fleet = None
         if self.pg is not None:
             remove_placement_group(self.pg)
