@@ -182,3 +182,10 @@ def test_cpp_compiles_once_and_a_broken_program_scores_0():
     assert compute_score("code", bomb, cases, code_wall_s=1.0)["score"] == 0.0
     assert time.monotonic() - start < 3 * BOUND_S
     assert_host_clean()
+
+
+def test_a_program_that_closes_its_output_and_sleeps_is_still_timed_out(sandbox):
+    start = time.monotonic()
+    result = sandbox.run_python("import os, time\nos.close(1)\nos.close(2)\ntime.sleep(60)")
+    assert result.status == TIMEOUT and time.monotonic() - start < BOUND_S
+    assert_host_clean()

@@ -37,6 +37,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -161,7 +163,13 @@ class LocalSandbox:
             raise SandboxUnavailable(f"cannot start bubblewrap: {e}") from e
         feeder = threading.Thread(target=_feed, args=(proc.stdin, stdin.encode()), daemon=True)
         feeder.start()
-        out, err, status = _collect(proc, start + limits.wall_s, limits.output_bytes)
+        deadline = start + limits.wall_s
+        out, err, status = _collect(proc, deadline, limits.output_bytes)
+        if status is None:  # its output closed; it may still run (a program that closed its stdout and sleeps)
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                status = TIMEOUT
         if status is not None:
             _kill(proc)
         code = proc.wait()
@@ -177,19 +185,15 @@ class LocalSandbox:
             return self.run([self.python, "-I", "/sandbox/main.py"], stdin, directory, limits=limits)
 
 
-class program:
-    """A temporary host directory holding one file: `with program(text, name) as directory`."""
-
-    def __init__(self, text: str, name: str):
-        self.text, self.name = text, name
-
-    def __enter__(self) -> Path:
-        self.directory = Path(tempfile.mkdtemp(prefix="megarl-sandbox-"))
-        (self.directory / self.name).write_text(self.text)
-        return self.directory
-
-    def __exit__(self, *exc) -> None:
-        shutil.rmtree(self.directory, ignore_errors=True)
+@contextmanager
+def program(text: str, name: str) -> Iterator[Path]:
+    """A temporary host directory holding one file, `name` with `text`, removed afterwards."""
+    directory = Path(tempfile.mkdtemp(prefix="megarl-sandbox-"))
+    try:
+        (directory / name).write_text(text)
+        yield directory
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _readable_by(path: Path, uid: int, writable: bool) -> None:
