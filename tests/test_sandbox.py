@@ -5,6 +5,7 @@ block, scored by compute_score("code", ...) on a case whose answer it never prin
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import socket
@@ -189,3 +190,13 @@ def test_a_program_that_closes_its_output_and_sleeps_is_still_timed_out(sandbox)
     result = sandbox.run_python("import os, time\nos.close(1)\nos.close(2)\ntime.sleep(60)")
     assert result.status == TIMEOUT and time.monotonic() - start < BOUND_S
     assert_host_clean()
+
+
+def test_it_sees_the_interpreter_and_no_other_program(sandbox):
+    code = ("import os, shutil\nprint(sorted(os.listdir('/')))\n"
+            "print([p for p in ('gcc', 'sh', 'bash', 'curl', 'apt-get', 'bwrap') if shutil.which(p, path='/usr/bin:/bin')])")
+    result = sandbox.run_python(code)
+    top, found = result.stdout.splitlines()
+    assert result.status == OK and found == "[]"
+    assert set(ast.literal_eval(top)) <= {"bin", "dev", "etc", "lib", "lib32", "lib64", "proc", "sandbox", "sbin", "tmp", "usr",
+                              *Path(sandbox.python).parts[1:2]}  # a prefix of the interpreter outside /usr

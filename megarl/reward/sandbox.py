@@ -12,9 +12,10 @@ Each program runs in a fresh sandbox:
 - namespaces of its own: no network (an empty network namespace: not even the host's
   127.0.0.1), its own process ids (it cannot see or signal the host's processes, and all it
   started dies with it), IPC, UTS and user namespaces;
-- the file system: /usr (with /bin, /lib, /lib64 as its links) and the interpreter's prefix
-  read-only, a private /proc and /dev, a size-limited tmpfs /tmp as its only writable place
-  (gone when it ends), its program read-only in /sandbox; no home, no checkpoints, no data;
+- the file system: the interpreter, its standard library and the shared libraries read-only
+  (no other program of the system: a compilation alone sees all of /usr), a private /proc and
+  /dev, a size-limited tmpfs /tmp as its only writable place (gone when it ends), its program
+  read-only in /sandbox; no home, no checkpoints, no data;
 - limits: wall time (the sandbox is killed, and with it every process in it), CPU time,
   address space, processes, file size and the output read (more is a failure, and the program
   is killed);
@@ -40,6 +41,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from functools import cache
 from pathlib import Path
 
 # what a program's run ends as
@@ -91,13 +93,30 @@ def default_python() -> str:
     return "/usr/bin/python3" if Path("/usr/bin/python3").exists() else getattr(sys, "_base_executable", sys.executable)
 
 
+@cache
+def runtime_paths(python: str) -> list[str]:
+    """What a program needs at run time: the interpreter and its standard library (a whole
+    prefix when it is not under /usr), and the directories of shared libraries."""
+    prefix = Path(python).parent.parent
+    if str(prefix) != "/usr":
+        paths = [str(prefix)]
+    else:
+        stdlib = subprocess.run([python, "-I", "-c", "import sysconfig; print(sysconfig.get_paths()['stdlib'])"],
+                                capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+        paths = [python, stdlib]
+    libs = Path("/usr/lib")
+    paths += sorted(str(d) for d in libs.iterdir() if d.is_dir() and d.name.endswith(("-linux-gnu", "-linux-gnueabihf")))
+    paths += [d for d in ("/usr/lib64", "/usr/lib32") if Path(d).is_dir() and not Path(d).is_symlink()]
+    return paths
+
+
 class LocalSandbox:
     """Runs programs in bubblewrap sandboxes on this machine (see the module docstring)."""
 
     def __init__(self, limits: Limits = Limits(), *, python: str | None = None, bwrap: str | None = None):
         self.limits = limits
         self.bwrap = bwrap or find_bwrap()
-        self.python = python or default_python()
+        self.python = os.path.realpath(python or default_python())
         self._checked = False
 
     def check(self) -> None:
@@ -110,27 +129,28 @@ class LocalSandbox:
                                      f"{result.exit_code}): {result.stderr.strip()[-500:]}")
         self._checked = True
 
-    def binds(self) -> list[str]:
-        """bwrap's arguments for the read-only system: /usr, the top-level links into it, and
-        the interpreter's prefix when it lives elsewhere."""
-        args = ["--ro-bind", "/usr", "/usr"]
+    def binds(self, full: bool = False) -> list[str]:
+        """bwrap's arguments for the read-only system a program sees: the interpreter, its
+        standard library and the shared libraries (`full`: all of /usr, for a compiler), with the
+        top-level links into /usr."""
+        args = []
+        for path in (["/usr"] if full else runtime_paths(self.python)):
+            args += ["--ro-bind", path, path]
         for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64"):
             path = Path(top)
             if path.is_symlink():
                 args += ["--symlink", os.readlink(path), top]
             elif path.is_dir():
                 args += ["--ro-bind", top, top]
-        for extra in ("/etc/ld.so.cache", "/etc/alternatives"):
+        for extra in ("/etc/ld.so.cache", "/etc/alternatives") if full else ("/etc/ld.so.cache",):
             if Path(extra).exists():
                 args += ["--ro-bind", extra, extra]
-        prefix = Path(os.path.realpath(self.python)).parent.parent
-        if not str(prefix).startswith("/usr"):
-            args += ["--ro-bind", str(prefix), str(prefix)]
         return args
 
     def command(self, argv: list[str], program_dir: Path | None, writable_dir: Path | None = None) -> list[str]:
+        """The bwrap command line; a run with a writable directory (a compilation) sees all of /usr."""
         limits = self.limits
-        cmd = [self.bwrap, "--unshare-all", "--die-with-parent", "--new-session", *self.binds(),
+        cmd = [self.bwrap, "--unshare-all", "--die-with-parent", "--new-session", *self.binds(writable_dir is not None),
                "--proc", "/proc", "--dev", "/dev", "--size", str(limits.file_mb << 20), "--tmpfs", "/tmp",
                "--chdir", "/tmp", "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp",
                "--setenv", "PYTHONDONTWRITEBYTECODE", "1"]
