@@ -427,20 +427,35 @@ def export_hf_tensors(chunks: list[torch.nn.Module], spec: ModelSpec) -> Iterato
 
     for model in chunks:
         params = dict(model.named_parameters())
+        experts: dict[TensorRule, list[tuple[str, TensorRule]]] = {}  # a layer's experts of one tensor
         for name, rule in chunk_rules(model, spec):
             if name == "output_layer.weight" and spec.tied_embeddings:
                 continue
             if rule.expert is None:
                 group = parallel_state.get_tensor_model_parallel_group()
                 yield from hf_from_shards(rule, _gather(high_precision(params[name]), rule, group), spec).items()
-                continue
-            shards = _gather(high_precision(params[name]), rule, parallel_state.get_expert_tensor_parallel_group())
-            # each shard of the same local expert on every expert-parallel rank r: global expert r * per + local
-            by_rank = [_all_gather(shard, parallel_state.get_expert_model_parallel_group()) for shard in shards]
-            mine = _my_experts(spec)
-            for r in range(len(by_rank[0])):
-                theirs = for_expert(rule, rule.expert - mine.start + r * len(mine))
-                yield from hf_from_shards(theirs, [ranks[r] for ranks in by_rank], spec).items()
+            else:
+                experts.setdefault(for_expert(rule, 0), []).append((name, rule))
+        for group in experts.values():
+            yield from _export_experts(group, params, spec)
+
+
+def _export_experts(group: list[tuple[str, TensorRule]], params: dict, spec: ModelSpec):
+    """HF tensors of one layer's experts of one kind (fc1 or fc2): this rank's local experts
+    stacked, then gathered in one collective over expert TP and one over EP (not one per
+    expert: a Qwen3-30B-A3B sync would otherwise make 18k of them)."""
+    from megatron.core import parallel_state
+
+    first = group[0][1]
+    stacked = torch.stack([high_precision(params[name]) for name, _ in group])
+    shards = _gather(stacked, first, parallel_state.get_expert_tensor_parallel_group())
+    # each expert-TP shard of the stack on every expert-parallel rank r: global experts r * per + local
+    by_rank = [_all_gather(shard, parallel_state.get_expert_model_parallel_group()) for shard in shards]
+    mine = _my_experts(spec)
+    for r in range(len(by_rank[0])):
+        for i, (_, rule) in enumerate(group):
+            theirs = for_expert(rule, rule.expert - mine.start + r * len(mine))
+            yield from hf_from_shards(theirs, [ranks[r][i] for ranks in by_rank], spec).items()
 
 
 def _gather(local: torch.Tensor, rule: TensorRule, group) -> list[torch.Tensor]:
