@@ -158,7 +158,9 @@ class LocalSandbox:
             cmd += ["--ro-bind", str(program_dir), "/sandbox"]
         if writable_dir is not None:  # a compiler's output
             cmd += ["--bind", str(writable_dir), "/build"]
-        return [*cmd, "--", *argv]
+        # the sandbox's own root (where bwrap made /usr and the other mount points) read-only too:
+        # /tmp, of a bounded size, stays the only place to write
+        return [*cmd, "--remount-ro", "/", "--", *argv]
 
     def run(self, argv: list[str], stdin: str = "", program_dir: Path | None = None, *,
             writable_dir: Path | None = None, limits: Limits | None = None) -> RunResult:
