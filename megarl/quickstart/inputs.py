@@ -133,7 +133,6 @@ def prepare_math(out_dir: str | Path, settings: MathSettings = MathSettings(), f
     """Build data/ and model/ for the single-turn DAPO arithmetic run (skipped when up to date)."""
     from megarl.config import OptimConfig
     from megarl.data.prepare import DAPO_MATH_INSTRUCTION
-    from megarl.data.tokenizer import train_bpe_tokenizer
     from megarl.quickstart.sft import supervised_warmup
     from megarl.quickstart.worlds import arithmetic_examples, read_sums, write_arithmetic_world
 
@@ -148,12 +147,7 @@ def prepare_math(out_dir: str | Path, settings: MathSettings = MathSettings(), f
     print(f"[1/3] arithmetic problems: {len(items)} for training, {s.num_val} of them for validation")
     texts = [DAPO_MATH_INSTRUCTION.format(problem=x.problem) + f"{x.a} + {x.b} = {x.answer}\nAnswer: {x.answer}"
              for x in items] + [str(n) for n in range(4 * s.max_operand + 4)]
-    tokenizer = train_bpe_tokenizer(texts, s.vocab_size)
-    model = _tiny_qwen2(len(tokenizer), tokenizer.eos_token_id, s)
-    model_dir = _fresh(out / "model")
-    tokenizer = _as_the_trainer_loads_it(model, tokenizer, model_dir)
-    print(f"[2/3] tokenizer ({len(tokenizer)} tokens) and a tiny Qwen2 "
-          f"({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters)")
+    model, tokenizer, model_dir = _tokenizer_and_model(texts, out, s)
     optim = OptimConfig(lr=s.lr, lr_warmup_steps=30, lr_scheduler="constant", weight_decay=0.0, grad_clip=1.0)
     bare = arithmetic_examples(items, tokenizer, s.correct_fraction, s.seed, bare_problem=True,
                                repeats=-(-s.bare_steps * s.batch_size // len(items)))
@@ -163,14 +157,7 @@ def prepare_math(out_dir: str | Path, settings: MathSettings = MathSettings(), f
                                    repeats=-(-s.steps * s.batch_size // len(items)))
     losses = supervised_warmup(model, examples, steps=s.steps, batch_size=s.batch_size, optim=optim,
                                seed=s.seed + 1, pad_id=tokenizer.pad_token_id, desc="warm-up 2/2 (DAPO prompt)")
-    model.save_pretrained(model_dir)
-    _replace(model_dir, out / "model")
-    tail = losses[-50:]
-    stats = {"final_loss": sum(tail) / len(tail), "seconds": round(time.perf_counter() - start, 1)}
-    (out / STAMP).write_text(json.dumps({"settings": asdict(s), "stats": stats}, indent=2))
-    print(f"[3/3] warmed-up model in {out / 'model'} (final loss {stats['final_loss']:.4f}; answers right "
-          f"{s.correct_fraction:.0%} of the time in the demonstrations); {stats['seconds']:.0f} s in all")
-    return out
+    return _finish(model, model_dir, out, s, losses, start, "answers")
 
 
 @dataclass(frozen=True)
@@ -191,7 +178,6 @@ class CodeSettings:
 def prepare_code(out_dir: str | Path, settings: CodeSettings = CodeSettings(), force: bool = False) -> Path:
     """Build data/ and model/ for the code RL run (skipped when up to date)."""
     from megarl.config import OptimConfig
-    from megarl.data.tokenizer import train_bpe_tokenizer
     from megarl.quickstart.code_task import code_examples, read_code_problems, response_text, write_code_world
     from megarl.quickstart.sft import supervised_warmup
 
@@ -205,23 +191,38 @@ def prepare_code(out_dir: str | Path, settings: CodeSettings = CodeSettings(), f
     problems = read_code_problems(out / "data" / "train.parquet")
     print(f"[1/3] code problems: {len(problems)} for training, {s.num_val} of them for validation")
     texts = [p.prompt + "\n" + response_text(p.program(o, k)) for p in problems for o in ("sum", "count") for k in (0, 9)]
+    model, tokenizer, model_dir = _tokenizer_and_model(texts, out, s)
+    optim = OptimConfig(lr=s.lr, lr_warmup_steps=30, lr_scheduler="constant", weight_decay=0.0, grad_clip=1.0)
+    examples = code_examples(problems, tokenizer, s.correct_fraction, s.seed,
+                             repeats=-(-s.steps * s.batch_size // len(problems)))
+    losses = supervised_warmup(model, examples, steps=s.steps, batch_size=s.batch_size, optim=optim, seed=s.seed,
+                               pad_id=tokenizer.pad_token_id, desc="warm-up (programs)")
+    return _finish(model, model_dir, out, s, losses, start, "programs")
+
+
+def _tokenizer_and_model(texts: list[str], out: Path, s: MathSettings | CodeSettings):
+    """Step 2 of 3 of the single-turn quickstarts: a BPE tokenizer trained on `texts`, a tiny
+    Qwen2 for it, and model/ (a fresh directory) with both, the tokenizer as the trainer loads it."""
+    from megarl.data.tokenizer import train_bpe_tokenizer
+
     tokenizer = train_bpe_tokenizer(texts, s.vocab_size)
     model = _tiny_qwen2(len(tokenizer), tokenizer.eos_token_id, s)
     model_dir = _fresh(out / "model")
     tokenizer = _as_the_trainer_loads_it(model, tokenizer, model_dir)
     print(f"[2/3] tokenizer ({len(tokenizer)} tokens) and a tiny Qwen2 "
           f"({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters)")
-    optim = OptimConfig(lr=s.lr, lr_warmup_steps=30, lr_scheduler="constant", weight_decay=0.0, grad_clip=1.0)
-    examples = code_examples(problems, tokenizer, s.correct_fraction, s.seed,
-                             repeats=-(-s.steps * s.batch_size // len(problems)))
-    losses = supervised_warmup(model, examples, steps=s.steps, batch_size=s.batch_size, optim=optim, seed=s.seed,
-                               pad_id=tokenizer.pad_token_id, desc="warm-up (programs)")
+    return model, tokenizer, model_dir
+
+
+def _finish(model, model_dir: Path, out: Path, s: MathSettings | CodeSettings, losses: list[float], start: float,
+            what: str) -> Path:
+    """Step 3 of 3: the warmed-up model into place and the stamp that marks the preparation done."""
     model.save_pretrained(model_dir)
     _replace(model_dir, out / "model")
     tail = losses[-50:]
     stats = {"final_loss": sum(tail) / len(tail), "seconds": round(time.perf_counter() - start, 1)}
     (out / STAMP).write_text(json.dumps({"settings": asdict(s), "stats": stats}, indent=2))
-    print(f"[3/3] warmed-up model in {out / 'model'} (final loss {stats['final_loss']:.4f}; programs right "
+    print(f"[3/3] warmed-up model in {out / 'model'} (final loss {stats['final_loss']:.4f}; {what} right "
           f"{s.correct_fraction:.0%} of the time in the demonstrations); {stats['seconds']:.0f} s in all")
     return out
 
