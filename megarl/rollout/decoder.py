@@ -107,9 +107,10 @@ class SlotDecoder:
         return self.routes[slot, start:max(start, end)].cpu().clone()
 
     # -- forward -----------------------------------------------------------------------
-    def _attention(self, layer_idx: int, attn, hidden, positions, slots: slice, write_at, key_len, mask):
-        """hidden (B, T, E) at `positions` (B, T); writes K/V into the cache rows of `slots`
-        at `write_at` and attends over the first `key_len` cached positions under `mask`."""
+    def _attention(self, layer_idx: int, attn, hidden, rotary, slots: slice, write_at, key_len, mask):
+        """hidden (B, T, E) whose positions' rotary (cos, sin) is `rotary`; writes K/V into the
+        cache rows of `slots` at `write_at` and attends over the first `key_len` cached positions
+        under `mask`."""
         b, t, _ = hidden.shape
         q = attn.q_proj(hidden).view(b, t, self.num_heads, self.head_dim)
         k = attn.k_proj(hidden).view(b, t, self.num_kv_heads, self.head_dim)
@@ -117,8 +118,7 @@ class SlotDecoder:
         if hasattr(attn, "q_norm"):  # Qwen3 normalises each head before rotary
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        cos, sin = self.model.model.rotary_emb(v, positions)
-        q, k = self.apply_rotary(q, k, cos, sin)
+        q, k = self.apply_rotary(q, k, *rotary)
         k_cache, v_cache = self.k_cache[layer_idx][slots], self.v_cache[layer_idx][slots]
         write_at(k_cache, k)
         write_at(v_cache, v)
@@ -157,11 +157,12 @@ class SlotDecoder:
 
     def _run(self, input_ids, positions, slots: slice, write_at, key_len, mask, last_index):
         hidden = self.model.model.embed_tokens(input_ids)
+        rotary = self.model.model.rotary_emb(hidden, positions)  # (cos, sin), the same for every layer
         routed = [] if self.record_routing else None
         for i, layer in enumerate(self.layers):
             residual = hidden
             hidden = layer.input_layernorm(hidden)
-            hidden = residual + self._attention(i, layer.self_attn, hidden, positions, slots, write_at, key_len, mask)
+            hidden = residual + self._attention(i, layer.self_attn, hidden, rotary, slots, write_at, key_len, mask)
             residual = hidden
             hidden = residual + self._mlp(layer.mlp, layer.post_attention_layernorm(hidden), routed)
         rows = torch.arange(hidden.shape[0], device=hidden.device)

@@ -6,8 +6,9 @@ step for every running sequence, and retires finished ones between steps, so a s
 answer frees its slot at once instead of waiting for the longest sequence of a batch. The
 samples of a prompt share one prefill, and a prompt that continues a finished sequence (the
 next turn of a trajectory) reuses its cache (megarl.rollout.prefix_cache).
-Model work runs on one dedicated thread, so the event loop (agent logic, HTTP server)
-stays responsive while the model computes.
+Model work (the cache included) runs on one dedicated thread, so the event loop (agent logic,
+HTTP server) stays responsive while the model computes, and that thread has the CPU's OpenMP
+workers to itself (megarl.rollout.openmp_workers).
 
 Main entry point: `LocalEngine.from_pretrained(path)` or `LocalEngine(model, tokenizer)`.
 """
@@ -26,6 +27,7 @@ import torch
 from megarl.models.hf_layout import checkpoint_views
 from megarl.rollout.decoder import SlotDecoder
 from megarl.rollout.engine import PREEMPTED, GenerationOutput, PauseAroundUpdates, SamplingParams, WeightBucket
+from megarl.rollout.openmp_workers import release_openmp_workers
 from megarl.rollout.prefix_cache import KeptPrefixes
 from megarl.rollout.token_sampling import sample_next_tokens
 
@@ -150,7 +152,7 @@ class LocalEngine(PauseAroundUpdates):
         for request in [*self._waiting, *self._running]:
             request.preempted = True
         if self._idle.is_set():
-            self._drop_aborted()
+            await self._drop_aborted()
 
     async def pause(self) -> None:
         self._ensure_loop()
@@ -212,15 +214,19 @@ class LocalEngine(PauseAroundUpdates):
         loop = asyncio.get_running_loop()
         while True:
             await self._unpaused.wait()
-            self._drop_aborted()
+            await self._drop_aborted()
             if not self._waiting and not self._running:
                 self._wake.clear()
+                # idle: the model thread's OpenMP workers would slow whoever computes meanwhile
+                await loop.run_in_executor(self._executor, release_openmp_workers)
                 await self._wake.wait()
                 continue
             admitted = self._admit()
             self._idle.clear()
+            release_openmp_workers()  # this thread's, should it have run torch since the last step
+            finished = []
             try:
-                await loop.run_in_executor(self._executor, self._step, admitted)
+                finished = await loop.run_in_executor(self._executor, self._step, admitted)
             except Exception as e:  # a model failure must not leave callers waiting forever
                 log.exception("embedded engine step failed")
                 self._abort_all(f"engine step failed: {e!r}", admitted)  # admitted: in neither queue yet
@@ -228,9 +234,9 @@ class LocalEngine(PauseAroundUpdates):
                 self.kept.clear()
             finally:
                 self._idle.set()
-            for request in [r for r in self._running if r.finish is not None]:
-                self._retire(request)
-            self._drop_aborted()  # before a pause can hold them: abort_requests comes before a sync
+            for request in finished:
+                self._resolve(request)
+            await self._drop_aborted()  # before a pause can hold them: abort_requests comes before a sync
 
     def _admit(self) -> list[_Request]:
         """Waiting requests for the free slots, up to max_prefill_tokens of distinct prompts (the
@@ -262,8 +268,9 @@ class LocalEngine(PauseAroundUpdates):
             self._waiting = deque(r for r in self._waiting if id(r) not in taken)
         return admitted
 
-    def _step(self, admitted: list[_Request]) -> None:
-        """Model thread: prefill the admitted requests, then one decode step for the rest."""
+    def _step(self, admitted: list[_Request]) -> list[_Request]:
+        """Model thread: prefill the admitted requests, then one decode step for the rest; the
+        requests that finished, their slots freed."""
         decoding = [r for r in self._running if r.finish is None]
         if decoding:
             last = torch.tensor([r.output[-1] for r in decoding])
@@ -291,6 +298,10 @@ class LocalEngine(PauseAroundUpdates):
             ordered = firsts + copies  # their slots, in order from `first`
             self._running.extend(ordered)
             self._sample(ordered, logits[[source[tuple(r.prompt)] for r in ordered]])
+        finished = [r for r in self._running if r.finish is not None]
+        for request in finished:
+            self._free_slot(request)
+        return finished
 
     def _sample(self, requests: list[_Request], logits: torch.Tensor) -> None:
         tokens, log_probs = sample_next_tokens(logits, [r.params for r in requests],
@@ -319,9 +330,9 @@ class LocalEngine(PauseAroundUpdates):
             return ("length", len(request.output))
         return None
 
-    def _retire(self, request: _Request) -> None:
-        """Keep the request's cache for a prompt that continues it (a finished one), then free
-        its slot by moving the last running sequence into it."""
+    def _free_slot(self, request: _Request) -> None:
+        """Model thread: keep the request's cache for a prompt that continues it (a finished
+        one), then free its slot by moving the last running sequence into it."""
         idx = self._running.index(request)
         if request.params.routed_experts_from is not None:
             request.routed = self.decoder.routed_experts(idx, request.params.routed_experts_from, request.length)
@@ -335,18 +346,29 @@ class LocalEngine(PauseAroundUpdates):
             self.decoder.move_slot(last, idx, moved.length)
             self._running[idx] = moved
         self._running.pop()
+
+    def _resolve(self, request: _Request) -> None:
         if not request.future.done():
             request.future.set_result(self._output(request))
 
-    def _drop_aborted(self) -> None:
+    async def _drop_aborted(self) -> None:
         for request in [r for r in self._waiting if r.cancelled or r.preempted]:
             self._waiting.remove(request)
             if request.preempted and not request.future.done():
                 request.finish = ("abort", PREEMPTED)
                 request.future.set_result(self._output(request))
-        for request in [r for r in self._running if r.cancelled or r.preempted]:
+        if any(r.cancelled or r.preempted for r in self._running):
+            for request in await asyncio.get_running_loop().run_in_executor(self._executor, self._free_aborted):
+                self._resolve(request)
+
+    def _free_aborted(self) -> list[_Request]:
+        """Model thread: the cancelled and preempted requests' slots freed (found here, so that
+        two calls queued one after the other never free one twice)."""
+        dropped = [r for r in self._running if r.cancelled or r.preempted]
+        for request in dropped:
             request.finish = ("abort", "cancelled by the caller" if request.cancelled else PREEMPTED)
-            self._retire(request)
+            self._free_slot(request)
+        return dropped
 
     def _abort_all(self, message: str, admitted: Iterable[_Request] = ()) -> None:
         for request in [*self._waiting, *self._running, *admitted]:
