@@ -4,8 +4,9 @@ The CPU (and single-GPU) default behind `RolloutEngine`. Requests queue up; a sc
 task admits waiting requests into free batch slots (one batched prefill), runs one decode
 step for every running sequence, and retires finished ones between steps, so a short
 answer frees its slot at once instead of waiting for the longest sequence of a batch. The
-samples of a prompt share one prefill, and a prompt that continues a finished sequence (the
-next turn of a trajectory) reuses its cache (megarl.rollout.prefix_cache).
+samples of a prompt share one prefill, a prompt that continues a finished sequence (the
+next turn of a trajectory) reuses its cache, and prompts admitted together compute the tokens
+they start with alike (a template's instruction) once (megarl.rollout.prefix_cache).
 Model work (the cache included) runs on one dedicated thread, so the event loop (agent logic,
 HTTP server) stays responsive while the model computes, and that thread has the CPU's OpenMP
 workers to itself (megarl.rollout.openmp_workers).
@@ -28,7 +29,7 @@ from megarl.models.hf_layout import checkpoint_views
 from megarl.rollout.decoder import SlotDecoder
 from megarl.rollout.engine import PREEMPTED, GenerationOutput, PauseAroundUpdates, SamplingParams, WeightBucket
 from megarl.rollout.openmp_workers import release_openmp_workers
-from megarl.rollout.prefix_cache import KeptPrefixes
+from megarl.rollout.prefix_cache import KeptPrefixes, shared_prefixes
 from megarl.rollout.token_sampling import sample_next_tokens
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,8 @@ class LocalEngine(PauseAroundUpdates):
                  max_prefill_tokens: int = 8192, eos_token_ids: Iterable[int] | None = None, seed: int = 0,
                  kept_sequences: int | None = None, record_routing: bool = False):
         """`kept_sequences`: finished sequences whose cache is kept for prompts that continue
-        them (megarl.rollout.prefix_cache; default max_batch_size, 0 = none). `record_routing`
+        them (megarl.rollout.prefix_cache; default max_batch_size). 0 turns prefix reuse off: the
+        n samples of a prompt still share its computation, but no other prompt shares any. `record_routing`
         (a mixture of experts): keep the experts of every token, for requests that ask for them
         (SamplingParams.routed_experts_from), as SGLang's --enable-return-routed-experts."""
         self.model = model.eval()
@@ -72,6 +74,7 @@ class LocalEngine(PauseAroundUpdates):
         kept = max_batch_size if kept_sequences is None else kept_sequences
         self.decoder = SlotDecoder(model, num_slots=max_batch_size + kept, record_routing=record_routing)
         self.kept = KeptPrefixes(first_slot=max_batch_size, size=kept)
+        self.shared_prefix_tokens = 0  # prompt tokens not computed since prompts admitted together shared them
         self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else _eos_ids(model, tokenizer))
         self.generator = torch.Generator().manual_seed(seed)
         self.weight_version = 0
@@ -277,31 +280,53 @@ class LocalEngine(PauseAroundUpdates):
             lengths = torch.tensor([r.length for r in decoding])
             self._sample(decoding, self.decoder.decode(last, lengths))
         if admitted:
-            # each distinct prompt is prefilled once; a request with the same prompt as an earlier
-            # one (the n samples of a group) gets a copy of its cache and samples from its logits
-            source: dict[tuple[int, ...], int] = {}  # prompt -> its row of the prefill
-            firsts, copies = [], []
-            for r in admitted:
-                key = tuple(r.prompt)
-                (copies if key in source else firsts).append(r)
-                source.setdefault(key, len(source))
-            first = len(self._running)
-            cached = []
-            for i, r in enumerate(firsts):  # a prompt that continues a kept sequence starts from its cache
-                found = self.kept.take(r.prompt)
-                if found is not None:
-                    self.decoder.move_slot(found[0], first + i, found[1])
-                cached.append(found[1] if found is not None else 0)
-            logits = self.decoder.prefill(first, [r.prompt for r in firsts], cached)
-            for i, r in enumerate(copies):
-                self.decoder.move_slot(first + source[tuple(r.prompt)], first + len(firsts) + i, len(r.prompt))
-            ordered = firsts + copies  # their slots, in order from `first`
+            ordered, rows, logits = self._prefill(admitted)
             self._running.extend(ordered)
-            self._sample(ordered, logits[[source[tuple(r.prompt)] for r in ordered]])
+            self._sample(ordered, logits[rows])
         finished = [r for r in self._running if r.finish is not None]
         for request in finished:
             self._free_slot(request)
         return finished
+
+    def _prefill(self, admitted: list[_Request]) -> tuple[list[_Request], list[int], torch.Tensor]:
+        """Model thread: the admitted requests in slots from len(running) on; returns them in
+        slot order, the row of the logits each samples from, and the logits. Each distinct
+        prompt is computed once (the n samples of a group get a copy of its cache and sample
+        from its logits). With prefix reuse on, a prompt that continues a kept sequence starts
+        from its cache, and prompts that start alike compute what they share once."""
+        firsts, copies, seen = [], [], set()
+        for r in admitted:
+            key = tuple(r.prompt)
+            (copies if key in seen else firsts).append(r)
+            seen.add(key)
+        found = [self.kept.take(r.prompt) for r in firsts]  # (slot, length) of a kept prefix, or None
+        fresh = [i for i, f in enumerate(found) if f is None]
+        groups = shared_prefixes([tuple(firsts[i].prompt) for i in fresh]) if self.kept.size else []
+        groups = [([fresh[i] for i in members], shared) for members, shared in groups]
+        # the group leaders first: their slots compute the shared tokens in one batch
+        leaders = [members[0] for members, _ in groups]
+        order = leaders + sorted(set(range(len(firsts))) - set(leaders))
+        firsts, found = [firsts[i] for i in order], [found[i] for i in order]
+        slot_of = {old: new for new, old in enumerate(order)}
+        first = len(self._running)
+        cached = [f[1] if f is not None else 0 for f in found]
+        for i, f in enumerate(found):
+            if f is not None:
+                self.decoder.move_slot(f[0], first + i, f[1])
+        if groups:
+            self.decoder.prefill(first, [firsts[k].prompt[:shared] for k, (_, shared) in enumerate(groups)])
+            for k, (members, shared) in enumerate(groups):
+                for i in members:
+                    if i != members[0]:
+                        self.decoder.move_slot(first + k, first + slot_of[i], shared)
+                    cached[slot_of[i]] = shared
+                self.shared_prefix_tokens += (len(members) - 1) * shared
+        logits = self.decoder.prefill(first, [r.prompt for r in firsts], cached)
+        row = {tuple(r.prompt): i for i, r in enumerate(firsts)}
+        for i, r in enumerate(copies):
+            self.decoder.move_slot(first + row[tuple(r.prompt)], first + len(firsts) + i, len(r.prompt))
+        ordered = firsts + copies  # their slots, in order from `first`
+        return ordered, [row[tuple(r.prompt)] for r in ordered], logits
 
     def _sample(self, requests: list[_Request], logits: torch.Tensor) -> None:
         tokens, log_probs = sample_next_tokens(logits, [r.params for r in requests],

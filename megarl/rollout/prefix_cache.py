@@ -11,13 +11,22 @@ The engine's model thread keeps and takes; its event loop asks, for each new req
 it continues a kept sequence (such requests are admitted first, before their kept sequence is
 pushed out): a lock keeps the two consistent.
 
-Main entry point: `KeptPrefixes`.
+Prompts admitted together that start with the same tokens (a template's instruction, a system
+prompt) share those tokens' computation too: `shared_prefixes` groups them, the engine computes
+the shared tokens once in one prompt's slot and copies them to the others'. SGLang's radix cache
+gives the fleet both.
+
+Main entry points: `KeptPrefixes`, `shared_prefixes`.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+
+# a group of prompts shares its first tokens' computation when that saves this many tokens of
+# prefill at least (the shared tokens are one more forward pass, and copies)
+SHARED_PREFIX_MIN_SAVING = 256
 
 
 class KeptPrefixes:
@@ -76,3 +85,53 @@ class KeptPrefixes:
     def clear(self) -> None:
         with self._lock:
             self._kept.clear()
+
+
+def shared_prefixes(prompts: list[tuple[int, ...]], min_saving: int | None = None) -> list[tuple[list[int], int]]:
+    """Groups of `prompts` that start with the same tokens: (their indices, the first one the
+    prompt whose slot computes them; how many tokens they share). Every prompt keeps one token
+    at least to compute its next-token logits from. In sorted order alike prompts are
+    neighbours: the groups are runs of neighbours, chosen (by dynamic programming over the
+    runs) to save the most prefill, a group saving its size less one times the tokens it
+    shares; a group saving fewer than `min_saving` tokens (SHARED_PREFIX_MIN_SAVING) is not
+    made. The prompts must be distinct."""
+    min_saving = SHARED_PREFIX_MIN_SAVING if min_saving is None else min_saving
+    order = sorted(range(len(prompts)), key=prompts.__getitem__)
+    seq = [prompts[i] for i in order]
+    n = len(seq)
+    neighbours = [common_length(seq[i], seq[i + 1]) for i in range(n - 1)]  # what sorted neighbours share
+    # best[b]: the most saved over the first b sorted prompts; start[b]: where its last group starts
+    best, start = [0] * (n + 1), list(range(n + 1))
+    for b in range(1, n + 1):
+        best[b], start[b] = best[b - 1], b - 1  # prompt b - 1 alone
+        shared = len(seq[b - 1]) - 1
+        for a in range(b - 2, -1, -1):  # the group seq[a:b]
+            shared = min(shared, neighbours[a], len(seq[a]) - 1)
+            if shared <= 0:
+                break
+            saving = (b - a - 1) * shared
+            if saving >= min_saving and best[a] + saving > best[b]:
+                best[b], start[b] = best[a] + saving, a
+    groups, b = [], n
+    while b > 0:
+        a = start[b]
+        if b - a > 1:
+            shared = min(min(len(p) - 1 for p in seq[a:b]), min(neighbours[a:b - 1]))
+            groups.append(([order[i] for i in range(a, b)], shared))
+        b = a
+    return groups[::-1]
+
+
+def common_length(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """How many first tokens `a` and `b` have in common."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]: halve (tuple compares run in C)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo

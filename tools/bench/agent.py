@@ -188,7 +188,7 @@ def main() -> None:
             trajs = await loop(policy, tok, prompts, settings, searcher)
             elapsed = time.perf_counter() - start
             await engine.close()
-            return elapsed, trajs, searcher.queries, engine.kept.reused_tokens
+            return elapsed, trajs, searcher.queries, engine.kept.reused_tokens + engine.shared_prefix_tokens
         elapsed, trajs, searches, reused = asyncio.run(go())
         assert [t.num_turns for t in trajs] == turns, "both loops must run the same turns"
         assert searches == sum(turns) - len(turns), "every turn but the last searches"
