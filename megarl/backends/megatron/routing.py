@@ -16,6 +16,7 @@ Main entry points: `install_replay`, `replaying`.
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -59,6 +60,17 @@ def _routers(chunk: torch.nn.Module) -> list:
     return [m for m in chunk.modules() if isinstance(m, TopKRouter)]
 
 
+# a chunk (as the schedule passes it, wrapped or not) -> its routers that replay; found once per
+# chunk, since replay is installed before the first forward and never removed
+_REPLAYING: weakref.WeakKeyDictionary[torch.nn.Module, list] = weakref.WeakKeyDictionary()
+
+
+def _replaying_routers(chunk: torch.nn.Module) -> list:
+    if chunk not in _REPLAYING:
+        _REPLAYING[chunk] = [r for r in _routers(chunk) if isinstance(r.router_replay, ReplayedRouting)]
+    return _REPLAYING[chunk]
+
+
 def install_replay(chunks: list[torch.nn.Module]) -> None:
     """Give every router of `chunks` (the actor's) a ReplayedRouting."""
     routers = [r for chunk in chunks for r in _routers(chunk)]
@@ -68,6 +80,7 @@ def install_replay(chunks: list[torch.nn.Module]) -> None:
         if router.config.moe_router_fusion:
             raise ValueError("routing replay needs the unfused router (moe_router_fusion=False)")
         router.router_replay = ReplayedRouting()
+    _REPLAYING.clear()  # found again, with these
 
 
 def routing_for_rank(routed: torch.Tensor, topk: int, moe_layers: list[int], num_layers: int,
@@ -97,7 +110,7 @@ def _micro_routing(config, routed: torch.Tensor) -> dict[int, torch.Tensor]:
 def set_micro_routing(chunk: torch.nn.Module, routed: torch.Tensor | None) -> None:
     """Before `chunk` runs a micro-batch: its routers replay `routed` (a chunk without replay
     installed routes by itself)."""
-    routers = [r for r in _routers(chunk) if isinstance(r.router_replay, ReplayedRouting)]
+    routers = _replaying_routers(chunk)
     if not routers:
         return
     if routed is None:
@@ -114,6 +127,5 @@ def replaying(chunks: list[torch.nn.Module]) -> Iterator[None]:
         yield
     finally:
         for chunk in chunks:
-            for router in _routers(chunk):
-                if isinstance(router.router_replay, ReplayedRouting):
-                    router.router_replay.clear()
+            for router in _replaying_routers(chunk):
+                router.router_replay.clear()
