@@ -86,7 +86,7 @@ def test_a_malformed_verification_info_is_an_error_naming_the_row(info, words):
 
 @pytest.fixture
 def service():
-    from megarl.retrieval.server import BackgroundServer
+    from megarl.http_server import BackgroundServer
     from megarl.reward.sandbox import LocalSandbox
     from megarl.reward.sandbox_service import create_sandbox_app
 

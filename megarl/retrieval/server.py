@@ -22,18 +22,15 @@ optional on loopback; bound to any other address, `serve` refuses to start witho
 unless told `allow_unauthenticated` (`check_bind`).
 
 All queries of a request are searched in one batched call, in a worker thread so the event
-loop (and /health) stays responsive. `BackgroundServer` runs the app in a thread of the
-current process: an in-process retriever for CPU runs, and the tests' real HTTP server.
+loop (and /health) stays responsive. `BackgroundServer` (megarl.http_server) runs the app in a
+thread of the current process: an in-process retriever for CPU runs, and the tests' real HTTP
+server.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import logging
-import socket
-import threading
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +41,7 @@ from fastapi.responses import JSONResponse
 from pydantic import TypeAdapter, ValidationError
 
 from megarl.http_auth import require_api_key
+from megarl.http_server import BackgroundServer, is_loopback  # BackgroundServer: part of megarl.retrieval's API
 from megarl.retrieval.errors import RetrievalError
 from megarl.retrieval.retriever import Retriever
 
@@ -176,17 +174,6 @@ def serve(
                 log_level=log_level)
 
 
-def is_loopback(host: str) -> bool:
-    """Whether `host` is reachable from this machine only (a name other than localhost counts
-    as reachable: it may resolve to any address)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def check_bind(host: str, api_key: str | None, allow_unauthenticated: bool = False) -> None:
     """RetrievalError unless the server may bind `host`: anything beyond loopback needs a key
     (or the explicit choice to serve anyone who reaches the port)."""
@@ -197,68 +184,6 @@ def check_bind(host: str, api_key: str | None, allow_unauthenticated: bool = Fal
         f"this server: set $MEGARL_RETRIEVAL_API_KEY (megarl's retrieval client sends it as 'Authorization: Bearer', "
         f"from the same variable or agent.retrieval.api_key), or pass --allow-unauthenticated (Search-R1's own "
         f"client sends no key), or bind 127.0.0.1")
-
-
-class BackgroundServer:
-    """Runs an ASGI app with uvicorn in a daemon thread of this process.
-
-        with BackgroundServer(create_app(retriever)) as server:
-            client = RetrievalClient(server.url)
-
-    port 0 picks a free port; `sock` serves on an already bound socket instead.
-    """
-
-    def __init__(
-        self,
-        app: Any,
-        *,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        sock: socket.socket | None = None,
-        log_level: str = "warning",
-    ):
-        if sock is None:
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((host, port))
-        self._sock = sock
-        self.host, self.port = sock.getsockname()[:2]
-        self.url = f"http://{self.host}:{self.port}"
-        # log_config=None: leave the host process's logging configuration alone
-        config = uvicorn.Config(app, log_level=log_level, log_config=None, access_log=False, lifespan="off")
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._run, name=f"retrieval-server-{self.port}", daemon=True)
-        self._error: BaseException | None = None
-
-    def _run(self) -> None:
-        try:
-            self._server.run(sockets=[self._sock])
-        except BaseException as e:  # reported by start(); a daemon thread has no one else to tell
-            self._error = e
-
-    def start(self, timeout_s: float = 10.0) -> BackgroundServer:
-        self._thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self._server.started:
-            if not self._thread.is_alive():
-                raise RuntimeError(f"retrieval server on {self.url} stopped while starting: {self._error!r}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise TimeoutError(f"retrieval server on {self.url} did not start within {timeout_s} s")
-            time.sleep(0.01)
-        return self
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        self._server.should_exit = True
-        if self._thread.is_alive():
-            self._thread.join(timeout_s)
-        self._sock.close()
-
-    def __enter__(self) -> BackgroundServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 def _lax(adapter: TypeAdapter, value: Any, expected: str) -> Any:

@@ -92,7 +92,7 @@ def serve(*, host: str = "127.0.0.1", port: int = 8100, api_key: str | None = No
           max_queue: int = 64, limits: Limits = Limits()) -> None:
     import uvicorn
 
-    from megarl.retrieval.server import is_loopback
+    from megarl.http_server import is_loopback
 
     if not api_key and not is_loopback(host):
         raise ValueError(f"--host {host} can be reached from other machines: set ${SANDBOX_KEY_ENV} (the code "

@@ -71,7 +71,8 @@ class InProcessRuntime(Runtime):
         if self.cfg.agent.max_turns == 0 or r.url is not None:
             return
         from megarl.retrieval.index import load_index
-        from megarl.retrieval.server import BackgroundServer, create_app
+        from megarl.http_server import BackgroundServer
+        from megarl.retrieval.server import create_app
 
         self.retrieval_api_key = hosted_retrieval_key(r)
         self.retrieval_server = BackgroundServer(create_app(load_index(r.index_dir), default_topk=r.topk,

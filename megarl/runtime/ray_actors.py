@@ -165,7 +165,8 @@ class RetrievalActor:
 
     def __init__(self, r: RetrievalConfig, api_key: str, nnodes: int):
         from megarl.retrieval.index import load_index
-        from megarl.retrieval.server import BackgroundServer, create_app
+        from megarl.http_server import BackgroundServer
+        from megarl.retrieval.server import create_app
 
         host = r.host
         if host == "auto":  # reachable from the driver's node, wherever Ray placed this actor
@@ -189,7 +190,7 @@ class SandboxActor:
     (127.0.0.1 on a one-node run), requiring `api_key` on /run."""
 
     def __init__(self, api_key: str, nnodes: int, wall_s: float, memory_mb: int):
-        from megarl.retrieval.server import BackgroundServer
+        from megarl.http_server import BackgroundServer
         from megarl.reward.sandbox import Limits, LocalSandbox
         from megarl.reward.sandbox_service import create_sandbox_app
 
