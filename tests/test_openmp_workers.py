@@ -91,3 +91,19 @@ def test_the_engine_leaves_no_workers_of_its_own_or_of_its_event_loops_thread():
 
     r = in_a_thread(scenario)
     assert r["idle"] == r["before"] + 1  # the engine's model thread, without workers; this thread's gone
+
+
+def test_the_thread_that_makes_the_engine_keeps_no_workers():
+    # the thread that loads the model may never run the engine's event loop (it is released
+    # there before each step): the engine releases it when it is made
+    model = tiny_model("qwen2")
+
+    def scenario(result):
+        result["before"] = process_threads()
+        parallel_kernel()
+        result["with workers"] = process_threads()
+        LocalEngine(model, max_batch_size=2, eos_token_ids=[])  # its loop never starts: no thread of its own yet
+        result["made"] = process_threads()
+
+    r = in_a_thread(scenario)
+    assert r["with workers"] == r["before"] + THREADS - 1 and r["made"] == r["before"]

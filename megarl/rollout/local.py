@@ -87,6 +87,7 @@ class LocalEngine(PauseAroundUpdates):
         self._idle: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
         self._failure: BaseException | None = None
+        release_openmp_workers()  # this thread's, which loaded the model most likely (openmp_workers)
 
     @classmethod
     def from_pretrained(cls, path: str, *, dtype: str = "float32", device: str = "cpu", **kwargs) -> LocalEngine:
