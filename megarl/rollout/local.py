@@ -7,9 +7,9 @@ answer frees its slot at once instead of waiting for the longest sequence of a b
 samples of a prompt share one prefill, a prompt that continues a finished sequence (the
 next turn of a trajectory) reuses its cache, and prompts admitted together compute the tokens
 they start with alike (a template's instruction) once (megarl.rollout.prefix_cache).
-Model work (the cache included) runs on one dedicated thread, so the event loop (agent logic,
-HTTP server) stays responsive while the model computes, and that thread has the CPU's OpenMP
-workers to itself (megarl.rollout.openmp_workers).
+Model work runs on one dedicated thread, so the event loop (agent logic, HTTP server) stays
+responsive while the model computes, and that thread has the CPU's OpenMP workers to itself
+(megarl.rollout.openmp_workers).
 
 Main entry point: `LocalEngine.from_pretrained(path)` or `LocalEngine(model, tokenizer)`.
 """
@@ -156,7 +156,7 @@ class LocalEngine(PauseAroundUpdates):
         for request in [*self._waiting, *self._running]:
             request.preempted = True
         if self._idle.is_set():
-            await self._drop_aborted()
+            self._drop_aborted()
 
     async def pause(self) -> None:
         self._ensure_loop()
@@ -218,7 +218,7 @@ class LocalEngine(PauseAroundUpdates):
         loop = asyncio.get_running_loop()
         while True:
             await self._unpaused.wait()
-            await self._drop_aborted()
+            self._drop_aborted()
             if not self._waiting and not self._running:
                 self._wake.clear()
                 # idle: the model thread's OpenMP workers would slow whoever computes meanwhile
@@ -240,7 +240,7 @@ class LocalEngine(PauseAroundUpdates):
                 self._idle.set()
             for request in finished:
                 self._resolve(request)
-            await self._drop_aborted()  # before a pause can hold them: abort_requests comes before a sync
+            self._drop_aborted()  # before a pause can hold them: abort_requests comes before a sync
 
     def _admit(self) -> list[_Request]:
         """Waiting requests for the free slots, up to max_prefill_tokens of distinct prompts (the
@@ -357,7 +357,7 @@ class LocalEngine(PauseAroundUpdates):
         return None
 
     def _free_slot(self, request: _Request) -> None:
-        """Model thread: keep the request's cache for a prompt that continues it (a finished
+        """Between steps: keep the request's cache for a prompt that continues it (a finished
         one), then free its slot by moving the last running sequence into it."""
         idx = self._running.index(request)
         if request.params.routed_experts_from is not None:
@@ -377,24 +377,19 @@ class LocalEngine(PauseAroundUpdates):
         if not request.future.done():
             request.future.set_result(self._output(request))
 
-    async def _drop_aborted(self) -> None:
+    def _drop_aborted(self) -> None:
+        """Between steps: the cancelled and preempted requests answered, their slots freed. Here
+        on the event loop's thread, at once (a pause that follows finds them gone), where the
+        slots' cache moves may give the thread OpenMP workers: released before the next step."""
         for request in [r for r in self._waiting if r.cancelled or r.preempted]:
             self._waiting.remove(request)
             if request.preempted and not request.future.done():
                 request.finish = ("abort", PREEMPTED)
                 request.future.set_result(self._output(request))
-        if any(r.cancelled or r.preempted for r in self._running):
-            for request in await asyncio.get_running_loop().run_in_executor(self._executor, self._free_aborted):
-                self._resolve(request)
-
-    def _free_aborted(self) -> list[_Request]:
-        """Model thread: the cancelled and preempted requests' slots freed (found here, so that
-        two calls queued one after the other never free one twice)."""
-        dropped = [r for r in self._running if r.cancelled or r.preempted]
-        for request in dropped:
+        for request in [r for r in self._running if r.cancelled or r.preempted]:
             request.finish = ("abort", "cancelled by the caller" if request.cancelled else PREEMPTED)
             self._free_slot(request)
-        return dropped
+            self._resolve(request)
 
     def _abort_all(self, message: str, admitted: Iterable[_Request] = ()) -> None:
         for request in [*self._waiting, *self._running, *admitted]:
