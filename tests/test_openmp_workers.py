@@ -1,11 +1,17 @@
 """The OpenMP worker threads that a thread gets from running torch are released where the
-embedded engine needs the CPU to itself (megarl.rollout.openmp_workers). Counted as the
-process's threads in /proc/self/task: each scenario runs in a thread of its own, so its
-pools are new, whatever the test process ran before."""
+embedded engine needs the CPU to itself (megarl.rollout.openmp_workers).
+
+Each scenario runs in a thread of its own with an OS thread name of its own. The threads it
+starts (its OpenMP workers, the engine's model thread and that thread's workers) inherit the
+name, so the process's threads of that name (/proc/self/task/*/comm) are its own threads, whatever
+other threads the test process runs or ends meanwhile. (torch.set_num_threads starts a thread
+pool of another kind, pthreadpool, once: counts are taken relative to the scenario's start.)"""
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import itertools
 import os
 import threading
 import time
@@ -18,10 +24,19 @@ from megarl.rollout.openmp_workers import release_openmp_workers
 from tiny_models import tiny_model
 
 THREADS = 2  # each pool: the thread itself and one worker
+PR_SET_NAME = 15
+NAMES = (f"omp-probe-{i}" for i in itertools.count())
 
 
-def process_threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+def threads_named(name: str) -> int:
+    count = 0
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as comm:
+                count += comm.read().strip() == name
+        except FileNotFoundError:  # a thread that ended meanwhile
+            pass
+    return count
 
 
 def parallel_kernel() -> None:
@@ -30,13 +45,17 @@ def parallel_kernel() -> None:
 
 
 def in_a_thread(scenario):
-    result, errors = {}, []
+    """Runs scenario(result, own_threads) in a new named thread; own_threads() counts the
+    threads of that name."""
+    result, errors, name = {}, [], next(NAMES)
 
     def body():
+        ctypes.CDLL(None).prctl(PR_SET_NAME, name.encode(), 0, 0, 0)  # inherited by the threads it starts
         previous = torch.get_num_threads()
-        torch.set_num_threads(THREADS)
+        torch.set_num_threads(THREADS)  # which may start the thread's pool already
+        release_openmp_workers()  # the scenario starts without one
         try:
-            scenario(result)
+            scenario(result, lambda: threads_named(name))
         except BaseException as e:
             errors.append(e)
         finally:
@@ -51,14 +70,14 @@ def in_a_thread(scenario):
 
 
 def test_a_threads_workers_end_when_it_releases_them():
-    def scenario(result):
-        result["before"] = process_threads()
+    def scenario(result, own_threads):
+        result["before"] = own_threads()
         parallel_kernel()
-        result["with workers"] = process_threads()
+        result["with workers"] = own_threads()
         result["released"] = release_openmp_workers()
-        result["after"] = process_threads()
+        result["after"] = own_threads()
         parallel_kernel()  # the next parallel kernel gets a pool again
-        result["again"] = process_threads()
+        result["again"] = own_threads()
         release_openmp_workers()
 
     r = in_a_thread(scenario)
@@ -71,26 +90,27 @@ def test_a_threads_workers_end_when_it_releases_them():
 def test_the_engine_leaves_no_workers_of_its_own_or_of_its_event_loops_thread():
     model = tiny_model("qwen2")
 
-    def scenario(result):
+    def scenario(result, own_threads):
         async def go():
-            result["before"] = process_threads()
+            result["before"] = own_threads()
             parallel_kernel()  # as a thread that loaded the model or trains it has workers
-            assert process_threads() == result["before"] + THREADS - 1
+            result["with workers"] = own_threads()
             engine = LocalEngine(model, max_batch_size=4, eos_token_ids=[])
             try:
                 await engine.generate([5, 6, 7], SamplingParams(max_new_tokens=4, temperature=1.0, seed=0))
                 # idle now: the engine releases its model thread's workers too, on that thread
                 deadline = time.monotonic() + 10
-                while process_threads() > result["before"] + 1 and time.monotonic() < deadline:
+                while own_threads() > result["before"] + 1 and time.monotonic() < deadline:
                     await asyncio.sleep(0.01)
-                result["idle"] = process_threads()
+                result["idle"] = own_threads()
             finally:
                 await engine.close()
 
         asyncio.run(go())
 
     r = in_a_thread(scenario)
-    assert r["idle"] == r["before"] + 1  # the engine's model thread, without workers; this thread's gone
+    assert r["with workers"] == r["before"] + THREADS - 1
+    assert r["idle"] == r["before"] + 1  # the engine's model thread; neither it nor this thread has workers
 
 
 def test_the_thread_that_makes_the_engine_keeps_no_workers():
@@ -98,12 +118,12 @@ def test_the_thread_that_makes_the_engine_keeps_no_workers():
     # there before each step): the engine releases it when it is made
     model = tiny_model("qwen2")
 
-    def scenario(result):
-        result["before"] = process_threads()
+    def scenario(result, own_threads):
+        result["before"] = own_threads()
         parallel_kernel()
-        result["with workers"] = process_threads()
+        result["with workers"] = own_threads()
         LocalEngine(model, max_batch_size=2, eos_token_ids=[])  # its loop never starts: no thread of its own yet
-        result["made"] = process_threads()
+        result["made"] = own_threads()
 
     r = in_a_thread(scenario)
     assert r["with workers"] == r["before"] + THREADS - 1 and r["made"] == r["before"]
