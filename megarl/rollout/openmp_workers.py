@@ -11,8 +11,9 @@ that way, a 10-row step 6.1 ms instead of 3.3 ms (2 CPUs, torch 2.13).
 
 `release_openmp_workers()` frees the calling thread's pool (OpenMP 5's `omp_pause_resource_all`;
 libgomp ends that thread's workers, and the thread gets a new pool at its next parallel kernel).
-The engine calls it on its event loop's thread before each step, and on its model thread when
-it has nothing to do. Without libgomp (another OpenMP, or none) it does nothing.
+The engine calls it on its event loop's thread before each step, on its model thread when it
+has nothing to do, and on the thread that makes it. Without an OpenMP 5 runtime behind torch
+it does nothing.
 
 Main entry point: `release_openmp_workers`.
 """
@@ -21,29 +22,27 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
-
-log = logging.getLogger(__name__)
+import os
 
 OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: the threads end; what a program set stays set
 
 
 @functools.cache
 def _pause():
-    """libgomp's omp_pause_resource_all as loaded by this process (torch's copy), or None."""
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "libgomp" in line.rsplit("/", 1)[-1]}
-    except OSError:  # not Linux: torch does not use libgomp there
+    """omp_pause_resource_all of the OpenMP runtime torch runs on, or None. Looked up through
+    libtorch_cpu, whose dependencies resolve the name to torch's own libgomp: a process may
+    hold other copies (faiss-cpu ships one), whose pools are not torch's."""
+    import torch
+
+    libtorch = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    if not os.path.exists(libtorch):  # not a Linux build: no libgomp there
         return None
-    for path in sorted(paths):
-        try:
-            pause = ctypes.CDLL(path).omp_pause_resource_all  # already loaded: the same library
-        except (OSError, AttributeError):  # a libgomp older than OpenMP 5 (GCC 9)
-            continue
-        pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
-        return pause
-    return None
+    try:
+        pause = ctypes.CDLL(libtorch).omp_pause_resource_all  # loaded already: the same library
+    except (OSError, AttributeError):  # no OpenMP 5 runtime behind torch (a libgomp before GCC 9)
+        return None
+    pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
+    return pause
 
 
 def release_openmp_workers() -> bool:
