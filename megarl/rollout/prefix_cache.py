@@ -100,8 +100,9 @@ def shared_prefixes(prompts: list[tuple[int, ...]], min_saving: int | None = Non
     seq = [prompts[i] for i in order]
     n = len(seq)
     neighbours = [common_length(seq[i], seq[i + 1]) for i in range(n - 1)]  # what sorted neighbours share
-    # best[b]: the most saved over the first b sorted prompts; start[b]: where its last group starts
-    best, start = [0] * (n + 1), list(range(n + 1))
+    # best[b]: the most saved over the first b sorted prompts; start[b], shares[b]: where its last
+    # group starts and how many tokens that group shares
+    best, start, shares = [0] * (n + 1), list(range(n + 1)), [0] * (n + 1)
     for b in range(1, n + 1):
         best[b], start[b] = best[b - 1], b - 1  # prompt b - 1 alone
         shared = len(seq[b - 1]) - 1
@@ -111,13 +112,12 @@ def shared_prefixes(prompts: list[tuple[int, ...]], min_saving: int | None = Non
                 break
             saving = (b - a - 1) * shared
             if saving >= min_saving and best[a] + saving > best[b]:
-                best[b], start[b] = best[a] + saving, a
+                best[b], start[b], shares[b] = best[a] + saving, a, shared
     groups, b = [], n
     while b > 0:
         a = start[b]
         if b - a > 1:
-            shared = min(min(len(p) - 1 for p in seq[a:b]), min(neighbours[a:b - 1]))
-            groups.append(([order[i] for i in range(a, b)], shared))
+            groups.append(([order[i] for i in range(a, b)], shares[b]))
         b = a
     return groups[::-1]
 
