@@ -93,6 +93,14 @@ class SGLangConfig:
     max_request_retries: int = param(3, "Times a request that failed on a dead or erroring engine is re-sent "
                                      "(after the dead engine is restarted) before the run stops.", ge=0)
     max_restarts: int = param(3, "Restarts allowed per engine over the run before it counts as dead for good.", ge=0)
+    python: str | None = param(
+        None, "Python interpreter that runs the SGLang servers, for SGLang installed in an environment of its own "
+        "(`make sglang-env` builds .venv-sglang, SGLang for the CPU); None = the run's own interpreter. megarl must "
+        "be importable there too (`pip install --no-deps -e .`): the servers start through megarl.rollout.with_api_key.")
+    max_total_tokens: int | None = param(
+        None, "Tokens of KV cache per SGLang server (--max-total-tokens); None = what "
+        "rollout.gpu_memory_utilization leaves on a GPU, and 32768 on the CPU (cluster.gpus_per_node=0), where SGLang "
+        "would otherwise take most of the machine's memory.", gt=0)
     extra_args: list[str] = param(help="More command-line flags for every server, e.g. "
                                   "['--attention-backend', 'fa3'].", factory=list)
 
@@ -453,10 +461,9 @@ class RunConfig:
                          "remove it: megarl gives the servers and the router a key of its own, or set "
                          "$MEGARL_ENGINE_API_KEY (or rollout.sglang.api_key)")
         if c.gpus_per_node == 0:
-            if r.sglang.server == "sglang":
-                problems.add("rollout.sglang.server", "sglang needs GPUs (cluster.gpus_per_node=0)",
-                             "use rollout.sglang.server=embedded (or rollout.engine=local) on CPU machines, or set "
-                             "cluster.gpus_per_node")
+            if r.sglang.server == "sglang" and r.tensor_parallel_size > 1:
+                problems.add("rollout.tensor_parallel_size", f"{r.tensor_parallel_size}: SGLang's CPU engine "
+                             "(cluster.gpus_per_node=0) runs one process per engine", "use 1 on the CPU")
             return
         if r.tensor_parallel_size % r.expert_parallel_size:
             problems.add("rollout.expert_parallel_size", f"{r.expert_parallel_size} does not divide the engine's "

@@ -14,6 +14,9 @@ It speaks the control API megarl uses with SGLang's semantics, not only its fiel
   and, with `--collective-dir`, only once every engine of the group has entered the same
   broadcast: NCCL's broadcast passes data along the ranks, so none completes alone (gloo's
   root sends to each rank, which would hide an ordering deadlock);
+- a weight-update session (`/begin_weight_update` ... `/end_weight_update`) around the
+  process-group and tensor updates, refused outside one, and a resume of memory that was not
+  released refused;
 - `/weight_checksums` (megarl's embedded server's route) over what it loaded, and `/calls`,
   the order of the control requests it served.
 
@@ -33,7 +36,7 @@ from pathlib import Path
 
 import torch
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -93,7 +96,7 @@ def create_app(node: str, gpus: list[str], hold: dict[str, float], collective_di
     received: dict[str, int] = {}  # group -> broadcasts taken so far
     calls: list[dict] = []
     one_at_a_time = threading.Lock()  # the scheduler takes one update request at a time
-    state = {"version": "0", "paused": False}
+    state = {"version": "0", "paused": False, "session": False}
 
     def answer(ok: bool, message: str) -> JSONResponse:
         return JSONResponse({"success": ok, "message": message}, status_code=200 if ok else 400)
@@ -132,8 +135,35 @@ def create_app(node: str, gpus: list[str], hold: dict[str, float], collective_di
             return None
         app.post(route)(handle)
 
+    def resume(tags: list[str]) -> None:
+        if not set(tags) <= released:  # SGLang's scheduler: offload_tags.remove(tag) of a tag it never released
+            raise HTTPException(500, f"resume of memory that was not released: {sorted(set(tags) - released)}")
+        released.difference_update(tags)
+
     memory_route("/release_memory_occupation", released.update)
-    memory_route("/resume_memory_occupation", released.difference_update)
+    memory_route("/resume_memory_occupation", resume)
+
+    @app.post("/begin_weight_update")
+    async def begin_weight_update(request: Request):
+        log("/begin_weight_update")
+        if state["session"]:
+            return answer(False, "a weight-update session is already open; call end_weight_update() first")
+        state["session"] = True
+        return answer(True, "Success")
+
+    @app.post("/end_weight_update")
+    async def end_weight_update(request: Request):
+        log("/end_weight_update")
+        if not state["session"]:
+            return answer(False, "no weight-update session is open; call begin_weight_update() first")
+        state["session"] = False
+        return answer(True, "Success")
+
+    def outside_session(route: str) -> JSONResponse | None:
+        """SGLang refuses these updates outside a session, before it joins any broadcast."""
+        if state["session"]:
+            return None
+        return answer(False, f"{route} must run between begin_weight_update() and end_weight_update()")
 
     @app.post("/pause_generation")
     async def pause(request: Request):
@@ -161,6 +191,8 @@ def create_app(node: str, gpus: list[str], hold: dict[str, float], collective_di
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(request: Request):
         body = await request.json()
+        if (refused := outside_session("update_weights_from_tensor")) is not None:
+            return refused
         if "weights" in released:
             return answer(False, "the weights' memory is released: resume it before updating")
         handles = body["serialized_named_tensors"]
@@ -209,6 +241,8 @@ def create_app(node: str, gpus: list[str], hold: dict[str, float], collective_di
     async def update_weights_from_distributed(request: Request):
         body = await request.json()
         name = body["group_name"]
+        if (refused := outside_session("update_weights_from_distributed")) is not None:
+            return refused
         if "weights" in released:
             return answer(False, "the weights' memory is released: resume it before updating")
         if name not in groups:

@@ -180,9 +180,13 @@ def test_every_control_body_of_the_fleet_is_accepted(served):
         await client.resume_memory(["kv_cache"])
         with pytest.raises(RuntimeError, match="no update group megarl-x"):
             await client.post("/destroy_weights_update_group", group.destroy_group_body("megarl-x"))
+        update = group.distributed_update_body(["lm_head.weight"], ["float32"], [[2, 2]], "megarl-x", 1)
+        with pytest.raises(RuntimeError, match="must run between begin_weight_update"):
+            await client.post("/update_weights_from_distributed", update)  # no session open
+        await client.open_update_session()
         with pytest.raises(RuntimeError, match="call /init_weights_update_group first"):
-            await client.post("/update_weights_from_distributed", group.distributed_update_body(
-                ["lm_head.weight"], ["float32"], [[2, 2]], "megarl-x", 1))
+            await client.post("/update_weights_from_distributed", update)
+        await client.close_update_session()
         with pytest.raises(RuntimeError, match="CUDA IPC handles"):
             await client.post("/update_weights_from_tensor", ipc.tensor_update_body(["x"], 1))
         healthy = await client.health()
@@ -190,3 +194,31 @@ def test_every_control_body_of_the_fleet_is_accepted(served):
         return healthy
 
     assert asyncio.run(go())
+
+
+def test_the_weight_update_session_is_sglangs(served):
+    """As SGLang 0.5.23: one session at a time, no end without a begin; a session left open is
+    closed by the next sync's begin, and an engine without one (restarted) may be closed."""
+    url, _, _ = served
+
+    async def go():
+        client = HTTPEngine(url)
+        answers = []
+        for route in ("/end_weight_update", "/begin_weight_update", "/begin_weight_update", "/end_weight_update"):
+            try:
+                answers.append((await client.post(route, {}))["success"])
+            except RuntimeError as e:
+                answers.append(str(e))
+        await client.open_update_session()
+        await client.open_update_session()  # the one left open is closed first
+        await client.close_update_session()
+        with pytest.raises(RuntimeError, match="no weight-update session"):
+            await client.close_update_session()
+        await client.close_update_session(missing_ok=True)
+        await client.close()
+        return answers
+
+    end_first, begin, begin_again, end = asyncio.run(go())
+    assert "400" in end_first and "no weight-update session is open" in end_first
+    assert begin is True and end is True
+    assert "a weight-update session is already open" in begin_again

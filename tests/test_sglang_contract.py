@@ -138,6 +138,8 @@ CONTROL_BODIES = {
     "/abort_request": sglang_api.abort_all_body(),
     "/release_memory_occupation": sglang_api.memory_body(),
     "/resume_memory_occupation": sglang_api.memory_body(["weights"]),
+    "/begin_weight_update": sglang_api.begin_update_body(),
+    "/end_weight_update": sglang_api.end_update_body(),
 }
 
 
@@ -181,9 +183,9 @@ def test_client_sends_the_contract_bodies(api_types):
         client._clients = {id(asyncio.get_running_loop()): httpx.AsyncClient(
             base_url="http://engine", transport=httpx.MockTransport(handler))}
         out = await client.generate([1, 2], SAMPLING_CASES[2])
-        await client.pause()
-        await client.resume()
+        await client.begin_weight_update()
         await client.load_from_disk("/w/v2", 2)
+        await client.end_weight_update()
         await client.release_memory()
         await client.resume_memory(["kv_cache"])
         return out
@@ -191,6 +193,9 @@ def test_client_sends_the_contract_bodies(api_types):
     out = asyncio.run(go())
     assert out.token_ids == [4] and out.weight_version == 2
     bodies = dict(seen)
+    # the weights load inside SGLang's weight-update session, with decoding paused around it
+    assert [path for path, _ in seen[1:7]] == ["/pause_generation", "/begin_weight_update", "/update_weights_from_disk",
+                                              "/end_weight_update", "/flush_cache", "/continue_generation"]
     api_types.GenerateRequest.from_json_value(bodies["/generate"])
     assert bodies["/pause_generation"] == CONTROL_BODIES["/pause_generation"]
     assert bodies["/update_weights_from_disk"] == disk.update_body("/w/v2", 2)
@@ -246,8 +251,8 @@ def test_ipc_refuses_an_sglang_whose_internals_it_was_not_written_for(monkeypatc
         ipc.sglang_ipc_api()
 
 
-@pytest.mark.parametrize("colocated", [True, False])
-def test_the_launch_flags_are_sglangs(sglang_files, colocated):
+@pytest.mark.parametrize("colocated, gpus", [(True, 8), (False, 8), (False, 0)])
+def test_the_launch_flags_are_sglangs(sglang_files, colocated, gpus):
     """Every option megarl gives `sglang.launch_server` is one of the pinned version's server
     arguments: a field of its arg_groups/fields dataclasses, flag "--" + the name with "-" for
     "_" (arg_utils._field_to_cli_name); the options given without a value are booleans."""
@@ -260,13 +265,17 @@ def test_the_launch_flags_are_sglangs(sglang_files, colocated):
               for path in (groups / "fields").glob("*.py") for node in ast.walk(ast.parse(path.read_text()))
               if isinstance(node, ast.ClassDef) for item in node.body
               if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)}
+    tp = 4 if gpus else 1
     cfg = load_config(None, ["model.path=m", "model.tokenizer_path=t", "model.trust_remote_code=true",
-                             "rollout.engine=sglang", "rollout.sglang.server=sglang", "cluster.gpus_per_node=8",
-                             "rollout.tensor_parallel_size=4", "rollout.expert_parallel_size=4",
+                             "rollout.engine=sglang", "rollout.sglang.server=sglang", f"cluster.gpus_per_node={gpus}",
+                             f"rollout.tensor_parallel_size={tp}", f"rollout.expert_parallel_size={tp}",
                              "rollout.mode=disaggregated", "actor.moe_routing_replay=true"])
     argv = server_command(cfg, colocated)
     assert "--enable-return-routed-experts" in argv  # the experts of every token, for the trainer to replay
-    assert argv[argv.index("--ep-size") + 1] == "4"  # a mixture of experts split over the engine's GPUs
+    if gpus:
+        assert argv[argv.index("--ep-size") + 1] == "4"  # a mixture of experts split over the engine's GPUs
+    else:  # SGLang's CPU engine, its KV cache sized in tokens
+        assert argv[argv.index("--device") + 1] == "cpu" and argv[argv.index("--max-total-tokens") + 1] == "32768"
     argv = [*argv[argv.index("sglang.launch_server") + 1:], "--host", "10.0.0.1", "--port", "30000"]  # as ServerProcess
     given = {argv[i]: i + 1 < len(argv) and not argv[i + 1].startswith("--")
              for i in range(len(argv)) if argv[i].startswith("--")}
@@ -310,3 +319,34 @@ def test_routed_experts_bodies_and_answers(api_types, request_structs):
     assert sglang_api.output_from_sglang(payload).routed_experts is None  # not asked for
     with pytest.raises(ValueError, match="not a whole row for each of the 7 positions"):
         sglang_api.output_from_sglang({**payload, "output_ids": [7, 8, 9] * 2 + [7]}, 5)
+
+
+def test_a_request_aborted_before_its_prefill_is_an_empty_preempted_output():
+    """SGLang answers a request aborted while it waited for its prefill with no output_ids and
+    no log-probs; our abort's request is an empty output to continue, not an error."""
+    answer = {"text": "", "meta_info": {"id": "r1", "finish_reason": {"type": "abort", "message": "Abort before prefill"},
+                                        "weight_version": "3", "e2e_latency": 0.1}}
+    out = sglang_api.output_from_sglang(answer)
+    assert (out.token_ids, out.log_probs, out.finish_reason, out.message) == ([], [], "abort", "Abort before prefill")
+    with pytest.raises(ValueError, match="neither output_ids"):  # a finished answer without tokens is still wrong
+        sglang_api.output_from_sglang({"meta_info": {"finish_reason": {"type": "length", "length": 4}}})
+
+    async def go():
+        arrived, aborted = asyncio.Event(), asyncio.Event()
+
+        async def handler(request: httpx.Request) -> httpx.Response:
+            arrived.set()
+            await aborted.wait()  # the call is in flight when our abort comes
+            return httpx.Response(200, json=answer)
+
+        client = HTTPEngine("http://engine")
+        client._clients = {id(asyncio.get_running_loop()): httpx.AsyncClient(
+            base_url="http://engine", transport=httpx.MockTransport(handler))}
+        call = asyncio.ensure_future(client.generate([1, 2], SAMPLING_CASES[2]))
+        await arrived.wait()
+        client.mark_preempted()
+        aborted.set()
+        return await call
+
+    out = asyncio.run(go())
+    assert out.token_ids == [] and out.preempted

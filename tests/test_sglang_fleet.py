@@ -228,16 +228,35 @@ def test_weights_through_disk_then_a_gloo_group(fleet_setup):
     asyncio.run(join_update_group(fleet, "127.0.0.1", port, "test-sync", "gloo", timeout_s=60))
     trainer.join()
     sender = DistributedSender(joined["group"], fleet.engine_urls, "test-sync", api_key=fleet.api_key)
-    asyncio.run(fleet.pause())
+    asyncio.run(fleet.begin_weight_update())  # pause, and open each engine's weight-update session
     sent = sender.send(group_tensors(hf_tensors(newer), 20_000), version=4)
-    asyncio.run(fleet.flush_cache())
-    asyncio.run(fleet.resume())
+    asyncio.run(fleet.end_weight_update())
     assert sent > 1  # several buckets, each one broadcast
     outs = generate_all(fleet, PROMPTS[:3])
     assert_matches(newer, PROMPTS[:3], outs)
     assert {o.weight_version for o in outs} == {4}
     assert asyncio.run(fleet.weight_checksums()) == weight_checksums(hf_tensors(newer))
     asyncio.run(leave_update_group(fleet, "test-sync"))
+    sender.close()
+
+
+def test_a_bucket_sent_outside_a_weight_update_session_fails_with_the_engines_refusal(fleet_setup):
+    """SGLang 0.5.23 refuses a process-group update outside a session without joining the
+    broadcast: the sender's broadcast times out, and its error says what the engines answered."""
+    fleet = fleet_setup[0]
+    world, _ = group_ranks(fleet)
+    port, joined = free_port(), {}
+    trainer = threading.Thread(target=lambda: joined.setdefault(
+        "group", open_update_group("gloo", "127.0.0.1", port, 0, world, "test-no-session", timeout_s=5)))
+    trainer.start()
+    asyncio.run(join_update_group(fleet, "127.0.0.1", port, "test-no-session", "gloo", timeout_s=60))
+    trainer.join()
+    sender = DistributedSender(joined["group"], fleet.engine_urls, "test-no-session", api_key=fleet.api_key)
+    head = dict(hf_tensors(fleet_setup[1]))["lm_head.weight"]
+    with pytest.raises(RuntimeError, match="must run between begin_weight_update") as failed:
+        sender.send([{"lm_head.weight": head}], version=9)
+    assert all(url in str(failed.value) for url in fleet.engine_urls)  # every engine refused, by name
+    asyncio.run(leave_update_group(fleet, "test-no-session"))
     sender.close()
 
 

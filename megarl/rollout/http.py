@@ -28,7 +28,7 @@ from megarl.rollout import sglang_api
 from megarl.rollout.engine import PREEMPTED, GenerationOutput, PauseAroundUpdates, RolloutEngine, SamplingParams
 from megarl.weights import all_transports, disk
 from megarl.weights.buckets import WeightBucket
-from megarl.weights.routes import json_body
+from megarl.weights.routes import json_body, result
 
 
 def create_engine_app(engine: RolloutEngine, tokenizer=None, model_path: str = "",
@@ -121,6 +121,26 @@ def create_engine_app(engine: RolloutEngine, tokenizer=None, model_path: str = "
         await json_body(request)
         await engine.resume()
         return {"message": "Generation continued successfully.", "status": "ok"}
+
+    # SGLang's weight-update session: the routes of sglang_api.SESSION_REQUIRED_ROUTES refuse
+    # outside it (megarl.weights.routes.session_refusal), as SGLang 0.5.23's do
+    app.state.weight_update_session = False
+
+    @app.post("/begin_weight_update")
+    async def begin_weight_update(request: Request):
+        await json_body(request)
+        if app.state.weight_update_session:
+            return result(False, f"{sglang_api.SESSION_OPEN}; call end_weight_update() first")
+        app.state.weight_update_session = True
+        return result(True, "Success")
+
+    @app.post("/end_weight_update")
+    async def end_weight_update(request: Request):
+        await json_body(request)
+        if not app.state.weight_update_session:
+            return result(False, f"{sglang_api.NO_SESSION}; call begin_weight_update() first")
+        app.state.weight_update_session = False
+        return result(True, "Success")
 
     @app.get("/weight_checksums")  # megarl's own route (sync.verify); SGLang has none
     async def checksums():
@@ -228,6 +248,38 @@ class HTTPEngine(PauseAroundUpdates):
             raise RuntimeError(f"{self.base_url}{route} answered {response.status_code}: "
                                f"{answer.get('message', answer)}")
         return answer
+
+    async def begin_weight_update(self) -> None:
+        """Pause, then open SGLang's weight-update session (the process-group and tensor routes
+        load nothing outside one)."""
+        await self.pause()
+        await self.open_update_session()
+
+    async def end_weight_update(self) -> None:
+        """Close the session, drop the stale prefix cache, resume."""
+        await self.close_update_session()
+        await self.flush_cache()
+        await self.resume()
+
+    async def open_update_session(self) -> None:
+        """/begin_weight_update; a session left open (by a sync that died before closing it)
+        is closed first."""
+        try:
+            await self.post("/begin_weight_update", sglang_api.begin_update_body())
+        except RuntimeError as e:
+            if sglang_api.SESSION_OPEN not in str(e):
+                raise
+            await self.post("/end_weight_update", sglang_api.end_update_body())
+            await self.post("/begin_weight_update", sglang_api.begin_update_body())
+
+    async def close_update_session(self, missing_ok: bool = False) -> None:
+        """/end_weight_update; with `missing_ok`, a server that has no session (it restarted
+        during the sync) is fine."""
+        try:
+            await self.post("/end_weight_update", sglang_api.end_update_body())
+        except RuntimeError as e:
+            if not (missing_ok and sglang_api.NO_SESSION in str(e)):
+                raise
 
     async def pause(self) -> None:
         await self.post("/pause_generation", sglang_api.pause_body())

@@ -216,15 +216,19 @@ class SGLangFleet:
 
     async def begin_weight_update(self) -> None:
         """The weights' memory back if released (else a health pass, so that a restarted
-        engine gets the new weights too), then pause."""
+        engine gets the new weights too), then pause and open each engine's weight-update
+        session (SGLang loads weights from a process group or tensors only inside one)."""
         if self.memory_released:
             await self.resume_memory(["weights"])
         else:
             await self.check_engines()
         await self.pause()
+        await self._each("open_update_session")
 
     async def end_weight_update(self) -> None:
-        """Flush the stale prefix cache, the KV cache back if released, then continue."""
+        """Close the sessions, flush the stale prefix cache, the KV cache back if released,
+        then continue. An engine restarted during the sync has no session to close."""
+        await self._each("close_update_session", True)
         await self.flush_cache()
         if self.memory_released:
             await self.resume_memory([t for t in sglang_api.MEMORY_TAGS if t != "weights"])

@@ -33,6 +33,8 @@ CONTROL_ROUTES = {
     "/abort_request": "AbortReq",
     "/release_memory_occupation": "ReleaseMemoryOccupationReqInput",
     "/resume_memory_occupation": "ResumeMemoryOccupationReqInput",
+    "/begin_weight_update": "BeginWeightUpdateReqInput",
+    "/end_weight_update": "EndWeightUpdateReqInput",
 }
 for _transport in all_transports():
     CONTROL_ROUTES |= _transport.request_structs
@@ -105,6 +107,8 @@ def output_from_sglang(payload: dict, routed_experts_from: int | None = None) ->
     ids = payload.get("output_ids")
     if ids is None and logprobs is not None:
         ids = [item[1] for item in logprobs]
+    if ids is None and finish.get("type") == "abort":
+        ids = []  # aborted before its prefill (SGLang sends no tokens then): an empty output
     if ids is None:
         raise ValueError("the server's response has neither output_ids nor output_token_logprobs; "
                          "megarl needs token ids (send return_logprob=true)")
@@ -167,6 +171,23 @@ def pause_body() -> dict:
 
 
 def continue_body() -> dict:
+    return {}
+
+
+# SGLang 0.5.23 loads weights sent by a process group or as tensors only inside a weight-update
+# session (sglang/srt/managers/scheduler_components/weight_updater.py): these routes refuse
+# without one, and a second begin is refused while one is open
+SESSION_REQUIRED_ROUTES = ("/update_weights_from_distributed", "/update_weights_from_tensor")
+NO_SESSION = "no weight-update session is open"
+SESSION_OPEN = "a weight-update session is already open"
+
+
+def begin_update_body() -> dict:
+    """Open a weight-update session on every runner of the engine (SGLang's selector "all")."""
+    return {}
+
+
+def end_update_body() -> dict:
     return {}
 
 

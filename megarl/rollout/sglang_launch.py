@@ -39,8 +39,18 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-# runs a module with --api-key from the environment (SGLang and the router read it nowhere else)
-WITH_API_KEY = [sys.executable, "-m", "megarl.rollout.with_api_key"]
+def with_api_key(python: str | None = None) -> list[str]:
+    """The argv start that runs a module with --api-key from the environment (SGLang and the
+    router read it nowhere else), under `python` (default: this interpreter)."""
+    return [python or sys.executable, "-m", "megarl.rollout.with_api_key"]
+
+
+# SGLang 0.5.23 on the CPU (cluster.gpus_per_node=0): its CPU engine (SGLANG_USE_CPU_ENGINE=1 in
+# the server's environment) with torch's own attention; --sleep-on-idle keeps an idle scheduler
+# from spinning a core. Its KV cache is sized in tokens, or it takes most of the machine's memory.
+CPU_SERVER_FLAGS = ["--device", "cpu", "--attention-backend", "torch_native", "--sleep-on-idle"]
+CPU_SERVER_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}
+CPU_KV_CACHE_TOKENS = 32768
 
 
 def fleet_api_key(settings: SGLangConfig) -> str:
@@ -57,10 +67,14 @@ def server_command(cfg: RunConfig, colocated: bool) -> list[str]:
                 cfg.model.dtype, "--max-running-requests", str(min(r.max_concurrency, 256)),
                 "--random-seed", str(cfg.trainer.seed)]
     else:
-        argv = [*WITH_API_KEY, "sglang.launch_server", "--model-path", cfg.model.path,
+        argv = [*with_api_key(s.python), "sglang.launch_server", "--model-path", cfg.model.path,
                 "--tp-size", str(r.tensor_parallel_size), "--dtype", cfg.model.dtype,
                 "--mem-fraction-static", str(r.gpu_memory_utilization), "--random-seed", str(cfg.trainer.seed),
                 "--max-running-requests", str(r.max_concurrency), "--log-level", "warning"]
+        if not cfg.cluster.gpus_per_node:
+            argv += CPU_SERVER_FLAGS + ["--max-total-tokens", str(s.max_total_tokens or CPU_KV_CACHE_TOKENS)]
+        elif s.max_total_tokens:
+            argv += ["--max-total-tokens", str(s.max_total_tokens)]
         if r.expert_parallel_size > 1:
             argv += ["--ep-size", str(r.expert_parallel_size)]
         if cfg.model.tokenizer_path:
@@ -76,9 +90,9 @@ def server_command(cfg: RunConfig, colocated: bool) -> list[str]:
 
 def router_command(settings: SGLangConfig, worker_urls: Sequence[str], metrics_port: int) -> list[str]:
     """The argv of sglang-router in front of `worker_urls`, without --host / --port. Given the
-    workers' key (its --api-key, through WITH_API_KEY), sglang-router 0.3.2 requires it from
+    workers' key (its --api-key, through with_api_key), sglang-router 0.3.2 requires it from
     clients and passes their Authorization header on to the workers."""
-    return [*WITH_API_KEY, "sglang_router.launch_router", "--worker-urls", *worker_urls,
+    return [*with_api_key(), "sglang_router.launch_router", "--worker-urls", *worker_urls,
             "--policy", settings.router_policy, "--request-timeout-secs", str(int(settings.request_timeout_s)),
             "--worker-startup-timeout-secs", str(int(settings.startup_timeout_s)),
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port), "--log-level", "warn"]
@@ -229,7 +243,7 @@ def launch_fleet(cfg: RunConfig, placement_group, engine_bundles: list[list[int]
             raise RuntimeError(f"rollout engine {e}'s {len(bundles)} GPUs landed on several nodes {sorted(where)}; "
                                "an engine's TP ranks must share a node (rollout.tensor_parallel_size)")
         engine_gpus = [g for i in bundles for g in devices[i][1]]  # TP rank i runs on the i-th
-        env = {"CUDA_VISIBLE_DEVICES": ",".join(engine_gpus)} if gpus else {}
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(engine_gpus)} if gpus else dict(CPU_SERVER_ENV)
         actors.append(server_actor.options(num_cpus=0, num_gpus=(0.2 if colocated else 1) if gpus else 0,
                                            scheduling_strategy=place(bundles[0])).remote(
             argv, f"engine{e}", host=host, log_dir=log_dir, env=env, api_key=api_key))

@@ -25,7 +25,7 @@ from fastapi import Request
 from megarl.driver_loop import run_async
 from megarl.http_auth import bearer
 from megarl.weights.buckets import FlatBucket, TensorEntry, WeightBucket, flatten, split_by_dtype, unpack_bucket
-from megarl.weights.routes import json_body, result, version_of
+from megarl.weights.routes import json_body, result, session_refusal, version_of
 from megarl.weights.transport import EngineServers, TrainRanks, WeightSender, WeightTransport, needs_engine_servers, \
     sources
 
@@ -133,14 +133,34 @@ class DistributedSender:
                                                       [list(e.shape) for e in flat.entries], self.group_name, version)
             calls = [self.pool.submit(self.client.post, url + "/update_weights_from_distributed", json=body)
                      for url in self.engine_urls]
-            broadcast_bucket(self.group, flat)
-            for url, call in zip(self.engine_urls, calls):
-                response = call.result()
-                if response.status_code != 200 or not response.json().get("success"):
-                    raise RuntimeError(f"{url} failed to load a weight bucket over the update group "
-                                       f"{self.group_name}: {response.status_code} {response.text[:500]}")
+            try:
+                broadcast_bucket(self.group, flat)
+            except RuntimeError as e:  # an engine that refused the bucket never joined: say which and why
+                refusals = self._refusals(calls, wait_s=0.0)
+                raise RuntimeError(f"broadcast of a weight bucket over {self.group_name} failed ({e}); "
+                                   + ("; ".join(refusals) or "no engine refused it")) from e
+            refusals = self._refusals(calls)
+            if refusals:
+                raise RuntimeError("; ".join(refusals))
             count += 1
         return count
+
+    def _refusals(self, calls, wait_s: float | None = None) -> list[str]:
+        """What each engine that failed the bucket answered (those still busy after `wait_s`
+        seconds are left out; None waits for every answer)."""
+        refusals = []
+        for url, call in zip(self.engine_urls, calls):
+            try:
+                response = call.result(timeout=wait_s)
+            except TimeoutError:
+                continue
+            except httpx.HTTPError as e:
+                refusals.append(f"{url} did not answer the weight bucket: {e}")
+                continue
+            if response.status_code != 200 or not response.json().get("success"):
+                refusals.append(f"{url} failed to load a weight bucket over the update group {self.group_name}: "
+                                f"{response.status_code} {response.text[:500]}")
+        return refusals
 
     def close(self) -> None:
         self.client.close()
@@ -289,6 +309,8 @@ class GroupTransport(WeightTransport):
 
         @app.post("/update_weights_from_distributed")
         async def update_weights_from_distributed(request: Request):
+            if (refused := session_refusal(request, "/update_weights_from_distributed")) is not None:
+                return refused
             body = await json_body(request)
             name = str(body.get("group_name", "weight_update_group"))
             if name not in groups:

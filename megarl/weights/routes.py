@@ -34,3 +34,11 @@ def version_of(body: dict) -> int:
 def result(success: bool, message: str) -> JSONResponse:
     """SGLang's answer to a weight route: {success, message}, 400 on failure."""
     return JSONResponse({"success": success, "message": message}, status_code=200 if success else 400)
+
+
+def session_refusal(request: Request, route: str) -> JSONResponse | None:
+    """SGLang's refusal of a weight route that needs a weight-update session when none is open
+    (megarl.rollout.sglang_api.SESSION_REQUIRED_ROUTES); None when one is open."""
+    if getattr(request.app.state, "weight_update_session", False):
+        return None
+    return result(False, f"{route.lstrip('/')} must run between begin_weight_update() and end_weight_update()")

@@ -134,10 +134,9 @@ def test_weights_from_disk(server, tmp_path):
     client = server.client
     new = small_model(server.vocab, seed=1)
     client.weight_dir = str(tmp_path)
-    asyncio.run(client.pause())
+    asyncio.run(client.begin_weight_update())
     asyncio.run(client.update_weights(group_tensors(hf_tensors(new), 8 << 20), version=1))
-    asyncio.run(client.flush_cache())
-    asyncio.run(client.resume())
+    asyncio.run(client.end_weight_update())
     assert check_log_probs(client, new).weight_version == 1
 
 
@@ -156,10 +155,9 @@ def test_weights_over_an_nccl_group(server):
     asyncio.run(client.post("/init_weights_update_group", init_group_body("127.0.0.1", port, 1, 2, "megarl-test",
                                                                             "nccl")))
     opened.join()
-    asyncio.run(client.pause())
+    asyncio.run(client.begin_weight_update())  # SGLang loads from a group only inside a weight-update session
     assert sender.send(group_tensors(two_dtypes(new), 8 << 20), version=2) >= 2
-    asyncio.run(client.flush_cache())
-    asyncio.run(client.resume())
+    asyncio.run(client.end_weight_update())
     assert check_log_probs(client, new.cpu()).weight_version == 2
     sender.close()
 
@@ -177,10 +175,9 @@ def test_weights_through_cuda_ipc(server):
         place = RankPlace(rank=0, node="127.0.0.1", gpu=str(server.gpu), stage=0, is_source=True)
         sender = IpcSender([place], 0, [(client.base_url, [0])], makes_handle=True, api_key=KEY)
         sender.open()
-        asyncio.run(client.pause())
+        asyncio.run(client.begin_weight_update())  # and tensors too
         assert sender.send(group_tensors(two_dtypes(new), 8 << 20), version=3) >= 2
-        asyncio.run(client.flush_cache())
-        asyncio.run(client.resume())
+        asyncio.run(client.end_weight_update())
         sender.close()
     assert check_log_probs(client, new.cpu()).weight_version == 3
 
