@@ -11,6 +11,7 @@ import torch
 from megarl.weights.buckets import FlatBucket, TensorEntry, compare_checksums, pack_buckets, send_flat, \
     unpack_bucket, verify_engine, weight_checksums
 from megarl.weights.inprocess import load_into_engine
+from megarl.weights.transport import RankPlace
 
 
 def test_buckets_pack_in_order_aligned_and_unpack_exactly():
@@ -144,3 +145,59 @@ def test_flat_buckets_are_sent_two_at_a_time_and_survive_pickling():
     for group in groups:
         for name, tensor in group.items():
             assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor)
+
+
+class SyncRecorder:
+    """The parts of a weight sync (train ranks, engine, transport), recording the order of calls."""
+
+    def __init__(self, fail_push: bool = False):
+        self.calls, self.fail_push = [], fail_push
+
+    def places(self):
+        return [RankPlace(0, "node0", "", 0, True)]
+
+    def free_cache(self):
+        self.calls.append("free_cache")
+
+    def push(self, bucket_bytes, version, stage=None):
+        self.calls.append("push")
+        if self.fail_push:
+            raise RuntimeError("push failed")
+        return 1
+
+    async def begin_weight_update(self):
+        self.calls.append("begin")
+
+    async def end_weight_update(self):
+        self.calls.append("end")
+
+    stages_in_turn = False
+
+    def connect(self, ranks):
+        self.calls.append("connect")
+
+    def finish(self, version):
+        self.calls.append("finish")
+
+
+@pytest.mark.parametrize("fail_push", [False, True])
+def test_the_push_buffers_are_freed_before_the_engines_take_their_memory_back(fail_push):
+    """A colocated engine resumes its KV cache and CUDA graphs in end_weight_update: the train
+    ranks give back what the push allocated (buckets, IPC copies) before it, also after a failure."""
+    from megarl.config import load_config
+    from megarl.runtime.base import Runtime
+
+    class Recorded(Runtime):
+        release_engine_memory = shutdown = lambda self: None
+
+    parts = SyncRecorder(fail_push)
+    runtime = Recorded()
+    runtime.cfg = load_config(None, ["sync.verify=false"])
+    runtime.ranks = runtime.engine = runtime.transport = parts
+    if fail_push:
+        with pytest.raises(RuntimeError, match="push failed"):
+            runtime.sync_weights(3)
+    else:
+        runtime.sync_weights(3)
+    pushed = ["push"] if fail_push else ["push", "finish"]
+    assert parts.calls == ["free_cache", "begin", "connect", *pushed, "free_cache", "end"]

@@ -54,6 +54,9 @@ class Runtime(ABC):
                 self.ranks.push(bucket_bytes, version)
             self.transport.finish(version)
         finally:
+            # the push's buffers (and the CUDA IPC memory the engines have closed) back to the
+            # device before colocated engines take their KV cache and CUDA graphs back
+            self.ranks.free_cache()
             run_async(self.engine.end_weight_update())
         if self.cfg.sync.verify:
             run_async(verify_engine(self.engine, self.worker.weight_checksums()))
@@ -117,6 +120,7 @@ class RankEndpoint:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
+            torch.cuda.ipc_collect()  # memory shared with the engines through CUDA IPC that they have let go
 
     def close(self) -> None:
         if self.sender is not None:

@@ -9,6 +9,7 @@ Every weight sync runs the same steps, whatever the transport (megarl.runtime.ba
                                         sender sends them through it (one pipeline stage at a
                                         time where the transport says `stages_in_turn`)
     transport.finish(version)           driver: whatever must follow (e.g. engines load the files)
+    ranks.free_cache()                  the push's buffers back to the device (also after a failure)
     engine.end_weight_update()          flush the prefix cache, KV cache back, resume decoding
 
 A transport is one module with three sides, all in that module:
