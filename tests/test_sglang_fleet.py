@@ -319,6 +319,24 @@ def test_an_engine_past_its_restart_budget_stops_the_run(fleet_setup):
     ray.get(fleet.servers[0].actor.restart.remote(60))  # leave the shared fleet whole
 
 
+def test_an_engine_restarted_mid_rollout_without_weights_to_reload_stops_the_run(fleet_setup):
+    """After a sync by a transport that keeps no copy (nccl, ipc: no weights on disk), a
+    restarted engine would serve the checkpoint's weights as the trainer's: refused, by name.
+    A restart in the health pass before a sync is fine (the sync brings it the weights)."""
+    fleet, _, cfg, _ = fleet_setup
+    settings = replace(cfg.rollout.sglang, max_request_retries=1, router=False)
+    direct = SGLangFleet([(s.name, s.actor, s.url, s.tp) for s in fleet.servers[:1]], settings, api_key=fleet.api_key)
+    asyncio.run(direct.begin_weight_update())  # a sync whose weights came over a process group
+    asyncio.run(direct.end_weight_update())
+    os.killpg(ray.get(fleet.servers[0].actor.pid.remote()), signal.SIGKILL)
+    with pytest.raises(ComponentDied, match="engine0 .* restarted mid-rollout and holds the checkpoint's weights"):
+        generate_all(direct, PROMPTS[:1])
+    os.killpg(ray.get(fleet.servers[0].actor.pid.remote()), signal.SIGKILL)
+    asyncio.run(direct.check_engines())  # the health pass of the next sync restarts it without complaint
+    assert direct.metrics()["rollout/engine_restarts"] == 2
+    asyncio.run(direct.close())
+
+
 def test_a_dead_router_is_restarted_and_the_request_resent(fleet_setup):
     fleet, model, _, _ = fleet_setup
     asyncio.run(fleet.update_weights(group_tensors(hf_tensors(model), 20_000), version=9))  # earlier tests changed them

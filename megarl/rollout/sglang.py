@@ -85,6 +85,7 @@ class SGLangFleet:
         self.failed_requests = 0  # requests re-sent after an engine failure (a metric)
         self.router_restarts = 0
         self.memory_released = False  # release_memory ran; the next weight update takes the memory back
+        self.synced = False  # a weight sync has begun: the checkpoint's weights are no longer the trainer's
         self._epoch = 0  # health passes so far; a request that failed before the latest one just retries
         self._locks: dict[int, asyncio.Lock] = {}
 
@@ -128,15 +129,16 @@ class SGLangFleet:
         finally:
             task.cancel()
 
-    async def _recover(self, failed_in_epoch: int) -> None:
+    async def _recover(self, failed_in_epoch: int, before_sync: bool = False) -> None:
         """One health pass over the engines (restarting the dead), unless one already ran
-        since the failed request was sent."""
+        since the failed request was sent. `before_sync`: a weight sync follows before the
+        engines generate again (it brings a restarted engine the trainer's weights)."""
         loop = id(asyncio.get_running_loop())  # each rollout batch runs in its own event loop
         self._locks = {loop: self._locks.get(loop) or asyncio.Lock()}
         async with self._locks[loop]:
             if self._epoch != failed_in_epoch:
                 return
-            await asyncio.gather(*[self._check(s) for s in self.servers])
+            await asyncio.gather(*[self._check(s, before_sync) for s in self.servers])
             if self.router_actor is not None:
                 await self._check_router()
             self._epoch += 1
@@ -155,7 +157,7 @@ class SGLangFleet:
             raise ComponentDied(f"sglang-router at {self.router_url} could not be restarted: {e}") from e
         self.router_restarts += 1
 
-    async def _check(self, server: _ServerHandle) -> None:
+    async def _check(self, server: _ServerHandle, before_sync: bool = False) -> None:
         if await server.call("alive") and await server.client.health(self.settings.health_timeout_s):
             return
         if server.restarts >= self.settings.max_restarts:
@@ -172,6 +174,13 @@ class SGLangFleet:
             raise ComponentDied(f"rollout engine {server.name} could not be restarted: {e}") from e
         if self.last_weights is not None:  # back to the trainer's newest weights
             await server.client.load_from_disk(*self.last_weights)
+        elif self.synced and not before_sync:
+            # it serves the checkpoint it started from, and its samples would enter the step as
+            # the trainer's: the process-group and IPC transports keep no copy it could reload
+            raise ComponentDied(f"rollout engine {server.name} at {server.url} was restarted mid-rollout and holds "
+                                "the checkpoint's weights, not the trainer's; this weight transport keeps no copy to "
+                                "reload. Resume the run from its last checkpoint (trainer.resume=auto), or use "
+                                "sync.transport=disk, whose newest weights a restarted engine reloads")
 
     async def health(self) -> bool:
         return all(await asyncio.gather(*[s.client.health(self.settings.health_timeout_s) for s in self.servers]))
@@ -185,7 +194,7 @@ class SGLangFleet:
         dead engine to the others by itself, so the fleet may not see the failure. Run before
         every weight sync (so a restarted engine gets the new weights too), while the engines
         still hold their memory (a health check generates a token)."""
-        await self._recover(self._epoch)
+        await self._recover(self._epoch, before_sync=True)
 
     async def abort_requests(self) -> None:
         """Every engine ends its requests with the tokens they have (RolloutEngine.abort_requests);
@@ -222,6 +231,7 @@ class SGLangFleet:
             await self.resume_memory(["weights"])
         else:
             await self.check_engines()
+        self.synced = True
         await self.pause()
         await self._each("open_update_session")
 
