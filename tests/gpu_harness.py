@@ -41,10 +41,13 @@ def free_port() -> int:
 
 @dataclass(frozen=True)
 class Layout:
-    """Train ranks in megatron's order (TP fastest, then DP, then PP), one simulated GPU each."""
+    """Train ranks in megatron's order (TP fastest, then DP, then PP), one simulated GPU each;
+    `ep`: megarl's megatron worker splits a mixture of experts over that many ranks (their
+    expert-parallel groups span the data-parallel ranks)."""
     tp: int
     dp: int
     pp: int
+    ep: int = 1
 
     @property
     def world(self) -> int:
@@ -117,7 +120,8 @@ def _export_side(rank: int, layout: Layout, hf_dir: str | None):
 
         torch.set_num_threads(1)
         return worker(hf_dir, [f"actor.parallel.tensor_model_parallel_size={layout.tp}",
-                               f"actor.parallel.pipeline_model_parallel_size={layout.pp}"])
+                               f"actor.parallel.pipeline_model_parallel_size={layout.pp}",
+                               f"actor.parallel.expert_model_parallel_size={layout.ep}"])
     tp_groups = [torch.distributed.new_group([s * layout.tp * layout.dp + d * layout.tp + t for t in range(layout.tp)])
                  for s in range(layout.pp) for d in range(layout.dp)]
     _, dp, stage = layout.coords(rank)

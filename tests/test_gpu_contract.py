@@ -271,7 +271,8 @@ def ipc_config(layout: Layout):
                               "cluster.gpus_per_node=4", "rollout.tensor_parallel_size=2", "sync.bucket_mb=1",
                               "sync.verify=true", "actor.backend=megatron",
                               f"actor.parallel.tensor_model_parallel_size={layout.tp}",
-                              f"actor.parallel.pipeline_model_parallel_size={layout.pp}"])
+                              f"actor.parallel.pipeline_model_parallel_size={layout.pp}",
+                              f"actor.parallel.expert_model_parallel_size={layout.ep}"])
 
 
 def nccl_config():
@@ -353,6 +354,27 @@ def test_colocated_ipc_from_megarls_megatron_ranks(run, tmp_path):
     r.runtime.sync_weights(version=1)
     want = weight_checksums(sorted(hf_tensors(str(tmp_path)).items()))
     assert [engine_sums(u) for u in r.urls()] == [want, want]
+
+
+@pytest.mark.timeout(300)
+def test_colocated_ipc_from_megarls_megatron_ranks_with_expert_parallelism(run, tmp_path):
+    # megarl's MegatronTrainWorker with EP 2 over two data-parallel ranks (rank 0 on GPU 0, rank 1
+    # on GPU 1; one engine of TP 2 on both) and a tiny Qwen3-MoE of about 4 MB, so several 1 MiB
+    # buckets. After each bucket every rank takes part in the ipc sender's broadcasts, and rank 1
+    # (DP 1, no source) in the experts' EP gathers of rank 0's export: it must walk its export
+    # bucket by bucket with rank 0. Before the fix it walked all of it at the first bucket, inside
+    # an EP gather while rank 0 was in a broadcast: a deadlock, here a timeout after 30 s.
+    tiny_hf_model("qwen3_moe", moe_intermediate_size=256).save_pretrained(tmp_path)
+    layout = Layout(tp=1, dp=2, pp=1, ep=2)
+    r = run(ipc_config(layout), IpcTransport, layout, ["0", "1"], [["0", "1"]], deadline_s=30.0,
+            hf_dir=str(tmp_path))
+    assert [p.is_source for p in r.ranks.places()] == [True, False]
+    r.runtime.sync_weights(version=1)  # sync.verify compares the engine with the trainer
+    tensors = hf_tensors(str(tmp_path))
+    assert [engine_sums(u) for u in r.urls()] == [weight_checksums(sorted(tensors.items()))]
+    loads = [c for c in calls(r.urls()[0]) if c["route"] == "/update_weights_from_tensor"]
+    total = sum(t.numel() * t.element_size() for t in tensors.values())  # all float32: one piece per bucket
+    assert total > 3 << 20 and len(loads) >= -(-total // (1 << 20))  # at least that many 1 MiB buckets
 
 
 @pytest.mark.timeout(300)

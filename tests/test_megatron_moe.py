@@ -204,3 +204,75 @@ def test_megarl_train_replaying_the_engines_routing(tmp_path, monkeypatch):
         torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-4, msg=key)  # as the other train tests
     for name in ("torch", "megatron"):  # old log-probs under the engine's weights and routing
         assert mlflow_metric(tmp_path / name, "rollout/logprob_mismatch")[0] < 1e-5
+
+
+# the tiny model's experts in float32 bytes: one expert's gate and up projections (fc1, 2 x 40 x
+# 64) and its down projection (fc2, 64 x 40); at EP = 2 each rank holds 3 of the 6 experts
+FC1, FC2 = 2 * 40 * 64 * 4, 64 * 40 * 4
+EXPERT_GATHERS = [  # (expert_gather_bytes, the bytes each all-gather of one MoE layer brings, fc1 then fc2)
+    (None, [2 * 3 * FC1, 2 * 3 * FC2]),  # a layer's experts at once: 122,880 and 61,440
+    (50_000, [2 * FC1] * 3 + [2 * 2 * FC2, 2 * 1 * FC2]),  # one fc1 expert (40,960) or two fc2 (40,960) per rank
+    (1, [2 * FC1] * 3 + [2 * FC2] * 3),  # less than an expert: one per rank, never split
+]
+
+
+def gathered_exports(hf_dir: str, layout_kw: dict, limits: list) -> list:
+    """On this rank: for each limit, the HF tensors exported with it as expert_gather_bytes and
+    the bytes each torch.distributed.all_gather of the export brought (counted at torch's API)."""
+    from megarl.backends.megatron.model import Layout, build_model, export_hf_tensors, initialize, load_hf_weights
+    from megarl.models import ModelSpec
+
+    spec = ModelSpec.from_hf(hf_dir)
+    layout = Layout(**layout_kw)
+    initialize(layout, seed=0)
+    chunks = build_model(spec, layout)
+    load_hf_weights(chunks, spec, hf_dir)
+    original = torch.distributed.all_gather
+    out = []
+    for limit in limits:
+        sizes = []
+
+        def counted(outputs, tensor, *args, sizes=sizes, **kwargs):
+            sizes.append(sum(t.numel() * t.element_size() for t in outputs))
+            return original(outputs, tensor, *args, **kwargs)
+
+        torch.distributed.all_gather = counted
+        try:
+            out.append((dict(export_hf_tensors(chunks, spec, expert_gather_bytes=limit)), sizes))
+        finally:
+            torch.distributed.all_gather = original
+    return out
+
+
+def test_moe_export_gathers_a_layers_experts_in_chunks_of_bounded_bytes(tmp_path):
+    # EP = 2 on 2 ranks (no TP: every all-gather of the export is an expert gather over EP),
+    # MoE layers 0, 2, 3; both ranks export every HF tensor exactly, whatever the chunk size
+    from megarl.models.hf_layout import checkpoint_views
+
+    model = tiny_hf_model("qwen3_moe")
+    model.save_pretrained(tmp_path)
+    state = checkpoint_views(model)
+    limits = [limit for limit, _ in EXPERT_GATHERS]
+    results = run_distributed(2, gathered_exports, str(tmp_path), dict(ep=2), limits)
+    for (limit, per_layer), *ranks in zip(EXPERT_GATHERS, *results):
+        for exported, sizes in ranks:
+            assert sizes == per_layer * 3, limit
+            if limit is not None and limit >= 2 * FC1:  # one expert of each rank fits: no gather brings more
+                assert max(sizes) <= limit
+            assert exported.keys() == state.keys()
+            for name, tensor in state.items():
+                assert torch.equal(exported[name], tensor), (limit, name)
+
+
+@pytest.mark.parametrize("expert_bytes, ep, local, limit, want", [
+    (100, 2, 8, None, 8),  # no limit: all local experts in one gather
+    (100, 2, 8, 1000, 5),  # 5 x 2 x 100 = 1000 bytes
+    (100, 2, 8, 999, 4),
+    (100, 4, 8, 1000, 2),  # each gather brings a chunk of every EP rank
+    (100, 2, 8, 10_000, 8),  # never more than a rank has
+    (100, 2, 8, 150, 1),  # one expert of each rank is more than the limit: one anyway (not split)
+])
+def test_experts_per_gather(expert_bytes, ep, local, limit, want):
+    from megarl.backends.megatron.model import experts_per_gather
+
+    assert experts_per_gather(expert_bytes, ep, local, limit) == want

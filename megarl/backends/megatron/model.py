@@ -418,11 +418,13 @@ def high_precision(param: torch.Tensor) -> torch.Tensor:
     return param.detach()
 
 
-def export_hf_tensors(chunks: list[torch.nn.Module], spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
+def export_hf_tensors(chunks: list[torch.nn.Module], spec: ModelSpec,
+                      expert_gather_bytes: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """This pipeline stage's HF-named tensors, gathered across its TP group, and an expert's
     across its expert-TP and expert-parallel groups (every rank of those groups yields the same
-    tensors). The tied output layer of a last stage is not exported (the first stage exports
-    the shared table). A collective: all ranks of the TP and expert-parallel groups must iterate."""
+    tensors). A layer's experts are gathered at most `expert_gather_bytes` at a time (None: a
+    layer's at once). The tied output layer of a last stage is not exported (the first stage
+    exports the shared table). A collective: all ranks of the TP and expert-parallel groups must iterate."""
     from megatron.core import parallel_state
 
     for model in chunks:
@@ -437,25 +439,45 @@ def export_hf_tensors(chunks: list[torch.nn.Module], spec: ModelSpec) -> Iterato
             else:
                 experts.setdefault(for_expert(rule, 0), []).append((name, rule))
         for group in experts.values():
-            yield from _export_experts(group, params, spec)
+            yield from _export_experts(group, params, spec, expert_gather_bytes)
 
 
-def _export_experts(group: list[tuple[str, TensorRule]], params: dict, spec: ModelSpec):
-    """HF tensors of one layer's experts of one kind (fc1 or fc2): this rank's local experts
-    stacked, then gathered in one collective over expert TP and one over EP (not one per
-    expert: a Qwen3-30B-A3B sync would otherwise make 18k of them)."""
+def experts_per_gather(expert_bytes: int, ep: int, local_experts: int, limit: int | None) -> int:
+    """How many of its `local_experts` each of `ep` expert-parallel ranks puts into one gather,
+    so that what the gather brings (that many whole experts of every rank, `expert_bytes` each)
+    stays within `limit` bytes: at least one (an expert is not split), at most all."""
+    if limit is None:
+        return local_experts
+    return max(1, min(local_experts, limit // (ep * expert_bytes)))
+
+
+def _export_experts(group: list[tuple[str, TensorRule]], params: dict, spec: ModelSpec, limit: int | None):
+    """HF tensors of one layer's experts of one kind (fc1 or fc2), gathered chunk by chunk of
+    this rank's local experts: each chunk stacked, then gathered in one collective over expert
+    TP and one over EP (not one per expert: a Qwen3-30B-A3B sync would otherwise make 18k of
+    them), with at most `limit` bytes of experts gathered at once (a whole layer's fc1 experts
+    are 0.8 GB for Qwen3-30B-A3B and 3.2 GB for Qwen3-235B-A22B in bf16). The expert-TP gather
+    brings 1/EP of that again. Experts come chunk by chunk (each chunk's of every EP rank), not
+    in global order; engines load by name."""
     from megatron.core import parallel_state
 
     first = group[0][1]
-    stacked = torch.stack([high_precision(params[name]) for name, _ in group])
-    shards = _gather(stacked, first, parallel_state.get_expert_tensor_parallel_group())
-    # each expert-TP shard of the stack on every expert-parallel rank r: global experts r * per + local
-    by_rank = [_all_gather(shard, parallel_state.get_expert_model_parallel_group()) for shard in shards]
+    split = parallel_state.get_expert_tensor_parallel_world_size() if first.tp_axis is not None else 1
+    local = params[group[0][0]]  # its nominal dtype (an FP8 parameter's too): what high_precision gives
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    per = experts_per_gather(local.numel() * local.dtype.itemsize * split, ep, len(group), limit)
     mine = _my_experts(spec)
-    for r in range(len(by_rank[0])):
-        for i, (_, rule) in enumerate(group):
-            theirs = for_expert(rule, rule.expert - mine.start + r * len(mine))
-            yield from hf_from_shards(theirs, [ranks[r][i] for ranks in by_rank], spec).items()
+    for start in range(0, len(group), per):
+        part = group[start:start + per]
+        stacked = torch.stack([high_precision(params[name]) for name, _ in part])
+        shards = _gather(stacked, first, parallel_state.get_expert_tensor_parallel_group())
+        # each expert-TP shard of the stack on every expert-parallel rank r: global experts r * per + local
+        by_rank = [_all_gather(shard, parallel_state.get_expert_model_parallel_group()) for shard in shards]
+        del stacked, shards  # freed before the yields (a suspended generator keeps its locals)
+        for r in range(ep):
+            for i, (_, rule) in enumerate(part):
+                theirs = for_expert(rule, rule.expert - mine.start + r * len(mine))
+                yield from hf_from_shards(theirs, [ranks[r][i] for ranks in by_rank], spec).items()
 
 
 def _gather(local: torch.Tensor, rule: TensorRule, group) -> list[torch.Tensor]:

@@ -270,29 +270,36 @@ class MegatronTrainWorker:
             loss_agg_mode=self.cfg.algorithm.loss_agg_mode, counts=counts, lr=lr, weight_decay=c.optim.weight_decay))
 
     # -- weights out ------------------------------------------------------------------------------
-    def _hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """This stage's HF-named actor tensors, TP-gathered; a collective over the TP group on
-        DP rank 0 (other DP ranks hold replicas and yield nothing). With expert parallelism
-        every rank takes part, since an expert-parallel group spans data-parallel ranks, and
-        only DP rank 0 yields."""
+    def _hf_tensors(self, gather_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """The export this rank walks: the stage's HF-named actor tensors, TP-gathered (a
+        collective over the TP group), on each TP rank of DP rank 0; nothing on the other DP
+        ranks (replicas), except with expert parallelism. An expert-parallel group spans DP
+        ranks, so there every rank yields the same tensors: whoever takes them bucket by bucket
+        (the ipc sender, with collectives of its own between the source's buckets) brings every
+        rank to each expert gather with the source. `gather_bytes`: the most of a layer's
+        experts gathered at once (export_hf_tensors)."""
         from megarl.backends.megatron.model import export_hf_tensors
 
-        if self._dp()[0] == 0:
-            return export_hf_tensors(self.actor.chunks, self.spec)
-        if self.layout.ep > 1:
-            return _drained(export_hf_tensors(self.actor.chunks, self.spec))
+        if self._dp()[0] == 0 or self.layout.ep > 1:
+            return export_hf_tensors(self.actor.chunks, self.spec, expert_gather_bytes=gather_bytes)
         return iter(())
 
     def export_hf_weights(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
-        """This pipeline stage's HF-named actor tensors in buckets of about `bucket_bytes`;
-        every TP rank of DP rank 0 must iterate (the source rank sends them, see is_export_source)."""
-        return group_tensors(self._hf_tensors(), bucket_bytes)
+        """This pipeline stage's HF-named actor tensors in buckets of about `bucket_bytes`, the
+        same buckets on every rank that yields any (`_hf_tensors`); every rank must iterate (the
+        source rank sends them, see is_export_source). A layer's experts are gathered at most a
+        bucket's worth at a time: the sync holds a bucket anyway, so the gathers at most double it."""
+        return group_tensors(self._hf_tensors(bucket_bytes), bucket_bytes)
+
+    def _sync_bucket_bytes(self) -> int:
+        return self.cfg.sync.bucket_mb << 20
 
     def weight_checksums(self) -> dict[str, str]:
         """Checksums of every HF tensor of the actor (all stages), the same on every rank."""
-        mine = weight_checksums(self._hf_tensors())
+        tensors = self._hf_tensors(self._sync_bucket_bytes())
+        mine = weight_checksums(tensors) if self.is_export_source else _walk(tensors)
         gathered = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(gathered, mine if self.is_export_source else {})
+        torch.distributed.all_gather_object(gathered, mine)
         return {name: value for part in gathered for name, value in part.items()}
 
     def save_hf(self, directory: str | Path) -> str:
@@ -307,7 +314,8 @@ class MegatronTrainWorker:
         stage = parallel_state.get_pipeline_model_parallel_rank()
         stages = parallel_state.get_pipeline_model_parallel_world_size()
         file = f"model-{stage + 1:05d}-of-{stages:05d}.safetensors"
-        tensors = {n: t.contiguous().cpu() for n, t in self._hf_tensors()}
+        exported = self._hf_tensors(self._sync_bucket_bytes())
+        tensors = {n: t.contiguous().cpu() for n, t in exported} if self.is_export_source else _walk(exported)
         names = [[] for _ in range(stages)]
         if self.is_export_source:
             save_file(tensors, str(directory / file), metadata={"format": "pt"})
@@ -489,8 +497,8 @@ def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
         get_cuda_rng_tracker().set_states(tracker)
 
 
-def _drained(tensors: Iterator) -> Iterator:
-    """Run a collective iterator to its end (taking part in its gathers) and yield nothing."""
+def _walk(tensors: Iterator) -> dict:
+    """Run a collective iterator to its end (taking part in its gathers), keeping nothing: {}."""
     for _ in tensors:
         pass
-    yield from ()
+    return {}
