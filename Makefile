@@ -9,12 +9,13 @@
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
+SGLANG_VENV ?= .venv-sglang
 PYTEST_ARGS ?=
 
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.megarl-installed
 
-.PHONY: setup test test-slurm test-ui quickstart quickstart-math quickstart-megatron bench clean
+.PHONY: setup sglang-env test test-slurm test-ui quickstart quickstart-math quickstart-megatron bench clean
 
 setup: $(STAMP) sandbox-tool
 
@@ -35,8 +36,35 @@ $(STAMP): pyproject.toml
 	$(BIN)/python tools/fetch_sglang_api.py $(VENV)/sglang-api
 	touch $@
 
+# The real SGLang 0.5.23 server for the CPU, in its own venv $(SGLANG_VENV): the CPU torch, then
+# the pinned lock requirements/sglang-cpu.txt and megarl itself, all --no-deps (sglang's own
+# requirements pull a CUDA torch); a .pth file puts tools/sglang_cpu (stand-ins for the CUDA-only
+# sgl_kernel and torchvision) on its path. Serve with SGLANG_USE_CPU_ENGINE=1 (megarl's fleet sets
+# it); check with `$(SGLANG_VENV)/bin/python tools/sglang_cpu/smoke.py`.
+SGLANG_STAMP := $(SGLANG_VENV)/.megarl-installed
+
+sglang-env: $(SGLANG_STAMP)
+
+$(SGLANG_STAMP): requirements/sglang-cpu.txt
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "megarl needs Python >= 3.11, found " + sys.version'
+	test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV)
+	if [ -n "$(TORCH_SPEC)" ]; then $(SGLANG_VENV)/bin/python -m pip install "$(TORCH_SPEC)"; fi
+	$(SGLANG_VENV)/bin/python -m pip install --no-deps -r requirements/sglang-cpu.txt
+	$(SGLANG_VENV)/bin/python -m pip install --no-deps -e .
+	echo "$(abspath tools/sglang_cpu)" > "$$($(SGLANG_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/megarl-sglang-cpu.pth"
+	SGLANG_USE_CPU_ENGINE=1 $(SGLANG_VENV)/bin/python -W ignore -c 'import sgl_kernel, torchvision, \
+		sglang.launch_server, sglang.srt.entrypoints.http_server, sglang.srt.managers.scheduler, \
+		sglang.srt.model_executor.model_runner, sglang_router.launch_router, megarl.rollout.with_api_key'
+	touch $@
+
 test: $(STAMP) sandbox-tool
 	$(BIN)/python -m pytest tests $(PYTEST_ARGS)
+
+# SGLang 0.5.23's own servers on the CPU (tests/sglang_real): the launcher, every route megarl uses,
+# the weight transports that run on the CPU, partial rollouts, training through the fleet.
+.PHONY: test-sglang
+test-sglang: $(STAMP) $(SGLANG_STAMP)
+	MEGARL_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python $(BIN)/python -m pytest tests/sglang_real -m sglang $(PYTEST_ARGS)
 
 # On a GPU machine, first: tests/gpu, then PASS / FAIL / NOT RUN per GPU-only path (docs/testing.md).
 .PHONY: test-gpu
@@ -79,6 +107,15 @@ quickstart-math: $(STAMP)
 quickstart-code: $(STAMP) sandbox-tool
 	$(BIN)/python -m megarl.quickstart prepare-code outputs/quickstart_code
 	$(BIN)/megarl train examples/quickstart/code_tiny.yaml
+
+# The Search-R1 quickstart with its rollouts on two real SGLang servers (CPU engine, own venv)
+# behind sglang-router, the weights synced over a gloo process group after every step.
+.PHONY: quickstart-sglang
+quickstart-sglang: $(STAMP) $(SGLANG_STAMP)
+	$(BIN)/python -m megarl.quickstart prepare outputs/quickstart
+	$(BIN)/megarl train examples/quickstart/search_r1_tiny.yaml rollout.engine=sglang rollout.num_engines=2 \
+		rollout.sglang.python=$(abspath $(SGLANG_VENV))/bin/python trainer.output_dir=outputs/quickstart/run_sglang \
+		$(TRAIN_ARGS)
 
 # The Search-R1 quickstart on the Megatron backend: two CPU ranks at tensor parallel 2.
 quickstart-megatron: $(STAMP)

@@ -174,14 +174,16 @@ class GroupSender(WeightSender):
     requests carry the engines' `api_key`."""
 
     def __init__(self, backend: str, address: str, port: int, world_size: int, group_name: str,
-                 engine_urls: list[str], api_key: str | None = None):
+                 engine_urls: list[str], api_key: str | None = None, timeout_s: float = 600.0):
         self.backend, self.address, self.port = backend, address, port
         self.world_size, self.group_name, self.engine_urls = world_size, group_name, list(engine_urls)
-        self.api_key = api_key
+        self.api_key, self.timeout_s = api_key, timeout_s
         self.sender: DistributedSender | None = None
 
     def open(self) -> None:
-        group = open_update_group(self.backend, self.address, self.port, 0, self.world_size, self.group_name)
+        """Host the group (each of its collectives may take `timeout_s`) once every engine joined."""
+        group = open_update_group(self.backend, self.address, self.port, 0, self.world_size, self.group_name,
+                                  self.timeout_s)
         self.sender = DistributedSender(group, self.engine_urls, self.group_name, api_key=self.api_key)
 
     def send(self, buckets: Iterable[WeightBucket], version: int) -> int:

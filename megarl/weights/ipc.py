@@ -77,7 +77,8 @@ def sglang_ipc_api():
     from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
 
-    monkey_patch_torch_reductions()
+    if torch.cuda.is_available():  # the patch names CUDA devices by UUID; it cannot pickle a CPU tensor
+        monkey_patch_torch_reductions()
     return MultiprocessingSerializer, FlattenedTensorMetadata
 
 

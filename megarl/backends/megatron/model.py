@@ -452,13 +452,11 @@ def experts_per_gather(expert_bytes: int, ep: int, local_experts: int, limit: in
 
 
 def _export_experts(group: list[tuple[str, TensorRule]], params: dict, spec: ModelSpec, limit: int | None):
-    """HF tensors of one layer's experts of one kind (fc1 or fc2), gathered chunk by chunk of
-    this rank's local experts: each chunk stacked, then gathered in one collective over expert
-    TP and one over EP (not one per expert: a Qwen3-30B-A3B sync would otherwise make 18k of
-    them), with at most `limit` bytes of experts gathered at once (a whole layer's fc1 experts
-    are 0.8 GB for Qwen3-30B-A3B and 3.2 GB for Qwen3-235B-A22B in bf16). The expert-TP gather
-    brings 1/EP of that again. Experts come chunk by chunk (each chunk's of every EP rank), not
-    in global order; engines load by name."""
+    """HF tensors of one layer's experts of one kind (fc1 or fc2), chunk by chunk of this rank's
+    local experts: each chunk stacked, then gathered in one collective over expert TP and one
+    over EP (not one per expert: 18k for a Qwen3-30B-A3B sync), at most `limit` bytes at once
+    (a layer's fc1 experts are 0.8 GB for Qwen3-30B-A3B, 3.2 GB for 235B-A22B in bf16; the
+    expert-TP gather brings 1/EP of that again). Engines load by name, in any order."""
     from megatron.core import parallel_state
 
     first = group[0][1]

@@ -271,13 +271,11 @@ class MegatronTrainWorker:
 
     # -- weights out ------------------------------------------------------------------------------
     def _hf_tensors(self, gather_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
-        """The export this rank walks: the stage's HF-named actor tensors, TP-gathered (a
-        collective over the TP group), on each TP rank of DP rank 0; nothing on the other DP
-        ranks (replicas), except with expert parallelism. An expert-parallel group spans DP
-        ranks, so there every rank yields the same tensors: whoever takes them bucket by bucket
-        (the ipc sender, with collectives of its own between the source's buckets) brings every
-        rank to each expert gather with the source. `gather_bytes`: the most of a layer's
-        experts gathered at once (export_hf_tensors)."""
+        """The export this rank walks: the stage's HF-named actor tensors, TP-gathered, on each
+        TP rank of DP rank 0; nothing on other DP ranks (replicas), except with expert
+        parallelism: an EP group spans DP ranks, so every rank yields them, and the ipc sender's
+        collectives between buckets meet each expert gather in step. `gather_bytes`: the most of
+        a layer's experts gathered at once (export_hf_tensors)."""
         from megarl.backends.megatron.model import export_hf_tensors
 
         if self._dp()[0] == 0 or self.layout.ep > 1:
@@ -291,12 +289,9 @@ class MegatronTrainWorker:
         bucket's worth at a time: the sync holds a bucket anyway, so the gathers at most double it."""
         return group_tensors(self._hf_tensors(bucket_bytes), bucket_bytes)
 
-    def _sync_bucket_bytes(self) -> int:
-        return self.cfg.sync.bucket_mb << 20
-
     def weight_checksums(self) -> dict[str, str]:
         """Checksums of every HF tensor of the actor (all stages), the same on every rank."""
-        tensors = self._hf_tensors(self._sync_bucket_bytes())
+        tensors = self._hf_tensors(self.cfg.sync.bucket_mb << 20)
         mine = weight_checksums(tensors) if self.is_export_source else _walk(tensors)
         gathered = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(gathered, mine)
@@ -314,7 +309,7 @@ class MegatronTrainWorker:
         stage = parallel_state.get_pipeline_model_parallel_rank()
         stages = parallel_state.get_pipeline_model_parallel_world_size()
         file = f"model-{stage + 1:05d}-of-{stages:05d}.safetensors"
-        exported = self._hf_tensors(self._sync_bucket_bytes())
+        exported = self._hf_tensors(self.cfg.sync.bucket_mb << 20)
         tensors = {n: t.contiguous().cpu() for n, t in exported} if self.is_export_source else _walk(exported)
         names = [[] for _ in range(stages)]
         if self.is_export_source:

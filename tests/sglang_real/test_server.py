@@ -1,0 +1,190 @@
+"""SGLang 0.5.23's own server on the CPU, started as the fleet starts an engine (`server_command`
+with the CPU setting, `ServerProcess`, the run's key), against every route and field megarl
+sends or reads: generation by token ids with HF's log-probs, the key, the weight updates by each
+transport that runs on the CPU (disk; the nccl transport's process group over gloo; the ipc
+transport's tensors with torch's `file_system` sharing standing in for CUDA IPC), each inside
+SGLang's weight-update session, and the served model checked against the trained one after each;
+pause, abort and continue as the partial rollouts use them.
+
+The model is float32 on both sides: SGLang's torch-native CPU attention and HF's agree within
+1e-4 on its log-probs (measured: under 1e-5), far below the margin between the top tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+import torch
+
+from megarl.http_auth import bearer
+from megarl.rollout import sglang_api
+from megarl.rollout.engine import SamplingParams
+from megarl.rollout.http import HTTPEngine
+from megarl.rollout.sglang_launch import CPU_SERVER_ENV, ServerProcess, free_port, server_command
+from megarl.weights.buckets import group_tensors, hf_tensors
+from tiny_models import reference_log_probs, tiny_model, tiny_tokenizer
+
+pytestmark = pytest.mark.sglang
+KEY = "sglang-cpu-test-key"
+PROMPT = [5, 6, 7, 8, 9, 10, 11]
+TOLERANCE = 1e-4
+GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def model_with(vocab_size: int, seed: int):
+    return tiny_model("qwen2", vocab_size=vocab_size, seed=seed, eos_token_id=None)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, sglang_env):
+    from megarl.config import load_config
+
+    root = tmp_path_factory.mktemp("sglang")
+    tok = tiny_tokenizer()
+    model = model_with(len(tok), seed=0)
+    model.save_pretrained(root / "model")
+    tok.save_pretrained(root / "model")
+    cfg = load_config(None, [f"model.path={root / 'model'}", "model.dtype=float32", "rollout.engine=sglang",
+                             "cluster.launcher=ray", "cluster.gpus_per_node=0", f"rollout.sglang.python={sglang_env}",
+                             "rollout.sglang.max_total_tokens=8192", "rollout.max_concurrency=16", "trainer.seed=7"])
+    process = ServerProcess(server_command(cfg, colocated=False), "sglang0", log_dir=str(root), api_key=KEY,
+                            env=dict(CPU_SERVER_ENV))
+    process.start(timeout_s=300)
+    client = HTTPEngine(process.url, api_key=KEY, weight_dir=str(root))
+    yield SimpleNamespace(process=process, client=client, model=model, vocab=len(tok), root=root)
+    process.stop()
+
+
+def served_is(client: HTTPEngine, model, version: int | None = None):
+    """Greedy tokens of the server are HF's, with HF's log-probs: the server holds `model`."""
+    out = asyncio.run(client.generate(PROMPT, GREEDY))
+    with torch.no_grad():
+        hf = model.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=GREEDY.max_new_tokens,
+                            min_new_tokens=GREEDY.max_new_tokens)[0, len(PROMPT):].tolist()
+    assert out.token_ids == hf
+    torch.testing.assert_close(torch.tensor(out.log_probs), reference_log_probs(model, PROMPT, out.token_ids),
+                               atol=TOLERANCE, rtol=0)
+    if version is not None:
+        assert out.weight_version == version
+    return out
+
+
+def test_sglang_serves_token_ids_with_hfs_log_probs(server):
+    out = served_is(server.client, server.model)
+    assert out.finish_reason == "length" and out.prompt_tokens == len(PROMPT)
+
+
+def test_the_cpu_server_runs_as_the_fleet_configured_it(server):
+    info = httpx.get(server.process.url + "/server_info", headers=bearer(KEY), timeout=30).json()
+    assert (info["device"], info["attention_backend"], info["max_total_num_tokens"], info["random_seed"],
+            info["dtype"], info["sleep_on_idle"]) == ("cpu", "torch_native", 8192, 7, "float32", True)
+    assert info["version"] == sglang_api.SGLANG_VERSION
+    model_info = httpx.get(server.process.url + "/get_model_info", headers=bearer(KEY), timeout=30).json()
+    assert model_info["model_path"] == str(server.root / "model") and model_info["is_generation"]
+
+
+def test_the_server_requires_the_runs_key_on_every_route_but_health(server):
+    url = server.process.url
+    for route in ("/pause_generation", "/update_weights_from_disk", "/begin_weight_update",
+                  "/init_weights_update_group", "/generate", "/abort_request", "/flush_cache"):
+        for headers in ({}, bearer(KEY + "x")):
+            assert httpx.post(url + route, json={}, headers=headers, timeout=30).status_code == 401, route
+    assert httpx.get(url + "/health", timeout=30).status_code == 200
+    assert KEY.encode() not in Path(f"/proc/{server.process.pid()}/cmdline").read_bytes()
+
+
+def test_weights_from_disk(server):
+    new = model_with(server.vocab, seed=1)
+    client = server.client
+    asyncio.run(client.begin_weight_update())
+    asyncio.run(client.update_weights(group_tensors(hf_tensors(new), 40_000), version=1))
+    asyncio.run(client.end_weight_update())
+    served_is(client, new, version=1)
+
+
+def open_group(client: HTTPEngine, name: str, timeout_s: float):
+    """The nccl transport's sender, over gloo, joined by the server as rank 1."""
+    from megarl.weights.group import GroupSender, init_group_body
+
+    port = free_port()
+    sender = GroupSender("gloo", "127.0.0.1", port, 2, name, [client.base_url], KEY, timeout_s=timeout_s)
+    opened = threading.Thread(target=sender.open)
+    opened.start()
+    asyncio.run(client.post("/init_weights_update_group", init_group_body("127.0.0.1", port, 1, 2, name, "gloo")))
+    opened.join()
+    return sender
+
+
+def test_weights_over_a_gloo_update_group_inside_the_session(server):
+    """The nccl transport's code on gloo: buckets of two dtypes, one flattened bucket each."""
+    from megarl.weights.group import destroy_group_body
+
+    client = server.client
+    new = model_with(server.vocab, seed=2)
+    tensors = [(n, t.double() if "norm" in n else t) for n, t in hf_tensors(new)]  # fp64 norms: a second dtype
+    sender = open_group(client, "megarl-test", timeout_s=120)
+    asyncio.run(client.begin_weight_update())
+    assert sender.send(group_tensors(tensors, 40_000), version=2) >= 3
+    asyncio.run(client.end_weight_update())
+    served_is(client, new, version=2)
+    sender.close()
+    asyncio.run(client.post("/destroy_weights_update_group", destroy_group_body("megarl-test")))
+
+
+def test_sglang_refuses_a_group_update_outside_the_session(server):
+    """What megarl did before it opened the session: SGLang answers 400 without joining the
+    broadcast, and the sender's error carries that answer."""
+    from megarl.weights.group import destroy_group_body
+
+    client = server.client
+    sender = open_group(client, "megarl-refused", timeout_s=5)
+    asyncio.run(client.pause())
+    with pytest.raises(RuntimeError, match="update_weights_from_distributed must run between begin_weight_update"):
+        sender.send([{"lm_head.weight": dict(hf_tensors(server.model))["lm_head.weight"]}], version=3)
+    asyncio.run(client.resume())
+    sender.close()
+    asyncio.run(client.post("/destroy_weights_update_group", destroy_group_body("megarl-refused")))
+
+
+def test_weights_as_tensors_through_file_system_sharing(server, sglang_env):
+    """The ipc transport's sender (IpcSender with SGLang's own serializer) in a process of the
+    SGLang environment, with torch's file_system sharing in place of CUDA IPC handles."""
+    new = model_with(server.vocab, seed=4)
+    weights = server.root / "seed4.safetensors"
+    from safetensors.torch import save_file
+
+    save_file(dict(hf_tensors(new)), str(weights))
+    client = server.client
+    asyncio.run(client.begin_weight_update())
+    output = server.root / "tensor_sender.out"
+    with open(output, "w") as out:  # a file, not a pipe: torch's shared-memory manager outlives the sender
+        code = subprocess.run([sglang_env, str(Path(__file__).with_name("tensor_sender.py")), client.base_url,
+                               str(weights), "4"], env={**os.environ, "MEGARL_ENGINE_API_KEY": KEY},
+                              stdout=out, stderr=subprocess.STDOUT, timeout=300).returncode
+    asyncio.run(client.end_weight_update())
+    lines = output.read_text().splitlines()
+    assert code == 0, "\n".join(lines[-40:])
+    assert json.loads(lines[-1])["buckets"] >= 2
+    served_is(client, new, version=4)
+
+
+def test_control_routes_answer_as_megarl_reads_them(server):
+    client = server.client
+
+    async def go():
+        await client.flush_cache()
+        await client.release_memory()  # on the CPU: accepted, and nothing is freed
+        await client.resume_memory()
+        healthy = await client.health()
+        await client.post("/abort_request", sglang_api.abort_all_body())
+        return healthy
+
+    assert asyncio.run(go())
