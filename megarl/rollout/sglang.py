@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import tempfile
+import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -88,9 +89,15 @@ class SGLangFleet:
         self.synced = False  # a weight sync has begun: the checkpoint's weights are no longer the trainer's
         self._epoch = 0  # health passes so far; a request that failed before the latest one just retries
         self._locks: dict[int, asyncio.Lock] = {}
+        # cleared by abort_requests until the sync ends; a threading.Event: the trainer's thread
+        # aborts while the rollouts' event loop, in another thread, generates
+        self._open = threading.Event()
+        self._open.set()
 
     # -- generation ---------------------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationOutput:
+        while not self._open.is_set():  # held here from abort_requests until the sync is over
+            await asyncio.sleep(0.01)
         last_error = None
         for attempt in range(self.settings.max_request_retries + 1):
             epoch = self._epoch
@@ -198,7 +205,10 @@ class SGLangFleet:
 
     async def abort_requests(self) -> None:
         """Every engine ends its requests with the tokens they have (RolloutEngine.abort_requests);
-        the calls through the router are marked as ours too."""
+        the calls through the router are marked as ours too. New requests (the continuations of
+        the aborted ones) wait in `generate` until end_weight_update: sent now, they would start
+        on the old weights, and SGLang's pause would retract them into the queue."""
+        self._open.clear()
         for client in [self.front] * (self.front is not None) + [s.client for s in self.servers]:
             client.mark_preempted()
         await self.post_each("/abort_request", sglang_api.abort_all_body())
@@ -238,12 +248,15 @@ class SGLangFleet:
     async def end_weight_update(self) -> None:
         """Close the sessions, flush the stale prefix cache, the KV cache back if released,
         then continue. An engine restarted during the sync has no session to close."""
-        await self._each("close_update_session", True)
-        await self.flush_cache()
-        if self.memory_released:
-            await self.resume_memory([t for t in sglang_api.MEMORY_TAGS if t != "weights"])
-            self.memory_released = False
-        await self.resume()
+        try:
+            await self._each("close_update_session", True)
+            await self.flush_cache()
+            if self.memory_released:
+                await self.resume_memory([t for t in sglang_api.MEMORY_TAGS if t != "weights"])
+                self.memory_released = False
+            await self.resume()
+        finally:
+            self._open.set()
 
     # -- weights -----------------------------------------------------------------------------
     async def update_weights(self, buckets: Iterable[WeightBucket], version: int) -> None:

@@ -70,7 +70,8 @@ def server_command(cfg: RunConfig, colocated: bool) -> list[str]:
         argv = [*with_api_key(s.python), "sglang.launch_server", "--model-path", cfg.model.path,
                 "--tp-size", str(r.tensor_parallel_size), "--dtype", cfg.model.dtype,
                 "--mem-fraction-static", str(r.gpu_memory_utilization), "--random-seed", str(cfg.trainer.seed),
-                "--max-running-requests", str(r.max_concurrency), "--log-level", "warning"]
+                "--max-running-requests", str(r.max_concurrency), "--log-level", "warning",
+                "--weight-version", "0"]  # the checkpoint's tokens are version 0 (SGLang: "default")
         if not cfg.cluster.gpus_per_node:
             argv += CPU_SERVER_FLAGS + ["--max-total-tokens", str(s.max_total_tokens or CPU_KV_CACHE_TOKENS)]
         elif s.max_total_tokens:

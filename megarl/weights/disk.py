@@ -26,8 +26,10 @@ ROUTE = "/update_weights_from_disk"  # SGLang: UpdateWeightFromDiskReqInput
 
 
 def update_body(model_path: str, version: int) -> dict:
-    """Load every *.safetensors file under model_path (HF names) in place."""
-    return {"model_path": str(model_path), "weight_version": str(version), "flush_cache": True}
+    """Load every *.safetensors file under model_path (HF names) in place. No flush of its own:
+    end_weight_update flushes once every engine has its weights (a flush SGLang refuses inside
+    the update would fail a call whose weights did load)."""
+    return {"model_path": str(model_path), "weight_version": str(version), "flush_cache": False}
 
 
 def write_buckets(buckets: Iterable[Mapping[str, torch.Tensor]], directory: str | Path, prefix: str) -> list[Path]:

@@ -188,3 +188,84 @@ def test_control_routes_answer_as_megarl_reads_them(server):
         return healthy
 
     assert asyncio.run(go())
+
+
+class InThisProcess:
+    """What the fleet calls on an engine's ServerActor (`await actor.alive.remote()`), answered
+    by the ServerProcess of this process instead of a Ray actor."""
+
+    def __init__(self, process: ServerProcess):
+        self.process = process
+
+    def __getattr__(self, method: str):
+        call = getattr(self.process, method)
+
+        async def remote(*args):
+            return call(*args)
+
+        return SimpleNamespace(remote=remote)
+
+
+def one_engine_fleet(server):
+    from megarl.config import SGLangConfig
+    from megarl.rollout.sglang import SGLangFleet
+
+    return SGLangFleet([("engine0", InThisProcess(server.process), server.process.url, 1)], SGLangConfig(router=False),
+                       weight_dir=str(server.root), api_key=KEY)
+
+
+def log_probs_under(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    return reference_log_probs(model, prompt, tokens)
+
+
+@pytest.mark.parametrize("mode", ["abort", "keep"])
+def test_a_generation_across_a_weight_sync(server, mode):
+    """The two ways a sync meets a generation in flight (trainer.async_rollout.partial_rollouts),
+    in the fleet's order: abort (its tokens so far come back, its continuation waits until the
+    sync is over and runs on the new weights: the agent loop joins the parts) and keep (SGLang's
+    pause retracts it, it goes on after the update). Every token carries the version of the
+    weights that sampled it, and its log-prob is that model's."""
+    from megarl.rollout.agent import Trajectory, generate_continued
+
+    fleet = one_engine_fleet(server)
+    old_version = asyncio.run(fleet.generate(PROMPT, GREEDY)).weight_version
+    old = model_with(server.vocab, seed=10 + old_version)
+    asyncio.run(fleet.begin_weight_update())  # a known model to start from
+    asyncio.run(fleet.update_weights(group_tensors(hf_tensors(old), 40_000), old_version))
+    asyncio.run(fleet.end_weight_update())
+    new, version = model_with(server.vocab, seed=20 + old_version), old_version + 1
+    params = SamplingParams(max_new_tokens=800, temperature=0.0, ignore_eos=True)
+
+    parts, generate = [], fleet.generate
+
+    async def recorded(prompt_ids, p):
+        parts.append(await generate(prompt_ids, p))
+        return parts[-1]
+
+    fleet.generate = recorded
+
+    async def across_a_sync():
+        traj = Trajectory(prompt_ids=PROMPT)
+        task = asyncio.ensure_future(generate_continued(fleet, None, PROMPT, params, traj))
+        await asyncio.sleep(2.0)  # some tokens on the old weights
+        if mode == "abort":
+            await fleet.abort_requests()
+        await fleet.begin_weight_update()
+        await fleet.update_weights(group_tensors(hf_tensors(new), 40_000), version)
+        await fleet.end_weight_update()
+        return await task, traj
+
+    out, traj = asyncio.run(across_a_sync())
+    asyncio.run(fleet.close())
+    versions = out.versions()
+    assert len(out.token_ids) == params.max_new_tokens and out.finish_reason == "length"
+    assert traj.num_continued == (1 if mode == "abort" else 0)
+    switch = versions.index(version)
+    assert 0 < switch and versions == [old_version] * switch + [version] * (len(versions) - switch)
+    if mode == "abort":  # the continuation waited for the sync: none of it ran on the old weights
+        assert [len(p.token_ids) for p in parts] == [switch, len(versions) - switch]
+    before, after = out.token_ids[:switch], out.token_ids[switch:]
+    torch.testing.assert_close(torch.tensor(out.log_probs[:switch]), log_probs_under(old, PROMPT, before),
+                               atol=TOLERANCE, rtol=0)
+    torch.testing.assert_close(torch.tensor(out.log_probs[switch:]), log_probs_under(new, PROMPT + before, after),
+                               atol=TOLERANCE, rtol=0)

@@ -2,12 +2,15 @@
 
     .venv-sglang/bin/python tools/sglang_cpu/smoke.py [--model qwen2|qwen3|qwen3_moe|all]
 
-For each model: builds a tiny random one (and a tiny byte-level BPE tokenizer) in a temporary
-folder, starts `python -m sglang.launch_server` on it (SGLang's CPU engine, torch-native
-attention, on 127.0.0.1), asks POST /generate for 8 greedy tokens with their log-probs, and
-checks them against transformers on the same weights: the same token ids (greedy `generate`)
-and log-probs within --atol of a transformers forward pass. Prints the server's start time and
-resident memory, stops the server (its whole process group) and exits non-zero on any mismatch.
+First checks the two helpers of the sgl_kernel stand-in (tools/sglang_cpu/sgl_kernel) against
+the semantics of SGLang's triton kernels. Then, for each model: builds a tiny random one (and a
+tiny byte-level BPE tokenizer) in a temporary folder, starts `python -m sglang.launch_server` on
+it (SGLang's CPU engine, torch-native attention, on 127.0.0.1), asks POST /generate for 8 greedy
+tokens with their log-probs, and checks them against transformers on the same weights: the same
+token ids (greedy `generate`) and log-probs within --atol of a transformers forward pass. Prints
+the server's start time and resident memory, stops the server (its whole process group) and
+exits non-zero on any mismatch.
+
 With --routed-experts the MoE model's server also runs with --enable-return-routed-experts and
 meta_info["routed_experts"] must equal transformers' router top-k. SGLang 0.5.23's CPU engine
 does not start so: it pins that host buffer with CUDA (sglang/srt/state_capturer/base.py,
@@ -20,6 +23,7 @@ import argparse
 import base64
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -60,6 +64,31 @@ def build_model(name: str, folder: Path) -> None:
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+
+
+def check_sgl_kernel_standins() -> None:
+    """The two helpers of tools/sglang_cpu/sgl_kernel against the semantics of SGLang's triton
+    kernels (serving a model, as below, only imports them)."""
+    import sgl_kernel
+
+    req_to_token = torch.zeros(4, 10, dtype=torch.int32)
+    sgl_kernel.assign_req_to_token_pool_cpu(torch.tensor([2, 0, 3]), req_to_token, torch.tensor([1, 0, 5]),
+                                            torch.tensor([4, 2, 5]), torch.arange(100, 105), 10)
+    expected = torch.zeros(4, 10, dtype=torch.int32)
+    expected[2, 1:4] = torch.tensor([100, 101, 102])
+    expected[0, 0:2] = torch.tensor([103, 104])
+    assert torch.equal(req_to_token, expected), req_to_token
+
+    buffers = [torch.randn(20, 2, 8), torch.randn(20, 3, 4).to(torch.bfloat16)]
+    before = [b.clone() for b in buffers]
+    src, tgt = torch.tensor([1, 2, 3]), torch.tensor([2, 3, 19])  # overlapping rows
+    sgl_kernel.copy_all_layer_kv_cache_cpu(torch.tensor([b.data_ptr() for b in buffers], dtype=torch.uint64),
+                                           torch.tensor([b.stride(0) * b.element_size() for b in buffers]),
+                                           tgt, src)
+    for buf, old in zip(buffers, before):
+        old[tgt] = old[src].clone()
+        assert torch.equal(buf, old)
+    print("sgl_kernel stand-ins: PASS")
 
 
 def free_port() -> int:
@@ -120,6 +149,7 @@ def run(name: str, args: argparse.Namespace, work: Path) -> bool:
     t0 = time.monotonic()
     with open(log_path, "wb") as log:
         server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
     def fail(why: str) -> bool:
         print(f"[{name}] FAIL: {why}; the end of the server's log:\n"
               + log_path.read_text(errors="replace")[-4000:], flush=True)
@@ -214,13 +244,14 @@ def main() -> None:
                         help="qwen3_moe: also ask for the routed experts (--enable-return-routed-experts)")
     parser.add_argument("--keep", action="store_true", help="keep the temporary folder (models, server logs)")
     args = parser.parse_args()
+    check_sgl_kernel_standins()
     names = list(MODELS) if args.model == "all" else [args.model]
     work = Path(tempfile.mkdtemp(prefix="sglang-cpu-smoke-"))
     try:
         results = {name: run(name, args, work) for name in names}
     finally:
         if not args.keep:
-            subprocess.run(["rm", "-rf", str(work)], check=False)
+            shutil.rmtree(work, ignore_errors=True)
     print("smoke: " + ", ".join(f"{n} {'PASS' if ok else 'FAIL'}" for n, ok in results.items()))
     sys.exit(0 if all(results.values()) else 1)
 

@@ -1,14 +1,17 @@
 """Test/CPU support stand-in for the ``sgl_kernel`` package (not the real one).
 
 SGLang 0.5.23's CPU engine (``SGLANG_USE_CPU_ENGINE=1 ... --device cpu``) imports two helpers
-from ``sgl_kernel``, whose wheels on PyPI (``sgl-kernel`` / ``sglang-kernel``) are CUDA-only and
-do not load on a CPU-only torch. This package replaces exactly those two helpers with plain torch
-code, so the CPU engine serves models on a machine without the wheels:
+from ``sgl_kernel`` at module level, whose wheels on PyPI (``sgl-kernel`` / ``sglang-kernel``)
+are CUDA-only and do not load on a CPU-only torch. This package replaces exactly those two
+helpers with plain torch code, so the CPU engine runs on a machine without the wheels:
 
-- ``assign_req_to_token_pool_cpu`` (called by ``sglang/srt/mem_cache/allocation.py``), the CPU
-  twin of the triton kernel ``assign_req_to_token_pool`` in the same file;
-- ``copy_all_layer_kv_cache_cpu`` (called by ``sglang/kernels/ops/kvcache/cache_move.py``), the
-  CPU twin of the triton kernel ``copy_all_layer_kv_cache_tiled`` there.
+- ``assign_req_to_token_pool_cpu`` (``sglang/srt/mem_cache/allocation.py``), the CPU twin of
+  the triton kernel ``assign_req_to_token_pool`` in the same file;
+- ``copy_all_layer_kv_cache_cpu`` (``sglang/kernels/ops/kvcache/cache_move.py``), the CPU twin
+  of the triton kernel ``copy_all_layer_kv_cache_tiled`` there.
+
+SGLang calls them only for speculative decoding and KV-cache row moves: plain serving only
+imports them, so tools/sglang_cpu/smoke.py checks both against the triton kernels' semantics.
 
 SGLang also imports, at module level on the CPU path, the CPU helpers of speculative decoding
 (EAGLE / tree verification, listed in ``_SPECULATIVE_CPU_HELPERS``); they are not called unless
