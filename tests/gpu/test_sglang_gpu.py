@@ -227,46 +227,38 @@ def test_fleet_releases_and_resumes_memory_around_weight_updates(server, tmp_pat
 
 @path("partial_rollouts")
 def test_partial_rollouts_abort_and_keep(server, tmp_path):
-    """The two ways a weight sync meets a generation in flight (trainer.async_rollout): abort
-    (`/abort_request` with abort_all ends a queued request, marked as megarl's own, and the agent
-    loop continues it to its full length), and keep (a pause in retract mode, new weights, then
-    continue: the generation goes on, and SGLang's `meta_info.weight_versions` spans give each
-    token's version, the old weights' first)."""
+    """The two ways a weight sync meets a generation in flight (trainer.async_rollout), in the
+    fleet's order (SGLangFleet): abort (`/abort_request` with abort_all ends the running request
+    with its tokens, marked as megarl's own; its continuation waits in the fleet until the sync
+    is over, then the agent loop joins the parts to the full length) and keep (a pause in
+    retract mode, new weights, then continue: the generation goes on, and SGLang's
+    `meta_info.weight_versions` spans give each token's version, the old weights' first).
+    Nothing is sent to a paused server: SGLang holds such a request where abort_all does not
+    reach it (tests/sglang_real runs the same on SGLang's CPU engine)."""
+    from megarl.config import SGLangConfig
     from megarl.rollout.agent import Trajectory, generate_continued
+    from megarl.rollout.sglang import SGLangFleet
 
-    client = server.client
-    client.weight_dir = str(tmp_path)
-    params = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
+    fleet = SGLangFleet([("engine0", InThisProcess(server.process), server.process.url, 1, "127.0.0.1",
+                          (str(server.gpu),))], SGLangConfig(router=False), weight_dir=str(tmp_path), api_key=KEY)
+    old = asyncio.run(fleet.generate(PROMPT, SamplingParams(max_new_tokens=1, temperature=0.0))).weight_version
 
-    async def abort_then_continue():
-        await client.pause()  # the request waits in SGLang's queue, where the abort finds it
+    async def across_a_sync(abort: bool, version: int):
         traj = Trajectory(prompt_ids=PROMPT)
-        task = asyncio.ensure_future(generate_continued(client, None, PROMPT, params, traj))
-        while not client._in_flight:
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(1.0)
-        await client.abort_requests()
-        await client.resume()
+        params = SamplingParams(max_new_tokens=1500, temperature=0.0, ignore_eos=True)
+        task = asyncio.ensure_future(generate_continued(fleet, None, PROMPT, params, traj))
+        await asyncio.sleep(0.5)  # some tokens from the old weights
+        if abort:
+            await fleet.abort_requests()
+        await fleet.begin_weight_update()
+        await fleet.update_weights(group_tensors(hf_tensors(small_model(server.vocab, seed=version)), 8 << 20),
+                                   version)
+        await fleet.end_weight_update()
         return await task, traj
 
-    out, traj = asyncio.run(abort_then_continue())
-    assert traj.num_continued == 1 and len(out.token_ids) == 32 and out.finish_reason == "length"
-
-    old = out.weight_version
-    new = small_model(server.vocab, seed=9)
-
-    async def keep_across_an_update():
-        task = asyncio.ensure_future(client.generate(PROMPT, SamplingParams(max_new_tokens=1500, temperature=0.0,
-                                                                           ignore_eos=True)))
-        await asyncio.sleep(0.5)  # some tokens from the old weights
-        await client.pause()
-        await client.update_weights(group_tensors(hf_tensors(new), 8 << 20), version=old + 1)
-        await client.flush_cache()
-        await client.resume()
-        return await task
-
-    kept = asyncio.run(keep_across_an_update())
-    versions = kept.versions()
-    assert kept.token_versions is not None, "SGLang sent no weight_versions spans"
-    assert len(kept.token_ids) == 1500 and versions[0] == old and versions[-1] == old + 1
-    assert versions == sorted(versions)  # one switch, from old to new
+    for abort, version in ((True, old + 1), (False, old + 2)):
+        out, traj = asyncio.run(across_a_sync(abort, version))
+        versions = out.versions()
+        assert traj.num_continued == int(abort) and len(out.token_ids) == 1500
+        assert versions[0] == version - 1 and versions[-1] == version and versions == sorted(versions)
+    asyncio.run(fleet.close())
