@@ -208,6 +208,19 @@ def test_a_frozen_engine_is_found_by_the_progress_deadline_restarted_and_its_req
     asyncio.run(direct.close())
 
 
+def joined_sender(fleet, name: str, timeout_s: float) -> DistributedSender:
+    """A trainer's sender hosting the gloo update group `name` (its collectives time out after
+    `timeout_s`), every engine of the fleet joined."""
+    world, _ = group_ranks(fleet)
+    port, joined = free_port(), {}
+    trainer = threading.Thread(target=lambda: joined.setdefault(
+        "group", open_update_group("gloo", "127.0.0.1", port, 0, world, name, timeout_s=timeout_s)))
+    trainer.start()
+    asyncio.run(join_update_group(fleet, "127.0.0.1", port, name, "gloo", timeout_s=60))
+    trainer.join()
+    return DistributedSender(joined["group"], fleet.engine_urls, name, api_key=fleet.api_key)
+
+
 def test_weights_through_disk_then_a_gloo_group(fleet_setup):
     fleet, _, _, _ = fleet_setup
     new = tiny_model("qwen2", vocab_size=fleet_setup[1].config.vocab_size, seed=7, eos_token_id=None)
@@ -218,16 +231,8 @@ def test_weights_through_disk_then_a_gloo_group(fleet_setup):
     assert asyncio.run(fleet.weight_checksums()) == weight_checksums(hf_tensors(new))
 
     newer = tiny_model("qwen2", vocab_size=new.config.vocab_size, seed=8, eos_token_id=None)
-    world, offsets = group_ranks(fleet)
-    assert (world, offsets) == (3, [1, 2])
-    port = free_port()
-    joined = {}
-    trainer = threading.Thread(target=lambda: joined.setdefault(
-        "group", open_update_group("gloo", "127.0.0.1", port, 0, world, "test-sync", timeout_s=60)))
-    trainer.start()
-    asyncio.run(join_update_group(fleet, "127.0.0.1", port, "test-sync", "gloo", timeout_s=60))
-    trainer.join()
-    sender = DistributedSender(joined["group"], fleet.engine_urls, "test-sync", api_key=fleet.api_key)
+    assert group_ranks(fleet) == (3, [1, 2])
+    sender = joined_sender(fleet, "test-sync", timeout_s=60)
     asyncio.run(fleet.begin_weight_update())  # pause, and open each engine's weight-update session
     sent = sender.send(group_tensors(hf_tensors(newer), 20_000), version=4)
     asyncio.run(fleet.end_weight_update())
@@ -244,14 +249,7 @@ def test_a_bucket_sent_outside_a_weight_update_session_fails_with_the_engines_re
     """SGLang 0.5.23 refuses a process-group update outside a session without joining the
     broadcast: the sender's broadcast times out, and its error says what the engines answered."""
     fleet = fleet_setup[0]
-    world, _ = group_ranks(fleet)
-    port, joined = free_port(), {}
-    trainer = threading.Thread(target=lambda: joined.setdefault(
-        "group", open_update_group("gloo", "127.0.0.1", port, 0, world, "test-no-session", timeout_s=5)))
-    trainer.start()
-    asyncio.run(join_update_group(fleet, "127.0.0.1", port, "test-no-session", "gloo", timeout_s=60))
-    trainer.join()
-    sender = DistributedSender(joined["group"], fleet.engine_urls, "test-no-session", api_key=fleet.api_key)
+    sender = joined_sender(fleet, "test-no-session", timeout_s=5)
     head = dict(hf_tensors(fleet_setup[1]))["lm_head.weight"]
     with pytest.raises(RuntimeError, match="must run between begin_weight_update") as failed:
         sender.send([{"lm_head.weight": head}], version=9)

@@ -167,6 +167,10 @@ class SGLangFleet:
     async def _check(self, server: _ServerHandle, before_sync: bool = False) -> None:
         if await server.call("alive") and await server.client.health(self.settings.health_timeout_s):
             return
+        await self._restart(server, before_sync)
+
+    async def _restart(self, server: _ServerHandle, before_sync: bool) -> None:
+        """Restart `server` on its address and give it the trainer's newest weights (see _check)."""
         if server.restarts >= self.settings.max_restarts:
             tail = await server.call("log_tail")
             raise ComponentDied(f"rollout engine {server.name} at {server.url} failed again after "
@@ -193,8 +197,26 @@ class SGLangFleet:
         return all(await asyncio.gather(*[s.client.health(self.settings.health_timeout_s) for s in self.servers]))
 
     # -- control, on every engine -------------------------------------------------------------
+    # control calls through which a weight sync has brought the engines the new weights (or
+    # keeps them in `last_weights`): an engine restarted before or during them gets the weights
+    # from the sync itself; after them it needs a copy to reload
+    _UP_TO_THE_LOAD = frozenset({"pause", "open_update_session", "load_from_disk", "release_memory",
+                                 "resume_memory"})
+
     async def _each(self, method: str, *args) -> list:
-        return await asyncio.gather(*[getattr(s.client, method)(*args) for s in self.servers])
+        """`method` of every engine's client. An engine whose process died is restarted (with the
+        newest weights where they are kept) and gets the call once more."""
+        async def one(server: _ServerHandle):
+            try:
+                return await getattr(server.client, method)(*args)
+            except (RuntimeError, httpx.TransportError) as e:
+                if not _connection_lost(e) or await server.call("alive"):
+                    raise
+                # only this engine: a health check of the others would wait on their pause
+                log.warning("rollout engine %s died during %s (%s): restarting it", server.name, method, e)
+                await self._restart(server, before_sync=method in self._UP_TO_THE_LOAD)
+                return await getattr(server.client, method)(*args)
+        return await asyncio.gather(*[one(s) for s in self.servers])
 
     async def check_engines(self) -> None:
         """A health pass now, restarting dead engines: the router re-sends the requests of a
@@ -211,7 +233,14 @@ class SGLangFleet:
         self._open.clear()
         for client in [self.front] * (self.front is not None) + [s.client for s in self.servers]:
             client.mark_preempted()
-        await self.post_each("/abort_request", sglang_api.abort_all_body())
+        async def abort(server: _ServerHandle):
+            try:
+                await self.post(server, "/abort_request", sglang_api.abort_all_body())
+            except RuntimeError as e:  # a dead engine has nothing left to abort
+                if not _connection_lost(e):
+                    raise
+                log.warning("rollout engine %s did not answer the abort: %s", server.name, e)
+        await asyncio.gather(*[abort(s) for s in self.servers])
 
     async def pause(self) -> None:
         await self._each("pause")
@@ -311,3 +340,9 @@ class SGLangFleet:
     async def close(self) -> None:
         for client in [s.client for s in self.servers] + ([self.front] if self.front else []):
             await client.close()
+
+
+def _connection_lost(error: BaseException) -> bool:
+    """The server's connection failed (refused, reset, closed mid-answer): its process is gone,
+    or going; not an answer of the server."""
+    return isinstance(error, httpx.TransportError) or isinstance(error.__cause__, httpx.TransportError)

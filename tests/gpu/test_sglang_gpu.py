@@ -29,6 +29,7 @@ from megarl.rollout.engine import SamplingParams
 from megarl.rollout.http import HTTPEngine
 from megarl.rollout.sglang_launch import ServerProcess, free_port, server_command
 from megarl.weights.buckets import group_tensors, hf_tensors
+from in_this_process import InThisProcess
 from tiny_models import reference_log_probs, tiny_tokenizer
 
 pytestmark = [pytest.mark.gpu,
@@ -180,22 +181,6 @@ def test_weights_through_cuda_ipc(server):
         asyncio.run(client.end_weight_update())
         sender.close()
     assert check_log_probs(client, new.cpu()).weight_version == 3
-
-
-class InThisProcess:
-    """What the fleet calls on a healthy engine's ServerActor (`await actor.alive.remote()`),
-    answered by a ServerProcess of this process instead of a Ray actor."""
-
-    def __init__(self, process: ServerProcess):
-        self.process = process
-
-    def __getattr__(self, method: str):
-        call = getattr(self.process, method)
-
-        async def remote(*args):
-            return call(*args)
-
-        return SimpleNamespace(remote=remote)
 
 
 @path("memory_release")

@@ -30,6 +30,7 @@ from megarl.rollout.engine import SamplingParams
 from megarl.rollout.http import HTTPEngine
 from megarl.rollout.sglang_launch import CPU_SERVER_ENV, ServerProcess, free_port, server_command
 from megarl.weights.buckets import group_tensors, hf_tensors
+from in_this_process import InThisProcess
 from tiny_models import reference_log_probs, tiny_model, tiny_tokenizer
 
 pytestmark = pytest.mark.sglang
@@ -188,22 +189,6 @@ def test_control_routes_answer_as_megarl_reads_them(server):
         return healthy
 
     assert asyncio.run(go())
-
-
-class InThisProcess:
-    """What the fleet calls on an engine's ServerActor (`await actor.alive.remote()`), answered
-    by the ServerProcess of this process instead of a Ray actor."""
-
-    def __init__(self, process: ServerProcess):
-        self.process = process
-
-    def __getattr__(self, method: str):
-        call = getattr(self.process, method)
-
-        async def remote(*args):
-            return call(*args)
-
-        return SimpleNamespace(remote=remote)
 
 
 def one_engine_fleet(server):
