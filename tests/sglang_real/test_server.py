@@ -254,3 +254,22 @@ def test_a_generation_across_a_weight_sync(server, mode):
                                atol=TOLERANCE, rtol=0)
     torch.testing.assert_close(torch.tensor(out.log_probs[switch:]), log_probs_under(new, PROMPT + before, after),
                                atol=TOLERANCE, rtol=0)
+
+
+def test_sglang_refuses_to_flush_its_cache_under_running_requests(server):
+    """Why megarl flushes only while the engines are paused (end_weight_update): SGLang answers
+    400 to /flush_cache while a request runs, and flushes once it is paused (retracted)."""
+    client = server.client
+
+    async def go():
+        task = asyncio.ensure_future(client.generate(PROMPT, SamplingParams(max_new_tokens=800, temperature=0.0,
+                                                                            ignore_eos=True)))
+        await asyncio.sleep(1.0)
+        with pytest.raises(RuntimeError, match="/flush_cache answered 400"):
+            await client.flush_cache()
+        await client.pause()
+        await client.flush_cache()
+        await client.resume()
+        return await task
+
+    assert len(asyncio.run(go()).token_ids) == 800
