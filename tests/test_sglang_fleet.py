@@ -335,6 +335,22 @@ def test_an_engine_restarted_mid_rollout_without_weights_to_reload_stops_the_run
     asyncio.run(direct.close())
 
 
+def test_an_engine_that_dies_during_a_sync_is_restarted_and_gets_the_new_weights(fleet_setup):
+    """Killed after the sync paused the engines: the load fails on it, the fleet restarts it
+    (only it: the others are paused, and a health check would wait on them) and loads the
+    sync's weights into it; the sync ends and every engine serves them."""
+    fleet, model, _, _ = fleet_setup
+    new = tiny_model("qwen2", vocab_size=model.config.vocab_size, seed=11, eos_token_id=None)
+    restarts = fleet.metrics()["rollout/engine_restarts"]
+    asyncio.run(fleet.begin_weight_update())
+    os.killpg(ray.get(fleet.servers[1].actor.pid.remote()), signal.SIGKILL)
+    asyncio.run(fleet.update_weights(group_tensors(hf_tensors(new), 20_000), version=12))
+    asyncio.run(fleet.end_weight_update())
+    assert fleet.metrics()["rollout/engine_restarts"] == restarts + 1
+    assert asyncio.run(fleet.weight_checksums()) == weight_checksums(hf_tensors(new))  # both engines
+    assert_matches(new, PROMPTS[:3], generate_all(fleet, PROMPTS[:3]))
+
+
 def test_a_dead_router_is_restarted_and_the_request_resent(fleet_setup):
     fleet, model, _, _ = fleet_setup
     asyncio.run(fleet.update_weights(group_tensors(hf_tensors(model), 20_000), version=9))  # earlier tests changed them
