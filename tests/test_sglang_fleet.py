@@ -258,6 +258,18 @@ def test_a_bucket_sent_outside_a_weight_update_session_fails_with_the_engines_re
     sender.close()
 
 
+def test_a_request_held_after_an_abort_has_a_deadline():
+    """After abort_requests, new requests wait for the sync's end; not past request_timeout_s."""
+    from megarl.config import SGLangConfig
+
+    fleet = SGLangFleet([("engine0", None, "http://127.0.0.1:9", 1)], SGLangConfig(request_timeout_s=0.3))
+    fleet._open.clear()  # as abort_requests leaves it
+    started = time.monotonic()
+    with pytest.raises(ComponentDied, match="held 0 s .* no weight sync ended"):
+        asyncio.run(fleet.generate([1, 2], SamplingParams(max_new_tokens=1)))
+    assert 0.3 <= time.monotonic() - started < 5
+
+
 def test_a_server_that_exits_at_start_shows_its_log(tmp_path):
     server = ServerProcess([sys.executable, "-m", "megarl.rollout.serve", "--model-path", str(tmp_path / "missing")],
                            "engine9", log_dir=str(tmp_path), api_key="key-of-engine9")

@@ -96,7 +96,12 @@ class SGLangFleet:
 
     # -- generation ---------------------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationOutput:
+        held_until = asyncio.get_running_loop().time() + self.settings.request_timeout_s
         while not self._open.is_set():  # held here from abort_requests until the sync is over
+            if asyncio.get_running_loop().time() > held_until:
+                raise ComponentDied(f"a generate request was held {self.settings.request_timeout_s:.0f} s "
+                                    "(rollout.sglang.request_timeout_s) after abort_requests, and no weight sync "
+                                    "ended in that time")
             await asyncio.sleep(0.01)
         last_error = None
         for attempt in range(self.settings.max_request_retries + 1):
