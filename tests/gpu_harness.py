@@ -233,28 +233,34 @@ class ServerActor:
 
 def start_engines(gpus_per_engine: list[list[str]], collectives: str, holds: list[list[str]] | None = None):
     """A tests/sglang_double.py server per engine, their simulated collectives in the directory
-    `collectives`; (fleet entries, processes)."""
-    entries, procs = [], []
+    `collectives`; (fleet entries, processes). Each server binds a free port itself and names
+    it in a file: a port chosen here could be taken before the server binds it, and /health
+    then answered by another process, the dead server found only at the first sync."""
+    procs, port_files = [], []
     for e, gpus in enumerate(gpus_per_engine):
-        port = free_port()
-        argv = [sys.executable, str(ROOT / "tests" / "sglang_double.py"), "--port", str(port), "--node", NODE,
-                "--collective-dir", collectives]
+        port_files.append(Path(collectives) / f"engine{e}.port")
+        argv = [sys.executable, str(ROOT / "tests" / "sglang_double.py"), "--port", "0", "--port-file",
+                str(port_files[-1]), "--node", NODE, "--collective-dir", collectives]
         for hold in (holds[e] if holds else []):
             argv += ["--hold", hold]
         procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                       env={**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(gpus)}))
-        entries.append((f"engine{e}", ServerActor(procs[-1]), f"http://127.0.0.1:{port}", len(gpus), NODE, gpus))
     deadline = time.monotonic() + 60
-    for _, _, url, *_ in entries:
+    entries = []
+    for e, (gpus, proc, port_file) in enumerate(zip(gpus_per_engine, procs, port_files)):
         while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the SGLang double of engine{e} exited with status {proc.returncode}")
             try:
+                url = f"http://127.0.0.1:{int(port_file.read_text())}"
                 if httpx.get(url + "/health", timeout=2).status_code == 200:
                     break
-            except httpx.HTTPError:
+            except (OSError, ValueError, httpx.HTTPError):
                 pass
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{url} did not start")
+                raise TimeoutError(f"the SGLang double of engine{e} did not start")
             time.sleep(0.2)
+        entries.append((f"engine{e}", ServerActor(proc), url, len(gpus), NODE, gpus))
     return entries, procs
 
 

@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import json
 import os
+import socket
 import sys
 import threading
 import time
@@ -280,7 +281,8 @@ def create_app(node: str, gpus: list[str], hold: dict[str, float], collective_di
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--port", type=int, required=True, help="0: any free port, written to --port-file")
+    parser.add_argument("--port-file", help="where the port this server listens on is written once it is bound")
     parser.add_argument("--node", default="node0")
     parser.add_argument("--hold", action="append", default=[])
     parser.add_argument("--collective-dir")
@@ -289,8 +291,13 @@ def main() -> None:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
     if not visible:
         parser.error("CUDA_VISIBLE_DEVICES names no GPU: set it to the simulated GPUs this server sees")
-    uvicorn.run(create_app(args.node, visible.split(","), hold, args.collective_dir), host=args.host,
-                port=args.port, log_level="warning")
+    app = create_app(args.node, visible.split(","), hold, args.collective_dir)
+    sock = socket.socket()
+    sock.bind((args.host, args.port))  # bound here, so the port a test is told is this server's
+    if args.port_file:
+        Path(args.port_file + ".part").write_text(str(sock.getsockname()[1]))
+        os.replace(args.port_file + ".part", args.port_file)  # whole when the test reads it
+    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
 
 
 if __name__ == "__main__":

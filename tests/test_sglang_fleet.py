@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -307,6 +308,43 @@ def test_a_server_does_not_inherit_the_trainers_allocator_settings(tmp_path, mon
     assert "PYTORCH_CUDA_ALLOC_CONF" not in env and "PYTORCH_ALLOC_CONF" not in env
     assert (env["MEGARL_TEST_INHERITED"], env["MEGARL_TEST_OWN"]) == ("kept", "own")
     assert env["MEGARL_ENGINE_API_KEY"] == "key-of-envcheck"
+
+
+def test_a_server_whose_free_port_was_taken_first_starts_on_another(tmp_path, monkeypatch):
+    # two servers of a node pick free ports at once and may be given the same; the one that
+    # loses the bind exits "Address already in use" and is started again on a new port
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()  # the other process, which also answers /health: only the exit tells
+    import megarl.rollout.sglang_launch as launch
+    ports = iter([taken.getsockname()[1], launch.free_port()])
+    monkeypatch.setattr(launch, "free_port", lambda host="127.0.0.1": next(ports))
+    server = ServerProcess([sys.executable, "-c", ENV_SERVER, str(tmp_path / "env.json")], "engine3",
+                           log_dir=str(tmp_path))
+    lost = server.port
+    try:
+        url = server.start(timeout_s=60)
+    finally:
+        server.stop()
+        taken.close()
+    assert server.starts == 2 and server.port != lost and url == f"http://127.0.0.1:{server.port}"
+    assert "Address already in use" in (tmp_path / "engine3.log").read_text()
+
+
+def test_a_restarted_server_keeps_its_port_and_names_the_taken_one(tmp_path):
+    server = ServerProcess([sys.executable, "-c", ENV_SERVER, str(tmp_path / "env.json")], "engine4",
+                           log_dir=str(tmp_path))
+    server.start(timeout_s=60)
+    server.stop()
+    taken = socket.socket()
+    taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past the stopped server's TIME_WAIT
+    taken.bind(("127.0.0.1", server.port))
+    taken.listen()
+    try:
+        with pytest.raises(RuntimeError, match=r"engine4 exited with status 1(.|\n)*Address already in use"):
+            server.start(timeout_s=60)
+    finally:
+        taken.close()
 
 
 def test_a_server_that_never_answers_times_out_and_is_stopped(tmp_path):

@@ -134,6 +134,7 @@ class ServerProcess:
                  api_key: str | None = None):
         self.argv, self.name, self.health_route, self.api_key = list(argv), name, health_route, api_key
         self.host = host or _node_address()
+        self.port_chosen = not port  # a port picked here may be lost to a race (see start)
         self.port = port or free_port(self.host)
         self.url = f"http://{self.host}:{self.port}"
         log_dir = Path(log_dir or tempfile.mkdtemp(prefix="megarl-servers-"))
@@ -142,6 +143,7 @@ class ServerProcess:
         self.env = dict(env or {})
         self.process: subprocess.Popen | None = None
         self.starts = 0
+        self.ever_ready = False  # once a server answered, its address is in the router's list
 
     def start(self, timeout_s: float = 900.0) -> str:
         """Launch and wait until healthy; the URL, or RuntimeError with the tail of the log."""
@@ -161,12 +163,21 @@ class ServerProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             code = self.process.poll()
+            if code is not None and self._port_was_taken():
+                # another process bound the free port first (servers on one node pick theirs
+                # at once): the first start moves to a new one; a restart keeps the router's address
+                log.warning("%s: port %d was taken before the server bound it; starting on another",
+                            self.name, self.port)
+                self.port = free_port(self.host)
+                self.url = f"http://{self.host}:{self.port}"
+                return self.start(max(deadline - time.monotonic(), 1.0))
             if code is not None:
                 raise RuntimeError(f"{self.name} exited with status {code} while starting; the end of "
                                    f"{self.log_path}:\n{self.log_tail()}")
             try:
                 answer = httpx.get(self.url + self.health_route, headers=bearer(self.api_key), timeout=5.0)
                 if answer.status_code == 200:
+                    self.ever_ready = True
                     return self.url
             except httpx.HTTPError:
                 pass
@@ -174,6 +185,10 @@ class ServerProcess:
         self.stop()
         raise RuntimeError(f"{self.name} did not answer {self.health_route} within {timeout_s:.0f} s "
                            f"(rollout.sglang.startup_timeout_s); the end of {self.log_path}:\n{self.log_tail()}")
+
+    def _port_was_taken(self) -> bool:
+        return (self.port_chosen and self.starts <= 3 and not self.ever_ready
+                and "address already in use" in self.log_tail(5).lower())
 
     def restart(self, timeout_s: float = 900.0) -> str:
         self.stop()
