@@ -226,9 +226,15 @@ class ServerActor:
         async def remote(self, *args):
             return self.fn(*args)
 
-    def __init__(self, proc: subprocess.Popen):
+    def __init__(self, proc: subprocess.Popen, log_path: Path):
+        tail = lambda: "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])  # noqa: E731
         self.alive = self._Call(lambda: proc.poll() is None)
-        self.log_tail = self._Call(lambda: "")
+        self.log_tail = self._Call(tail)
+        self.restart = self._Call(lambda *_: _raise(RuntimeError(f"the harness restarts no double; its log:\n{tail()}")))
+
+
+def _raise(error: Exception):
+    raise error
 
 
 def start_engines(gpus_per_engine: list[list[str]], collectives: str, holds: list[list[str]] | None = None):
@@ -243,8 +249,9 @@ def start_engines(gpus_per_engine: list[list[str]], collectives: str, holds: lis
                 str(port_files[-1]), "--node", NODE, "--collective-dir", collectives]
         for hold in (holds[e] if holds else []):
             argv += ["--hold", hold]
-        procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                      env={**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(gpus)}))
+        with open(Path(collectives) / f"engine{e}.log", "wb") as log:
+            procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(gpus)}))
     deadline = time.monotonic() + 60
     entries = []
     for e, (gpus, proc, port_file) in enumerate(zip(gpus_per_engine, procs, port_files)):
@@ -260,7 +267,8 @@ def start_engines(gpus_per_engine: list[list[str]], collectives: str, holds: lis
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the SGLang double of engine{e} did not start")
             time.sleep(0.2)
-        entries.append((f"engine{e}", ServerActor(proc), url, len(gpus), NODE, gpus))
+        entries.append((f"engine{e}", ServerActor(proc, Path(collectives) / f"engine{e}.log"), url, len(gpus), NODE,
+                        gpus))
     return entries, procs
 
 

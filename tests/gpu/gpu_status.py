@@ -1,5 +1,5 @@
 """The first thing to run on a GPU machine: every test of tests/gpu, then one line per GPU-only
-path of the README's "GPU status" table.
+path of the table in docs/testing.md ("On a GPU machine").
 
     python tests/gpu/gpu_status.py [pytest options, e.g. -x or -k fp8]     (or: make test-gpu)
 
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-# marker name -> the row of the README's "GPU status" table, in the table's order
+# marker name -> the row of the table in docs/testing.md ("On a GPU machine"), in its order
 PATHS = {
     "te_layers": "Transformer Engine layers",
     "thd_packing": "THD packing",
