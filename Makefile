@@ -57,8 +57,18 @@ $(SGLANG_STAMP): requirements/sglang-cpu.txt
 		sglang.srt.model_executor.model_runner, sglang_router.launch_router, megarl.rollout.with_api_key'
 	touch $@
 
+# make test: every test but the long ones, on TEST_WORKERS processes (pytest-xdist; default: the
+# cores, at most 4), the slowest listed at the end. make test-slow: the long end-to-end runs (marker
+# `slow`), the same way; CI runs both (docs/testing.md lists each target and its time).
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
+PARALLEL := -n $(TEST_WORKERS) --dist worksteal --durations=20
+
 test: $(STAMP) sandbox-tool
-	$(BIN)/python -m pytest tests $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests $(PARALLEL) -m 'not slow and not ui and not sglang' $(PYTEST_ARGS)
+
+.PHONY: test-slow
+test-slow: $(STAMP) sandbox-tool
+	$(BIN)/python -m pytest tests $(PARALLEL) -m 'slow and not ui and not sglang' $(PYTEST_ARGS)
 
 # SGLang 0.5.23's own servers on the CPU (tests/sglang_real): the launcher, every route megarl uses,
 # the weight transports that run on the CPU, partial rollouts, training through the fleet.

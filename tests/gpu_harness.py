@@ -13,7 +13,6 @@ megarl's: `Runtime.sync_weights`, the transports' driver sides, `RankEndpoint` a
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import socket
 import subprocess
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import httpx
 import torch
+from megatron_dist import join, rank_context, rendezvous_store
 
 from megarl.runtime.base import RankEndpoint, Runtime
 from megarl.weights.buckets import FlatBucket, group_tensors, weight_checksums
@@ -130,8 +130,7 @@ def _export_side(rank: int, layout: Layout, hf_dir: str | None):
 
 def _rank_main(rank: int, layout: Layout, port: int, conn, hf_dir: str | None) -> None:
     sys.path.insert(0, str(ROOT / "tests"))
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                         world_size=layout.world)
+    join("gloo", port, rank, layout.world)
     try:
         endpoint = RankEndpoint(_export_side(rank, layout, hf_dir))
     except Exception as e:  # the driver's first call raises it
@@ -157,8 +156,9 @@ class ProcessRanks:
     def __init__(self, layout: Layout, gpus: list[str], handle_dir: str | None = None, deadline_s: float = 60.0,
                  hf_dir: str | None = None):
         self.layout, self.gpus, self.handle_dir, self.deadline_s = layout, gpus, handle_dir, deadline_s
-        ctx = multiprocessing.get_context("spawn")
-        port = free_port()
+        ctx = rank_context()
+        self.store = rendezvous_store()  # held until the ranks stop
+        port = self.store.port
         self.conns, self.procs = [], []
         for rank in range(layout.world):
             parent, child = ctx.Pipe()

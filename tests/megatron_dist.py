@@ -2,15 +2,15 @@
 
 `run_distributed(world_size, fn, *args)` returns every rank's return value (rank order; tensors, lists, dicts, numbers) or
 raises with the failing rank's traceback; a hang is a failure after `timeout` seconds.
-`fn` must be importable (module level), since the processes are spawned.
+`fn` must be importable (module level): the ranks are new processes (see rank_context).
 """
 
 from __future__ import annotations
 
+import datetime
 import io
 import os
 import queue
-import socket
 import time
 import traceback
 
@@ -18,10 +18,29 @@ import torch
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# what every rank imports: the fork server imports it once, and each rank forks from it as a
+# new process (no state of an earlier test) without the ~10 s a spawned rank spent importing
+PRELOAD = ["torch", "transformers", "megatron.core", "megarl.backends.megatron.worker", "megatron_dist"]
+
+
+def rank_context():
+    """The multiprocessing context that starts rank processes (see PRELOAD). A rank's
+    environment is the fork server's, taken when the first rank started: ranks set their own."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def rendezvous_store():
+    """The ranks' rendezvous, held by the test process on a port the kernel gave it: a free
+    port chosen first and bound later by rank 0 could be taken meanwhile (tests run in parallel)."""
+    return torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
+def join(backend: str, port: int, rank: int, world_size: int) -> None:
+    """This process as `rank` of the group whose rendezvous store listens on `port`."""
+    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
+    torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world_size)
 
 
 def _entry(rank: int, world_size: int, port: int, results, fn, args) -> None:
@@ -32,8 +51,7 @@ def _entry(rank: int, world_size: int, port: int, results, fn, args) -> None:
     try:
         if torch.cuda.is_available():  # tests/gpu: one GPU per rank
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=rank,
-                                             world_size=world_size)
+        join("nccl" if torch.cuda.is_available() else "gloo", port, rank, world_size)
         buf = io.BytesIO()  # as bytes: shared-memory tensors die with the process
         torch.save(_to_cpu(fn(*args)), buf)
         results.put((rank, True, buf.getvalue()))
@@ -55,9 +73,10 @@ def _to_cpu(value):
 
 
 def run_distributed(world_size: int, fn, *args, timeout: float = 300.0) -> list:
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     results = ctx.Queue()
-    port = _free_port()
+    store = rendezvous_store()
+    port = store.port
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, results, fn, args), daemon=False)
              for r in range(world_size)]  # not daemonic: ranks may start helpers (checkpoint writers)
     for p in procs:
