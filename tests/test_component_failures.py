@@ -135,6 +135,7 @@ def gone(pid: int) -> bool:
     ("rank", r"train worker rank 0 \(Ray actor TrainWorkerActor\) did not answer a health ping within 3 s"),
     ("reward", r"reward workers \(Ray actor RewardActor\) did not answer a health ping within 3 s"),
 ])
+@pytest.mark.slow
 def test_a_frozen_actor_stops_the_run_by_name_and_shutdown_is_bounded(world, tmp_path, part, named):
     # SIGSTOP: the actor's process is alive to Ray and its calls never end; before the
     # deadlines the step waited forever and shutdown waited on the frozen engine
@@ -163,6 +164,7 @@ def test_a_frozen_actor_stops_the_run_by_name_and_shutdown_is_bounded(world, tmp
     assert gone(pid)
 
 
+@pytest.mark.slow
 def test_an_engine_that_answers_but_produces_nothing_is_named(world, tmp_path):
     c = build_components(load_config(None, [*config_overrides(world, tmp_path, "ray"), *LIVENESS]))
     try:

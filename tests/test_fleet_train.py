@@ -46,6 +46,7 @@ def local_run(inputs, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", ["nccl", "disk"])
 def test_the_fleet_trains_exactly_like_the_embedded_engine(inputs, local_run, tmp_path, transport):
     run(inputs, tmp_path, FLEET + [f"sync.transport={transport}"])
@@ -63,6 +64,7 @@ def test_the_fleet_trains_exactly_like_the_embedded_engine(inputs, local_run, tm
         assert [p.name for p in (tmp_path / "weight_sync").iterdir()] == ["v000002"]
 
 
+@pytest.mark.slow
 def test_the_fleet_trains_asynchronously_with_partial_rollouts(inputs, tmp_path):
     """Asynchronous rollouts over the fleet, generations in flight at a sync aborted through the
     router's engines (/abort_request) and continued: both steps train, and no trained token
@@ -75,6 +77,7 @@ def test_the_fleet_trains_asynchronously_with_partial_rollouts(inputs, tmp_path)
     assert metric(tmp_path, "rollout/engine_restarts") == [0.0, 0.0]
 
 
+@pytest.mark.slow
 def test_megatron_pipeline_stages_each_sync_over_their_own_group(inputs, local_run, tmp_path):
     # PP=2: two source ranks, two update groups, each engine joins both
     run(inputs, tmp_path, FLEET + ["sync.transport=nccl", "actor.backend=megatron",

@@ -447,6 +447,7 @@ def test_nccl_from_megarls_megatron_stages_into_two_engines(run, tmp_path):
     assert [engine_sums(u) for u in r.urls()] == [want, want]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_harness_catches_the_nccl_ordering_deadlock(run, monkeypatch):
     # the same run with every stage pushed at once (the code before the fix): each engine waits

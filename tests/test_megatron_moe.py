@@ -140,6 +140,7 @@ def test_one_moe_optimizer_step_equals_the_torch_backend(tmp_path, recompute, re
         assert all(r[1][key] == pytest.approx(want[key], rel=1e-5) for r in results), key
 
 
+@pytest.mark.slow
 def test_megarl_train_at_ep2_ends_on_the_torch_backends_weights(tmp_path, monkeypatch):
     # `megarl train` on a tiny Qwen3-MoE: the torch backend, then megatron at EP=2 (two Ray rank
     # actors; each data-parallel rank's micro-batch is one of the torch backend's, so the
@@ -176,6 +177,7 @@ def test_megarl_train_at_ep2_ends_on_the_torch_backends_weights(tmp_path, monkey
     assert exported.keys() == got.keys() and all(torch.equal(exported[n], got[n]) for n in got)
 
 
+@pytest.mark.slow
 def test_megarl_train_replaying_the_engines_routing(tmp_path, monkeypatch):
     # actor.moe_routing_replay through the whole loop: the embedded engine records each token's
     # experts, the batch carries them to the torch backend (in process) and to megatron at EP=2

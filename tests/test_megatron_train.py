@@ -50,6 +50,7 @@ def torch_run(inputs, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_megatron_tp2_trains_like_the_torch_backend_and_resumes(inputs, torch_run, tmp_path):
     torch_out, mg_out, resumed = torch_run, tmp_path / "megatron", tmp_path / "resumed"
     run(inputs, mg_out, 2, MEGATRON)
@@ -77,6 +78,7 @@ def test_megatron_tp2_trains_like_the_torch_backend_and_resumes(inputs, torch_ru
     assert not ray.is_initialized()
 
 
+@pytest.mark.slow
 def test_megatron_context_parallel_trains_like_the_torch_backend(inputs, torch_run, tmp_path):
     run(inputs, tmp_path, 2, MEGATRON[:1] + ["actor.parallel.context_parallel_size=2"])  # sequences over two ranks
     want, got = weights(torch_run / "hf"), weights(tmp_path / "hf")
@@ -104,6 +106,7 @@ def test_a_dead_rank_is_named_and_the_others_are_stopped(inputs, tmp_path):
     assert not ray.is_initialized()
 
 
+@pytest.mark.slow
 def test_ppo_with_critic_and_kl_reference_trains_like_the_torch_backend(inputs, tmp_path):
     ppo = ["algorithm.adv_estimator=gae", "critic.enable=true", "critic.ppo_mini_batch_size=1",
            "critic.ppo_micro_batch_size=2", "critic.optim.lr=1e-3", "critic.optim.lr_warmup_steps=0",

@@ -182,6 +182,7 @@ def ray_run_in_step_2(inputs, tmp_path: Path) -> tuple[Run, Path]:
     return run, out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_ray_launcher_sigterm_mid_step_stops_every_actor(inputs, tmp_path):
     run, out = None, tmp_path / "run"
@@ -206,6 +207,7 @@ def killed_by_sigterm_after_step_1(out):
     return client, first
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_second_sigterm_cuts_a_slow_shutdown_short_and_leaves_no_process(inputs, tmp_path):
     run, out = None, tmp_path / "run"
