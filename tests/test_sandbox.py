@@ -200,3 +200,16 @@ def test_it_sees_the_interpreter_and_no_other_program(sandbox):
     assert result.status == OK and found == "[]"
     assert set(ast.literal_eval(top)) <= {"bin", "dev", "etc", "lib", "lib32", "lib64", "proc", "sandbox", "sbin", "tmp", "usr",
                               *Path(sandbox.python).parts[1:2]}  # a prefix of the interpreter outside /usr
+
+
+@pytest.mark.parametrize("value, want", [("70000", 70000), ("1000", 1000), ("999", None), ("61k", None),
+                                         (str(2**31 - 1000), None)])
+def test_the_uid_range_moves_with_its_variable_and_a_bad_one_is_named(monkeypatch, value, want):
+    from megarl.reward.sandbox import UID_BASE_ENV, _uid_base
+
+    monkeypatch.setenv(UID_BASE_ENV, value)
+    if want is None:
+        with pytest.raises(ValueError, match=f"MEGARL_SANDBOX_UID_BASE={value!r}: must be an integer uid"):
+            _uid_base()
+    else:
+        assert _uid_base() == want

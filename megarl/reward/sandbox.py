@@ -46,7 +46,24 @@ from pathlib import Path
 
 # what a program's run ends as
 OK, FAILED, TIMEOUT, OUTPUT_LIMIT = "ok", "failed", "timeout", "output_limit"
-SANDBOX_UID_BASE = 61000  # as root: the sandbox's uid, one of 1000 from here
+UID_BASE_ENV = "MEGARL_SANDBOX_UID_BASE"
+
+
+def _uid_base() -> int:
+    """As root, the sandbox's uid is one of 1000 from here: 61000, or $MEGARL_SANDBOX_UID_BASE
+    where those uids belong to someone (or another job on the node should have its own)."""
+    value = os.environ.get(UID_BASE_ENV, "61000")
+    try:
+        base = int(value)
+    except ValueError:
+        base = -1
+    if not 1000 <= base <= 2**31 - 1001:
+        raise ValueError(f"{UID_BASE_ENV}={value!r}: must be an integer uid from 1000 to {2**31 - 1001} "
+                         "(the first of the 1000 uids the sandbox runs under as root)")
+    return base
+
+
+SANDBOX_UID_BASE = _uid_base()
 _counter = itertools.count()
 
 
