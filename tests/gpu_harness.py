@@ -227,14 +227,15 @@ class ServerActor:
             return self.fn(*args)
 
     def __init__(self, proc: subprocess.Popen, log_path: Path):
-        tail = lambda: "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])  # noqa: E731
+        def tail() -> str:
+            return "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
+
+        def restart(*_):  # the fleet restarts an engine it finds dead: here, say why it died
+            raise RuntimeError(f"the harness restarts no double; its log:\n{tail()}")
+
         self.alive = self._Call(lambda: proc.poll() is None)
         self.log_tail = self._Call(tail)
-        self.restart = self._Call(lambda *_: _raise(RuntimeError(f"the harness restarts no double; its log:\n{tail()}")))
-
-
-def _raise(error: Exception):
-    raise error
+        self.restart = self._Call(restart)
 
 
 def start_engines(gpus_per_engine: list[list[str]], collectives: str, holds: list[list[str]] | None = None):
