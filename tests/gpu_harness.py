@@ -238,16 +238,17 @@ class ServerActor:
         self.restart = self._Call(restart)
 
 
-def start_engines(gpus_per_engine: list[list[str]], collectives: str, holds: list[list[str]] | None = None):
+def start_engines(gpus_per_engine: list[list[str]], collectives: str, holds: list[list[str]] | None = None,
+                  token_s: float = 0.0):
     """A tests/sglang_double.py server per engine, their simulated collectives in the directory
-    `collectives`; (fleet entries, processes). Each server binds a free port itself and names
+    `collectives`, each new token taking `token_s`; (fleet entries, processes). Each server binds a free port itself and names
     it in a file: a port chosen here could be taken before the server binds it, and /health
     then answered by another process, the dead server found only at the first sync."""
     procs, port_files = [], []
     for e, gpus in enumerate(gpus_per_engine):
         port_files.append(Path(collectives) / f"engine{e}.port")
         argv = [sys.executable, str(ROOT / "tests" / "sglang_double.py"), "--port", "0", "--port-file",
-                str(port_files[-1]), "--node", NODE, "--collective-dir", collectives]
+                str(port_files[-1]), "--node", NODE, "--collective-dir", collectives, "--token-s", str(token_s)]
         for hold in (holds[e] if holds else []):
             argv += ["--hold", hold]
         with open(Path(collectives) / f"engine{e}.log", "wb") as log:

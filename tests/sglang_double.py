@@ -17,10 +17,15 @@ It speaks the control API megarl uses with SGLang's semantics, not only its fiel
 - a weight-update session (`/begin_weight_update` ... `/end_weight_update`) around the
   process-group and tensor updates, refused outside one, and a resume of memory that was not
   released refused;
+- generation as SGLang's scheduler runs it (`--token-s S`: each new token takes S seconds and
+  a request makes max_new_tokens of them; without it, one token at once): a paused server holds
+  its requests, running and new, until `/continue_generation`; `/abort_request` (`abort_all` or
+  a `rid`) ends them with finish_reason abort and the tokens they have; `/flush_cache` answers 400
+  while a request runs and the server is not paused (SGLang's `is_fully_idle`);
 - `/weight_checksums` (megarl's embedded server's route) over what it loaded, and `/calls`,
   the order of the control requests it served.
 
-    CUDA_VISIBLE_DEVICES=0,1 python tests/sglang_double.py --port P --node NODE [--hold GROUP=SECONDS] [--collective-dir DIR]
+    CUDA_VISIBLE_DEVICES=0,1 python tests/sglang_double.py --port P --node NODE [--hold GROUP=SECONDS] [--collective-dir DIR] [--token-s S]
 """
 
 from __future__ import annotations
@@ -33,12 +38,13 @@ import socket
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import torch
 import uvicorn
 from fastapi import FastAPI, HTTPException, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megarl.weights.buckets import weight_checksums  # noqa: E402
@@ -87,7 +93,8 @@ def enter_together(directory: str, group: str, seq: int, rank: int, engines: int
         time.sleep(0.05)
 
 
-def create_app(node: str, gpus: list[str], hold: dict[str, float], collective_dir: str | None = None) -> FastAPI:
+def create_app(node: str, gpus: list[str], hold: dict[str, float], collective_dir: str | None = None,
+               token_s: float = 0.0) -> FastAPI:
     app = FastAPI()
     devices = [device_uuid(node, g) for g in gpus]
     released: set[str] = set()
@@ -98,6 +105,7 @@ def create_app(node: str, gpus: list[str], hold: dict[str, float], collective_di
     calls: list[dict] = []
     one_at_a_time = threading.Lock()  # the scheduler takes one update request at a time
     state = {"version": "0", "paused": False, "session": False}
+    requests: dict[str, dict] = {}  # rid -> {"running": bool, "abort": bool}
 
     def answer(ok: bool, message: str) -> JSONResponse:
         return JSONResponse({"success": ok, "message": message}, status_code=200 if ok else 400)
@@ -122,10 +130,33 @@ def create_app(node: str, gpus: list[str], hold: dict[str, float], collective_di
             return JSONResponse({"error": f"generation with released memory {sorted(released)}: CUDA graph "
                                           "replay on unmapped memory"}, status_code=500)
         log("/generate")
-        meta = {"finish_reason": {"type": "length", "length": 1}, "prompt_tokens": len(body["input_ids"]),
-                "completion_tokens": 1, "weight_version": state["version"],
-                "output_token_logprobs": [[-0.5, 7, None]]}
-        return {"text": "", "output_ids": [7], "meta_info": meta}
+        rid = body.get("rid") or uuid.uuid4().hex
+        want = int(body.get("sampling_params", {}).get("max_new_tokens", 1)) if token_s else 1
+        request_state = requests[rid] = {"running": False, "abort": False}
+        made = 0
+        try:
+            while made < want and not request_state["abort"]:
+                # a paused server holds the request in its queue (retracted): not running
+                request_state["running"] = not state["paused"]
+                await asyncio.sleep(token_s or 0.005)
+                made += request_state["running"] and not state["paused"]
+        finally:
+            del requests[rid]
+        finish = {"type": "abort", "message": "Abort in running"} if made < want else {"type": "length",
+                                                                                        "length": want}
+        meta = {"id": rid, "finish_reason": finish, "prompt_tokens": len(body["input_ids"]),
+                "completion_tokens": made, "weight_version": state["version"],
+                "output_token_logprobs": [[-0.5, 7, None]] * made}
+        return {"text": "", "output_ids": [7] * made, "meta_info": meta}
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request):
+        body = await request.json()
+        log("/abort_request", **body)
+        for rid, request_state in requests.items():
+            if body.get("abort_all") or body.get("rid") == rid:
+                request_state["abort"] = True
+        return None
 
     def memory_route(route: str, change) -> None:
         """release / resume_memory_occupation: the named tags (none named: all of them)."""
@@ -168,7 +199,7 @@ def create_app(node: str, gpus: list[str], hold: dict[str, float], collective_di
 
     @app.post("/pause_generation")
     async def pause(request: Request):
-        log("/pause_generation")
+        log("/pause_generation", in_flight=len(requests))
         state["paused"] = True
         return {"message": "Generation paused successfully.", "status": "ok"}
 
@@ -181,7 +212,10 @@ def create_app(node: str, gpus: list[str], hold: dict[str, float], collective_di
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
         log("/flush_cache")
-        return "Cache flushed."
+        running = sum(r["running"] for r in requests.values())
+        if running and not state["paused"]:  # SGLang flushes only when idle (waiting requests count unless paused)
+            return Response("Flush cache failed.\n", status_code=400)
+        return Response("Cache flushed.\n", status_code=200)
 
     def serialised(group: str, work):
         """Run `work` when this server's scheduler takes the request (after any hold)."""
@@ -286,12 +320,13 @@ def main() -> None:
     parser.add_argument("--node", default="node0")
     parser.add_argument("--hold", action="append", default=[])
     parser.add_argument("--collective-dir")
+    parser.add_argument("--token-s", type=float, default=0.0, help="seconds per generated token (0: one token at once)")
     args = parser.parse_args()
     hold = {k: float(v) for k, v in (h.split("=") for h in args.hold)}
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
     if not visible:
         parser.error("CUDA_VISIBLE_DEVICES names no GPU: set it to the simulated GPUs this server sees")
-    app = create_app(args.node, visible.split(","), hold, args.collective_dir)
+    app = create_app(args.node, visible.split(","), hold, args.collective_dir, args.token_s)
     sock = socket.socket()
     sock.bind((args.host, args.port))  # bound here, so the port a test is told is this server's
     if args.port_file:

@@ -5,7 +5,9 @@ SGLang's server semantics) given by hand."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,6 +21,7 @@ from megatron_dist import run_distributed
 from tiny_models import tiny_hf_model
 
 from megarl.config import load_config
+from megarl.driver_loop import run_async
 from megarl.rollout.engine import SamplingParams
 from megarl.rollout.sglang import SGLangFleet
 from megarl.weights.buckets import weight_checksums
@@ -285,10 +288,10 @@ class Run:
     """Ranks, engines and a runtime; everything stopped at the end."""
 
     def __init__(self, work: Path, cfg, transport_class, layout: Layout, rank_gpus, engine_gpus, holds=None,
-                 deadline_s=60.0, hf_dir: str | None = None):
+                 deadline_s=60.0, hf_dir: str | None = None, token_s: float = 0.0):
         (work / "collectives").mkdir(parents=True)
         (work / "handles").mkdir()
-        self.entries, self.procs = start_engines(engine_gpus, str(work / "collectives"), holds)
+        self.entries, self.procs = start_engines(engine_gpus, str(work / "collectives"), holds, token_s)
         self.ranks = ProcessRanks(layout, rank_gpus, str(work / "handles"), deadline_s, hf_dir=hf_dir)
         self.fleet = SGLangFleet(self.entries, cfg.rollout.sglang)
         self.exported = hf_tensors(hf_dir) if hf_dir else all_tensors(layout.pp)
@@ -422,10 +425,25 @@ def test_ipc_plan_pairs_each_tp_rank_with_the_train_rank_on_its_gpu():
 HOLDS = [["megarl-sync-rank0=1.5"], ["megarl-sync-rank1=1.5"]]  # engine 0 takes stage 1 first, engine 1 stage 0
 
 
+def generating(fleet, tokens: int) -> concurrent.futures.Future:
+    """One greedy request of `tokens` new tokens through the fleet, on a thread of its own, once
+    it is running on an engine."""
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    out = pool.submit(asyncio.run, fleet.generate([1, 2, 3], SamplingParams(max_new_tokens=tokens)))
+    pool.shutdown(wait=False)
+    while sum(s.in_flight for s in fleet.servers) == 0:
+        time.sleep(0.01)
+    time.sleep(0.3)  # some tokens made
+    return out
+
+
 @pytest.mark.timeout(300)
 def test_nccl_with_two_stages_and_two_engines_pushes_the_stages_in_turn(run):
+    # each token takes 50 ms, so a request is still decoding when a sync begins: SGLang then
+    # refuses /flush_cache unless the engines are paused, and a paused engine holds the request
     layout = Layout(tp=1, dp=1, pp=2)
-    r = run(nccl_config(), GroupTransport, layout, [], [["4"], ["5"]], holds=HOLDS)
+    r = run(nccl_config(), GroupTransport, layout, [], [["4"], ["5"]], holds=HOLDS, token_s=0.05)
+    held = generating(r.fleet, 100)
     r.runtime.sync_weights(version=1)
     want = weight_checksums(sorted(all_tensors(2).items()))
     assert [engine_sums(u) for u in r.urls()] == [want, want]
@@ -433,6 +451,17 @@ def test_nccl_with_two_stages_and_two_engines_pushes_the_stages_in_turn(run):
         received = [c["names"] for c in calls(url) if c["route"] == "/update_weights_from_distributed"]
         tensors = all_tensors(2)
         assert all(len({tensors[n].dtype for n in names}) == 1 for names in received)
+        control = [c for c in calls(url) if c["route"] in ("/pause_generation", "/flush_cache", "/continue_generation")]
+        assert [c["route"] for c in control] == ["/pause_generation", "/flush_cache", "/continue_generation"]
+    assert sum(c.get("in_flight", 0) for u in r.urls() for c in calls(u)) == 1  # paused while it decoded
+    out = held.result(timeout=60)  # held through the sync, then finished on the new weights
+    assert (len(out.token_ids), out.finish_reason, out.weight_version) == (100, "length", 1)
+    # partial rollouts: the request aborted before the next sync ends with the tokens it has
+    aborted = generating(r.fleet, 100)
+    run_async(r.fleet.abort_requests())
+    out = aborted.result(timeout=60)
+    assert 0 < len(out.token_ids) < 100 and out.finish_reason == "abort" and out.weight_version == 1
+    r.runtime.sync_weights(version=2)
 
 
 @pytest.mark.timeout(300)
