@@ -81,6 +81,7 @@ def test_dead_ray_actors_are_named(world, tmp_path):
         train_step(c, 0)  # everything alive: a normal step
         c.check_retrieval()
         assert c.runtime.lost_parts() == ""
+        c.runtime.transport.connect(c.runtime.ranks)  # as a sync begins, after the rollouts
         kill(c.runtime.retrieval_actor)
         with pytest.raises(ComponentDied, match=r"retrieval server at http://\S+ \(Ray actor RetrievalActor\)"):
             c.check_retrieval()
@@ -88,6 +89,13 @@ def test_dead_ray_actors_are_named(world, tmp_path):
         with pytest.raises(ComponentDied, match="reward workers \\(Ray actor RewardActor\\) died"):
             c.reward_pool.compute([])
         kill(c.runtime.engine_actor)
+        # an engine lost between the rollouts and the sync: named in one line
+        for sync in (lambda: c.runtime.ranks.push(1 << 20, 1),  # the rank's own call into the engine
+                     lambda: c.runtime.sync_weights(1)):  # the whole sync
+            with pytest.raises(ComponentDied) as died:
+                sync()
+            assert str(died.value).startswith("rollout engine (Ray actor EngineActor) died (on 127.0.0.1): ")
+            assert len(str(died.value).splitlines()) == 1
         with pytest.raises(ComponentDied, match="rollout engine \\(Ray actor EngineActor\\) died"):
             train_step(c, 5)
         # what a failed run adds to its error: the parts gone, by node (the train rank is alive)
@@ -96,22 +104,6 @@ def test_dead_ray_actors_are_named(world, tmp_path):
     finally:
         c.close()
     assert not ray.is_initialized()
-
-
-def test_an_engine_lost_between_rollouts_and_the_sync_is_named_in_one_line(world, tmp_path):
-    c = build_components(config(world, tmp_path, "ray"))
-    try:
-        train_step(c, 0)
-        c.runtime.transport.connect(c.runtime.ranks)
-        kill(c.runtime.engine_actor)
-        for sync in (lambda: c.runtime.ranks.push(1 << 20, 1),  # the rank's own call into the engine
-                     lambda: c.runtime.sync_weights(1)):  # the whole sync
-            with pytest.raises(ComponentDied) as died:
-                sync()
-            assert str(died.value).startswith("rollout engine (Ray actor EngineActor) died (on 127.0.0.1): ")
-            assert len(str(died.value).splitlines()) == 1
-    finally:
-        c.close()
 
 
 LIVENESS = ["cluster.liveness.interval_s=1", "cluster.liveness.timeout_s=3", "cluster.liveness.progress_timeout_s=4"]

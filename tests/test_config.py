@@ -173,15 +173,6 @@ def test_inconsistent_values(overrides, key, words):
     assert words in found[0][1]
 
 
-def test_reward_section_is_the_reward_settings_the_reward_code_takes():
-    from megarl.reward import RewardConfig
-
-    cfg = load_config(None, ["reward.custom_function=search_r1_format", "reward.structure_format_score=0.2"])
-    spec = cfg.reward
-    assert isinstance(spec, RewardConfig)
-    assert (spec.custom_function, spec.structure_format_score) == ("search_r1_format", 0.2)
-
-
 def test_consistent_alternatives_pass():
     # The fixes the errors suggest are accepted.
     load_config(None, ["algorithm.adv_estimator=gae", "critic.enable=true"])

@@ -13,15 +13,15 @@ import torch
 
 from megarl.config import load_config
 from megarl.train import train
-from train_fixtures import hf_weights as weights, mlflow_metric as metric, tiny_overrides, write_tiny_run_inputs
+from train_fixtures import hf_weights as weights, mlflow_metric as metric, tiny_overrides
 
 FLEET = ["rollout.engine=sglang", "rollout.sglang.server=embedded", "rollout.num_engines=2", "sync.verify=true",
          "rollout.sglang.startup_timeout_s=120"]
 
 
 @pytest.fixture(scope="module")
-def inputs(tmp_path_factory):
-    return write_tiny_run_inputs(tmp_path_factory.mktemp("inputs"))
+def inputs(tiny_inputs):
+    return tiny_inputs
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -40,10 +40,9 @@ def run(inputs, out: Path, extra: list[str]) -> None:
 
 
 @pytest.fixture(scope="module")
-def local_run(inputs, tmp_path_factory):
-    out = tmp_path_factory.mktemp("local")
-    run(inputs, out, [])
-    return out
+def local_run(tiny_reference):
+    """The same run with the in-process engine."""
+    return tiny_reference
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ import torch
 from megarl.config import load_config
 from megarl.export import export_checkpoint
 from megarl.train import train
-from train_fixtures import hf_weights as weights, mlflow_metric as metric, tiny_overrides, write_tiny_run_inputs
+from train_fixtures import hf_weights as weights, mlflow_metric as metric, tiny_overrides
 
 pytest.importorskip("megatron.core")
 
@@ -22,8 +22,8 @@ MEGATRON = ["actor.backend=megatron", "actor.parallel.tensor_model_parallel_size
 
 
 @pytest.fixture(scope="module")
-def inputs(tmp_path_factory):
-    return write_tiny_run_inputs(tmp_path_factory.mktemp("inputs"))
+def inputs(tiny_inputs):
+    return tiny_inputs
 
 
 @pytest.fixture(autouse=True)
@@ -41,13 +41,9 @@ def run(inputs, out: Path, steps: int, extra: list[str]) -> dict:
 
 
 @pytest.fixture(scope="module")
-def torch_run(inputs, tmp_path_factory):
+def torch_run(tiny_reference):
     """The same run on the torch backend (the reference of the megatron runs)."""
-    out = tmp_path_factory.mktemp("torch")
-    with pytest.MonkeyPatch.context() as m:
-        m.setenv("PYTHONPATH", str(Path(__file__).parent))
-        run(inputs, out, 2, [])
-    return out
+    return tiny_reference
 
 
 @pytest.mark.slow

@@ -1,8 +1,13 @@
-"""A tiny model directory and arithmetic prompt files for end-to-end loop tests."""
+"""A tiny model directory and arithmetic prompt files for end-to-end loop tests, and the
+reference run several of them compare with."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Callable
+
+from filelock import FileLock
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -54,3 +59,30 @@ def mlflow_metric(out: Path, name: str, experiment: str = "t") -> list[float]:
     client = MlflowClient(tracking_uri=local_store_uri(out))
     (r,) = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
     return [m.value for m in sorted(client.get_metric_history(r.info.run_id, name), key=lambda m: m.step)]
+
+
+def built_once(tmp_path_factory, name: str, build: Callable[[Path], object]) -> Path:
+    """`build(directory)` once per test session, by the first pytest-xdist worker that asks (the
+    others wait for it and read what it wrote): a module fixture would run on every worker that
+    gets one of its tests."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # shared by this session's workers only
+    directory, done = root / name, root / f"{name}.done"
+    with FileLock(str(root / f"{name}.lock")):
+        if not done.exists():
+            directory.mkdir(exist_ok=True)
+            build(directory)
+            done.touch()
+    return directory
+
+
+def tiny_reference_run(inputs: dict[str, str], out: Path) -> None:
+    """Two steps of the tiny run on the torch backend with the in-process engine, the reward
+    reward_fixtures.length_score (it varies with the length, so every step has advantages):
+    what the megatron and fleet runs must end on (in one process: a Ray run of it ends on the
+    same weights, test_train_loop)."""
+    from megarl.config import load_config
+    from megarl.train import train
+
+    train(load_config(None, tiny_overrides(inputs, out, 2) + ["reward.custom_function=reward_fixtures:length_score"]))
