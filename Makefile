@@ -5,10 +5,14 @@
 # On a CPU machine the install takes the CPU build of torch (TORCH_SPEC) before the project,
 # so nothing pulls a multi-GB CUDA build. On a GPU machine use the NGC PyTorch container
 # and `pip install -e '.[gpu,dev]'`, or run `make TORCH_SPEC= test` to keep the torch you have.
+# torch comes from pip (it finds the CPU wheel where pip is configured to look), without
+# compiling its .py files ahead (Python does it on first import: 15 s instead of 90 s); the rest
+# from uv (parallel downloads: 20 s instead of 2 min), which keeps the torch it finds installed.
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
+UV_SPEC ?= uv==0.13.9
 SGLANG_VENV ?= .venv-sglang
 PYTEST_ARGS ?=
 
@@ -31,8 +35,9 @@ sandbox-tool:
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "megarl needs Python >= 3.11, found " + sys.version' 
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	if [ -n "$(TORCH_SPEC)" ]; then $(BIN)/python -m pip install "$(TORCH_SPEC)"; fi
-	$(BIN)/python -m pip install -e '.[dev]'
+	if [ -n "$(TORCH_SPEC)" ]; then $(BIN)/python -m pip install --no-compile "$(TORCH_SPEC)"; fi
+	$(BIN)/python -m pip install -q "$(UV_SPEC)"
+	$(BIN)/uv pip install --python $(BIN)/python -e '.[dev]'
 	$(BIN)/python tools/fetch_sglang_api.py $(VENV)/sglang-api
 	touch $@
 
@@ -48,9 +53,10 @@ sglang-env: $(SGLANG_STAMP)
 $(SGLANG_STAMP): requirements/sglang-cpu.txt
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "megarl needs Python >= 3.11, found " + sys.version'
 	test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV)
-	if [ -n "$(TORCH_SPEC)" ]; then $(SGLANG_VENV)/bin/python -m pip install "$(TORCH_SPEC)"; fi
-	$(SGLANG_VENV)/bin/python -m pip install --no-deps -r requirements/sglang-cpu.txt
-	$(SGLANG_VENV)/bin/python -m pip install --no-deps -e .
+	if [ -n "$(TORCH_SPEC)" ]; then $(SGLANG_VENV)/bin/python -m pip install --no-compile "$(TORCH_SPEC)"; fi
+	$(SGLANG_VENV)/bin/python -m pip install -q "$(UV_SPEC)"
+	$(SGLANG_VENV)/bin/uv pip install --python $(SGLANG_VENV)/bin/python --no-deps -r requirements/sglang-cpu.txt
+	$(SGLANG_VENV)/bin/uv pip install --python $(SGLANG_VENV)/bin/python --no-deps -e .
 	echo "$(abspath tools/sglang_cpu)" > "$$($(SGLANG_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/megarl-sglang-cpu.pth"
 	SGLANG_USE_CPU_ENGINE=1 $(SGLANG_VENV)/bin/python -W ignore -c 'import sgl_kernel, torchvision, \
 		sglang.launch_server, sglang.srt.entrypoints.http_server, sglang.srt.managers.scheduler, \
