@@ -244,6 +244,8 @@ class TrainWorkerConfig:
     ppo_mini_batch_size: int = param(32, "Prompts per optimizer step (x rollout.n samples).", gt=0)
     ppo_micro_batch_size: int = param(4, "Samples per forward/backward pass (gradient accumulation unit).", gt=0)
     ppo_epochs: int = param(1, "Passes over each training batch.", gt=0)
+    shuffle_mini_batches: bool = param(True, "Cut the step's samples into mini-batches in a random order (seeded by "
+                                       "trainer.seed and the step); false = as generated, whole groups together.")
     max_tokens_per_gpu: int | None = param(
         None, "Token budget of a dynamic micro-batch (of whole sequences: under context parallelism each rank holds "
         "1/CP of them); None = fixed micro-batch size.", gt=0)
@@ -317,7 +319,8 @@ class SyncConfig:
         "disk = safetensors files in sync.disk_dir; inprocess = the embedded engine (rollout.engine=local). "
         "auto = inprocess for the embedded engine, ipc when colocated on GPUs, nccl otherwise.")
     disk_dir: str | None = param(None, "Shared directory for sync.transport=disk; None = trainer.output_dir/weight_sync.")
-    verify: bool = param(False, "Compare per-tensor checksums of engine and trainer weights after each sync.")
+    verify: bool = param(False, "Compare per-tensor checksums of engine and trainer weights after each sync "
+                         "(the local engine and megarl's embedded servers; SGLang's own server cannot report them).")
 
 
 @dataclass
@@ -455,6 +458,11 @@ class RunConfig:
             return
         if c.launcher != "ray":
             problems.add("cluster.launcher", "inprocess cannot launch engine servers", "use cluster.launcher=ray")
+        if self.sync.verify and r.sglang.server == "sglang":
+            # SGLang's own /weights_checker hashes its fused, TP-sharded parameters, not HF tensors
+            problems.add("sync.verify", "compares the engines' HF tensors with the trainer's, which only megarl's "
+                         "embedded servers report (SGLang 0.5.23 has no such route)",
+                         "use sync.verify=false with rollout.sglang.server=sglang")
         if any(a.split("=")[0] in ("--api-key", "--admin-api-key") for a in r.sglang.extra_args):
             problems.add("rollout.sglang.extra_args", "gives the servers an API key on their command line, where "
                          "every user of the node can read it (and the saved config records it)",

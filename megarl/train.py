@@ -23,8 +23,10 @@ from tqdm import tqdm
 from megarl import checkpoint
 from megarl.algo import InformativeGroupBuffer, masked_mean
 from megarl.async_rollouts import SyncRollouts, start_rollouts
+from megarl.backends.batch import TrainBatch
+from megarl.backends.epochs import shuffled
 from megarl.components import Components, build_components
-from megarl.config import RunConfig, TrackingConfig, save_config
+from megarl.config import RunConfig, TrackingConfig, TrainWorkerConfig, save_config
 from megarl.config_loader import dump_config, flatten_config
 from megarl.driver_loop import run_async
 from megarl.errors import ComponentDied, RunInputError
@@ -167,9 +169,10 @@ def train_step(c: Components, step: int, rollouts: SyncRollouts | None = None) -
     metrics.update({f"train/{k}": v for k, v in adv_metrics.items()})
     if cfg.critic.enable:
         with _timer(metrics, "update_critic"):
-            metrics.update({f"critic/{k}": v for k, v in c.worker.update_critic(batch).items()})
+            metrics.update({f"critic/{k}": v for k, v in c.worker.update_critic(update_order(batch, cfg.critic, cfg,
+                                                                                            step)).items()})
     with _timer(metrics, "update_actor"):
-        actor_metrics = c.worker.update_actor(batch)
+        actor_metrics = c.worker.update_actor(update_order(batch, cfg.actor, cfg, step))
     metrics.update({f"actor/{k}": v for k, v in actor_metrics.items()})
     with _timer(metrics, "sync_weights"):
         rollouts.sync_weights(step + 1)
@@ -184,6 +187,11 @@ def train_step(c: Components, step: int, rollouts: SyncRollouts | None = None) -
 
 
 TRAINER_PHASES = ("old_log_prob", "values", "update_critic", "update_actor", "sync_weights")
+
+
+def update_order(batch: TrainBatch, worker: TrainWorkerConfig, cfg: RunConfig, step: int) -> TrainBatch:
+    """The batch in the order `worker`'s update cuts it into mini-batches (shuffle_mini_batches)."""
+    return shuffled(batch, cfg.trainer.seed, step) if worker.shuffle_mini_batches else batch
 
 
 def staleness_metrics(samples: list[Sample], step: int) -> dict[str, float]:

@@ -2,7 +2,9 @@
 
 An update walks its batch `epochs` times in order, in mini-batches of `mini_size` samples,
 and takes one optimizer step per mini-batch; how a step is taken is the backend's. The
-metrics of the update are the mean over its steps. Main entry point: `run_epochs`.
+metrics of the update are the mean over its steps. Main entry point: `run_epochs`; the
+driver first puts the batch in a seeded random order (`shuffled`), so that a mini-batch
+mixes the prompts of the step rather than holding a few prompts' whole groups.
 """
 
 from __future__ import annotations
@@ -23,3 +25,12 @@ def run_epochs(batch: TrainBatch, mini_size: int, epochs: int, step: Callable[[T
                 sums[key] += value
             steps += 1
     return {key: value / max(steps, 1) for key, value in sums.items()}
+
+
+def shuffled(batch: TrainBatch, seed: int, step: int) -> TrainBatch:
+    """The batch's rows in a random order drawn from (seed, step) alone: the same step of a
+    resumed run takes the same order, whatever ran before it."""
+    import torch
+
+    order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(seed * 1_000_003 + step))
+    return batch.select(order)

@@ -1,0 +1,83 @@
+"""The order an update cuts its batch into mini-batches (actor.shuffle_mini_batches): a random
+order drawn from the seed and the step only, the same update as in order when one mini-batch
+holds the whole step, and mini-batches that mix the step's groups."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from megarl.backends.epochs import shuffled
+from megarl.backends.torch.actor import TorchActor
+from megarl.config import AlgorithmConfig, OptimConfig, load_config
+from megarl.train import update_order
+from test_backend_torch_actor import random_batch
+from tiny_models import tiny_model
+
+
+def test_the_order_is_a_permutation_drawn_from_the_seed_and_the_step_only():
+    batch, _ = random_batch(rows=16)
+    first = shuffled(batch, seed=42, step=3)
+    rows = [tuple(r) for r in batch.input_ids.tolist()]
+    moved = [tuple(r) for r in first.input_ids.tolist()]
+    assert sorted(moved) == sorted(rows) and moved != rows  # every row once, not in order
+    torch.manual_seed(0)  # the global generator plays no part: a resumed run draws the same
+    again = shuffled(batch, seed=42, step=3)
+    assert torch.equal(again.input_ids, first.input_ids) and torch.equal(again.loss_mask, first.loss_mask)
+    assert not torch.equal(shuffled(batch, seed=42, step=4).input_ids, first.input_ids)
+    assert not torch.equal(shuffled(batch, seed=7, step=3).input_ids, first.input_ids)
+    # every per-row field moves with its row
+    where = {r: i for i, r in enumerate(rows)}
+    order = [where[r] for r in moved]
+    assert torch.equal(first.attention_mask, batch.attention_mask[order])
+
+
+def test_off_keeps_the_generated_order():
+    batch, _ = random_batch()
+    cfg = load_config(None, ["actor.shuffle_mini_batches=false"])
+    assert update_order(batch, cfg.actor, cfg, step=1) is batch
+    cfg = load_config(None, [])
+    assert cfg.actor.shuffle_mini_batches and cfg.critic.shuffle_mini_batches  # on by default
+    assert not torch.equal(update_order(batch, cfg.actor, cfg, step=1).input_ids, batch.input_ids)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_one_mini_batch_takes_the_same_step_shuffled_or_in_order(mode):
+    # the loss of one mini-batch is a sum over its rows: the order only changes the rounding
+    batch, g = random_batch(rows=8)
+    base = tiny_model("qwen2")
+    algo = AlgorithmConfig(loss_agg_mode=mode)
+    optim = OptimConfig(lr=1e-3, eps=1e-3, lr_warmup_steps=0, weight_decay=0.0)  # eps: see the micro-batch test
+    old, _ = TorchActor(base, algo, optim, mini_batch_samples=8, micro_batch_samples=8).compute_log_prob(batch)
+    batch = batch.with_fields(old_log_probs=old + 0.05 * torch.randn(old.shape, generator=g),
+                              advantages=torch.randn(old.shape, generator=g))
+    states = []
+    for rows in (batch, shuffled(batch, seed=1, step=0)):
+        model = copy.deepcopy(base)
+        TorchActor(model, algo, optim, mini_batch_samples=8, micro_batch_samples=2).update_actor(rows)
+        states.append(model.state_dict())
+    moved = 0.0
+    for name, tensor in states[0].items():
+        torch.testing.assert_close(states[1][name], tensor, atol=2e-6, rtol=0)
+        moved = max(moved, float((tensor - base.state_dict()[name]).abs().max()))
+    assert moved > 1e-4  # the step did move the weights
+
+
+def test_shuffled_mini_batches_mix_the_groups():
+    # 4 groups of 4 samples, as generated (group g in rows 4g..4g+3), and mini-batches of 4:
+    # in order each mini-batch is one group; shuffled, the seed-42 step-0 order (drawn here
+    # with the generator the code uses) puts samples of several groups in every mini-batch
+    batch, _ = random_batch(rows=16)
+    group_of_row = {tuple(r): i // 4 for i, r in enumerate(batch.input_ids.tolist())}
+
+    def groups_per_mini(b):
+        rows = [group_of_row[tuple(r)] for r in b.input_ids.tolist()]
+        return [len(set(rows[i:i + 4])) for i in range(0, 16, 4)]
+
+    assert groups_per_mini(batch) == [1, 1, 1, 1]
+    order = torch.randperm(16, generator=torch.Generator().manual_seed(42 * 1_000_003 + 0)).tolist()
+    expected = [len({order[i + k] // 4 for k in range(4)}) for i in range(0, 16, 4)]
+    assert groups_per_mini(shuffled(batch, seed=42, step=0)) == expected
+    assert min(expected) > 1
