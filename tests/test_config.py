@@ -173,6 +173,13 @@ def test_inconsistent_values(overrides, key, words):
     assert words in found[0][1]
 
 
+def test_sync_verify_on_sglangs_own_server_is_refused():
+    # before: the run started, and the first sync failed on a 404 from /weight_checksums
+    (problem,) = problems_of(["rollout.engine=sglang", "sync.verify=true", "model.path=m"])
+    assert problem[0] == "sync.verify" and "use sync.verify=false with rollout.sglang.server=sglang" in problem[1]
+    load_config(None, ["rollout.engine=sglang", "rollout.sglang.server=embedded", "sync.verify=true", "model.path=m"])
+
+
 def test_consistent_alternatives_pass():
     # The fixes the errors suggest are accepted.
     load_config(None, ["algorithm.adv_estimator=gae", "critic.enable=true"])

@@ -270,7 +270,9 @@ def test_fp8_master_weights_start_from_the_loaded_weights(tmp_path):
 
 
 def ipc_config(layout: Layout):
-    return load_config(None, ["rollout.engine=sglang", "sync.transport=ipc", "rollout.mode=colocated",
+    # the doubles answer megarl's /weight_checksums as its embedded servers do (sync.verify)
+    return load_config(None, ["rollout.engine=sglang", "rollout.sglang.server=embedded", "sync.transport=ipc",
+                              "rollout.mode=colocated",
                               "cluster.gpus_per_node=4", "rollout.tensor_parallel_size=2", "sync.bucket_mb=1",
                               "sync.verify=true", "actor.backend=megatron",
                               f"actor.parallel.tensor_model_parallel_size={layout.tp}",
