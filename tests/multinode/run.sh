@@ -10,7 +10,9 @@
 #      nodes, weights synced between hosts over the update group (nccl transport, gloo on CPU)
 #      and, in a second run, through a directory both nodes see (disk), with sync.verify=true;
 #      the retrieval server searched from trajectories driven on the driver's node; each ending
-#      bit for bit on the weights of the same run on one node;
+#      bit for bit on the weights of the same run in one process with the embedded engine (the
+#      fleet's per-request seeds make a rollout independent of the engine that serves it; the
+#      fleet on one node ends on those weights too, tests/test_fleet_train.py);
 #   2. the megatron backend with two ranks (DP = 2) on two nodes, torch.distributed over gloo
 #      between the nodes' addresses, ending bit for bit on the weights of the same run on one node;
 #   3. the same at PP = 2: one pipeline stage on each node;
@@ -76,7 +78,13 @@ run() {
 # --- 1. the engine fleet on another node than the trainer ------------------------------------
 FLEET=(rollout.engine=sglang rollout.sglang.server=embedded sync.verify=true)
 if wants fleet; then
-run fleet_one 1 "${FLEET[@]}" sync.transport=disk
+# the reference, in one process on this host (not a slurm job: 27 s against a job's 100 s)
+"$(dirname "$PY")/megarl" train examples/quickstart/search_r1_tiny.yaml "model.path=$DATA_DIR/model" \
+    "data.train_files=[$DATA_DIR/data/train.parquet]" "data.val_files=[$DATA_DIR/data/val.parquet]" \
+    "agent.retrieval.index_dir=$DATA_DIR/index" "trainer.output_dir=$WORK/fleet_one" "${SHORT[@]}" \
+    rollout.engine=local cluster.launcher=inprocess > "$WORK/fleet_one.out" 2>&1 \
+    || { tail -n 30 "$WORK/fleet_one.out" >&2; exit 1; }
+echo "test-multinode: fleet_one (in one process) ended after $((SECONDS - started)) s"
 run fleet_nccl 2 "${FLEET[@]}" sync.transport=nccl "${SPREAD[@]}"
 run fleet_disk 2 "${FLEET[@]}" sync.transport=disk "${SPREAD[@]}"
 for name in fleet_nccl fleet_disk; do
