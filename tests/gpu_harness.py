@@ -233,7 +233,15 @@ class ServerActor:
         def restart(*_):  # the fleet restarts an engine it finds dead: here, say why it died
             raise RuntimeError(f"the harness restarts no double; its log:\n{tail()}")
 
+        def gone_within(seconds: float) -> bool:
+            try:
+                proc.wait(timeout=seconds)
+            except subprocess.TimeoutExpired:
+                return False
+            return True
+
         self.alive = self._Call(lambda: proc.poll() is None)
+        self.gone_within = self._Call(gone_within)
         self.log_tail = self._Call(tail)
         self.restart = self._Call(restart)
 

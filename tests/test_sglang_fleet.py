@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -414,3 +415,43 @@ def test_a_dead_router_is_restarted_and_the_request_resent(fleet_setup):
         torch.testing.assert_close(torch.tensor(out.log_probs), torch.tensor(earlier.log_probs), atol=1e-5, rtol=0)
     assert fleet.metrics()["rollout/router_restarts"] == 1
     assert ray.get(fleet.router_actor.pid.remote()) != pid
+
+
+# a server whose connection breaks a second before its process is gone, as a killed SGLang
+# server's does: the socket closes with the process's files, the process is reaped only once
+# every thread has exited (seen in test-sglang: SIGKILL during a sync's /end_weight_update)
+DYING_SERVER = """
+import socket, struct, sys, time
+s = socket.socket()
+s.bind(("127.0.0.1", 0))
+s.listen()
+open(sys.argv[1] + ".part", "w").write(str(s.getsockname()[1]))
+__import__("os").replace(sys.argv[1] + ".part", sys.argv[1])
+conn, _ = s.accept()
+conn.recv(65536)
+conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+conn.close()  # reset
+time.sleep(1.0)
+"""
+
+
+def test_a_connection_lost_before_the_process_is_reaped_is_a_dead_engine(tmp_path):
+    from gpu_harness import ServerActor
+
+    port_file = tmp_path / "port"
+    proc = subprocess.Popen([sys.executable, "-c", DYING_SERVER, str(port_file)])
+    try:
+        deadline = time.monotonic() + 30
+        while not port_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (tmp_path / "engine0.log").write_text("")
+        actor = ServerActor(proc, tmp_path / "engine0.log")  # its restart says it was asked
+        settings = load_config(None, ["rollout.sglang.router=false"]).rollout.sglang
+        fleet = SGLangFleet([("engine0", actor, f"http://127.0.0.1:{port_file.read_text()}", 1)], settings)
+        # before: the process was still alive when the error came back, and the sync failed on
+        # the broken connection instead of restarting the engine
+        with pytest.raises(ComponentDied, match="engine0 could not be restarted: the harness restarts no double"):
+            asyncio.run(fleet._each("close_update_session", True))
+    finally:
+        proc.kill()
+        proc.wait()

@@ -215,7 +215,7 @@ class SGLangFleet:
             try:
                 return await getattr(server.client, method)(*args)
             except (RuntimeError, httpx.TransportError) as e:
-                if not _connection_lost(e) or await server.call("alive"):
+                if not _connection_lost(e) or not await server.call("gone_within", 10.0, timeout_s=70.0):
                     raise
                 # only this engine: a health check of the others would wait on their pause
                 log.warning("rollout engine %s died during %s (%s): restarting it", server.name, method, e)

@@ -197,6 +197,17 @@ class ServerProcess:
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
+    def gone_within(self, seconds: float) -> bool:
+        """Whether the process has exited, or exits within `seconds`: a killed server's
+        connections can break before its process can be reaped (its threads still exiting)."""
+        if self.process is None:
+            return True
+        try:
+            self.process.wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
     def pid(self) -> int | None:
         return self.process.pid if self.process is not None else None
 
