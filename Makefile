@@ -5,9 +5,13 @@
 # On a CPU machine the install takes the CPU build of torch (TORCH_SPEC) before the project,
 # so nothing pulls a multi-GB CUDA build. On a GPU machine use the NGC PyTorch container
 # and `pip install -e '.[gpu,dev]'`, or run `make TORCH_SPEC= test` to keep the torch you have.
-# torch comes from pip (it finds the CPU wheel where pip is configured to look), without
-# compiling its .py files ahead (Python does it on first import: 15 s instead of 90 s); the rest
-# from uv (parallel downloads: 20 s instead of 2 min), which keeps the torch it finds installed.
+# torch comes from pip (it finds the CPU wheel where pip is configured to look), the rest from uv
+# (parallel downloads: 20 s instead of 2 min), which keeps the torch it finds installed. Neither
+# compiles the .py files ahead (pip took 90 s for torch's alone): Python compiles a module at its
+# first import and keeps the bytecode, so every target here lets it write that bytecode even
+# where PYTHONDONTWRITEBYTECODE is set (else each of the suite's processes, Ray's workers among
+# them, compiles torch, transformers and ray again: the suite took twice as long).
+unexport PYTHONDONTWRITEBYTECODE
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
