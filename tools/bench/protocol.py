@@ -1,0 +1,68 @@
+"""One protocol for the benchmarks of tools/bench: the versions first, a warm-up of every
+contender, then at least three timed repeats with the contenders' order alternated (a machine
+that slows down or speeds up during a run favours neither), equal work checked, and the median
+and range of the ratio printed last.
+
+    from protocol import compare
+    result = compare({"baseline": run_baseline, "megarl": run_megarl}, repeats=3)
+
+Each contender is a function of no argument that does the work once and returns how much it did
+(tokens generated, samples scored): the same amount from every contender and every repeat, or
+the comparison stops, naming who did what. `result.ratio("baseline", "megarl")` is the baseline's
+time over megarl's, per repeat.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from megarl.versions import installed_versions
+
+
+@dataclass
+class Comparison:
+    seconds: dict[str, list[float]] = field(default_factory=dict)  # contender -> one per repeat
+    work: dict[str, list[float]] = field(default_factory=dict)
+
+    def ratio(self, slower: str, faster: str) -> list[float]:
+        """`slower`'s time over `faster`'s, repeat by repeat (> 1: `faster` is faster)."""
+        return [s / f for s, f in zip(self.seconds[slower], self.seconds[faster], strict=True)]
+
+    def summary(self, slower: str, faster: str) -> str:
+        """The line a bench prints last: the median ratio and its range."""
+        ratios = self.ratio(slower, faster)
+        return (f"{faster} vs {slower}: {statistics.median(ratios):.2f}x (median of {len(ratios)} alternating "
+                f"runs; range {min(ratios):.2f}-{max(ratios):.2f}x)")
+
+
+def compare(contenders: Mapping[str, Callable[[], float]], repeats: int = 3, warmups: int = 1,
+            work_tolerance: float = 0.0, clock: Callable[[], float] = time.perf_counter,
+            show: Callable[[str], None] = print) -> Comparison:
+    """Time each contender `repeats` times after `warmups` untimed runs, alternating their order
+    (repeat r runs them forwards when r is even, backwards when odd). Work that differs by more
+    than `work_tolerance` (relative; 0 = exactly equal) between any two runs is an error."""
+    if repeats < 3:
+        raise ValueError(f"repeats={repeats}: a median needs at least 3 timed runs of each contender")
+    if len(contenders) < 2:
+        raise ValueError("compare needs at least two contenders")
+    show(installed_versions())
+    names = list(contenders)
+    for _ in range(warmups):
+        for name in names:
+            contenders[name]()
+    result = Comparison({n: [] for n in names}, {n: [] for n in names})
+    for r in range(repeats):
+        for name in names if r % 2 == 0 else names[::-1]:
+            start = clock()
+            done = float(contenders[name]())
+            result.seconds[name].append(clock() - start)
+            result.work[name].append(done)
+            show(f"run {r + 1}/{repeats} {name}: {result.seconds[name][-1]:.3f} s, work {done:g}")
+    every = [(n, w) for n in names for w in result.work[n]]
+    low, high = min(w for _, w in every), max(w for _, w in every)
+    if high - low > work_tolerance * max(abs(high), 1e-12):
+        raise AssertionError(f"unequal work: {dict(result.work)} (tolerance {work_tolerance:g})")
+    return result
