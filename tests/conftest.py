@@ -17,11 +17,9 @@ if _worker.startswith("gw"):
 @pytest.fixture(scope="session")
 def tiny_inputs(tmp_path_factory):
     """train_fixtures.write_tiny_run_inputs, written once for the session."""
-    from train_fixtures import built_once, write_tiny_run_inputs
+    from train_fixtures import built_once, tiny_run_paths, write_tiny_run_inputs
 
-    directory = built_once(tmp_path_factory, "tiny-inputs", write_tiny_run_inputs)
-    return {"model": str(directory / "model"), "train": str(directory / "train.parquet"),
-            "val": str(directory / "val.parquet")}
+    return tiny_run_paths(built_once(tmp_path_factory, "tiny-inputs", write_tiny_run_inputs))
 
 
 @pytest.fixture(scope="session")

@@ -7,10 +7,9 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from filelock import FileLock
-
 import pyarrow as pa
 import pyarrow.parquet as pq
+from filelock import FileLock
 
 from tiny_models import tiny_model, tiny_tokenizer
 
@@ -28,6 +27,11 @@ def write_tiny_run_inputs(root: Path, num_train: int = 8, num_val: int = 2, fami
 
     pq.write_table(pa.Table.from_pylist(rows(num_train, 0)), root / "train.parquet")
     pq.write_table(pa.Table.from_pylist(rows(num_val, 100)), root / "val.parquet")
+    return tiny_run_paths(root)
+
+
+def tiny_run_paths(root: Path) -> dict[str, str]:
+    """Where write_tiny_run_inputs(root) put the model and the prompt files."""
     return {"model": str(root / "model"), "train": str(root / "train.parquet"), "val": str(root / "val.parquet")}
 
 
