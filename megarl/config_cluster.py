@@ -33,6 +33,10 @@ class ClusterConfig:
     cpus_per_node: int | None = param(
         None, "CPUs Ray may use per node (logical slots, not cores: one per train rank, one per engine that has no "
         "GPU of a train rank, one more); None = all, at least that many.", gt=0)
+    threads_per_rank: int | None = param(
+        None, "CPU threads (torch's pool) of each train rank and of the embedded engine, as Ray actors; None = the "
+        "cores of the actor's node shared by the train ranks placed on it (the engine, which generates while the "
+        "trainer waits, takes them all). Ray alone gives an actor as many threads as its num_cpus: one.", gt=0)
     placement_strategy: Literal["PACK", "SPREAD"] = param(
         "PACK", "How Ray places the run's actors on the nodes: PACK = on as few nodes as fit them (the engines next to "
         "the train ranks whose GPUs they share), SPREAD = over as many nodes as it can.")

@@ -81,6 +81,11 @@ def test_dead_ray_actors_are_named(world, tmp_path):
         train_step(c, 0)  # everything alive: a normal step
         c.check_retrieval()
         assert c.runtime.lost_parts() == ""
+        # the one train rank and the engine each use the node's cores, not the one Ray gives
+        # an actor of num_cpus=1 (cluster.threads_per_rank)
+        for actor in (c.runtime.worker_actors[0], c.runtime.engine_actor):
+            threads = ray.get(actor.__ray_call__.remote(lambda self: __import__("torch").get_num_threads()))
+            assert threads == len(os.sched_getaffinity(0))
         c.runtime.transport.connect(c.runtime.ranks)  # as a sync begins, after the rollouts
         kill(c.runtime.retrieval_actor)
         with pytest.raises(ComponentDied, match=r"retrieval server at http://\S+ \(Ray actor RetrievalActor\)"):

@@ -31,6 +31,18 @@ def load_model(cfg: RunConfig):
     return AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=getattr(torch, cfg.model.dtype))
 
 
+def use_threads(configured: int | None, sharing: int) -> int:
+    """This actor's CPU threads: `configured` (cluster.threads_per_rank), or the cores it may
+    run on divided among the `sharing` train ranks of its node. Ray sets OMP_NUM_THREADS to an
+    actor's num_cpus (1 here), which would leave a CPU machine's update on one core."""
+    import torch
+
+    threads = configured or max(1, len(os.sched_getaffinity(0)) // sharing)
+    torch.set_num_threads(threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # for the processes it starts
+    return threads
+
+
 @ray.remote(concurrency_groups=HEALTH_GROUP)
 class TrainWorkerActor:
     """One rank of the train worker group: the torch backend's worker (a group of one) or a
@@ -46,7 +58,9 @@ class TrainWorkerActor:
             s.bind(("", 0))
             return ray.util.get_node_ip_address(), s.getsockname()[1]
 
-    def setup(self, cfg: RunConfig, total_steps: int, rank: int, world_size: int, master: tuple[str, int]) -> bool:
+    def setup(self, cfg: RunConfig, total_steps: int, rank: int, world_size: int, master: tuple[str, int],
+              ranks_on_node: int = 1) -> bool:
+        use_threads(cfg.cluster.threads_per_rank, ranks_on_node)
         if cfg.actor.backend == "torch":
             from megarl.backends.torch.worker import TorchTrainWorker
 
@@ -107,6 +121,8 @@ class EngineActor:
         from transformers import AutoTokenizer
 
         from megarl.rollout.local import LocalEngine
+
+        use_threads(cfg.cluster.threads_per_rank, 1)
 
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
         self.engine = LocalEngine(load_model(cfg).eval(), tokenizer, max_batch_size=cfg.rollout.max_concurrency,

@@ -98,7 +98,8 @@ class RayRuntime(Runtime):
         wait_started(self.worker_actors, [rank_name(r) for r in range(world)], liveness)
         self.ranks = RayRanks(self.worker_actors, liveness)
         master = self.ranks.free_address(0)
-        has_reference = self.ranks.gather([a.setup.remote(cfg, total_steps, r, world, master)
+        nodes = [node for node, _ in self.ranks.gather([a.address.remote() for a in self.worker_actors])]
+        has_reference = self.ranks.gather([a.setup.remote(cfg, total_steps, r, world, master, nodes.count(nodes[r]))
                                            for r, a in enumerate(self.worker_actors)])[0]
         self.worker = RemoteTrainWorker(self.worker_actors, has_reference, liveness)
         if cfg.rollout.engine == "sglang":

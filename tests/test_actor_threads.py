@@ -1,0 +1,40 @@
+"""The CPU threads of a Ray actor of the run (megarl.runtime.ray_actors.use_threads): the
+configured number, or the cores it may run on shared by the train ranks of its node. (That a
+Ray run's actors get them: test_component_failures.test_dead_ray_actors_are_named.)"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from megarl.config import load_config
+from megarl.runtime.ray_actors import use_threads
+
+
+@pytest.fixture
+def threads_restored(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("configured, sharing, cores, want", [
+    (None, 1, 2, 2),  # one rank on a 2-core node: both cores
+    (None, 2, 2, 1),  # two ranks: one each
+    (None, 3, 2, 1),  # more ranks than cores: still one
+    (None, 2, 16, 8),
+    (3, 2, 16, 3),  # cluster.threads_per_rank wins
+])
+def test_threads_of_an_actor(threads_restored, monkeypatch, configured, sharing, cores, want):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    assert use_threads(configured, sharing) == want
+    assert torch.get_num_threads() == want and os.environ["OMP_NUM_THREADS"] == str(want)
+
+
+def test_the_setting_is_checked():
+    assert load_config(None, []).cluster.threads_per_rank is None
+    with pytest.raises(Exception, match="threads_per_rank"):
+        load_config(None, ["cluster.threads_per_rank=0"])
