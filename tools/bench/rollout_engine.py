@@ -1,25 +1,27 @@
 """Benchmark: embedded engine vs `transformers` model.generate, same model and prompts.
 
 64 prompts x 128 new tokens (sampled, temperature 1, EOS ignored so both produce exactly
-the same number of tokens) on a tiny Qwen2-architecture model, one run each, tokens/s and
-the ratio printed. The engine's advantage grows with uneven lengths (continuous batching);
+the same number of tokens) on a tiny Qwen2-architecture model, under the bench protocol
+(protocol.py: a warm-up, 3 alternating timed runs, equal tokens checked, the median ratio last). The engine's advantage grows with uneven lengths (continuous batching);
 this measures the plain equal-length case that `generate` is best at.
 
     python tools/bench/rollout_engine.py [--prompts 64 --new-tokens 128 --hidden 256 --layers 4]
+    python tools/bench/rollout_engine.py --vs-sglang   # and SGLang's server (`make sglang-env`)
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import time
+import tempfile
+from pathlib import Path
 
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from megarl.rollout.engine import SamplingParams
 from megarl.rollout.local import LocalEngine
-from megarl.versions import installed_versions
+from protocol import compare
 
 
 def build_model(hidden: int, layers: int, vocab: int) -> Qwen2ForCausalLM:
@@ -30,18 +32,73 @@ def build_model(hidden: int, layers: int, vocab: int) -> Qwen2ForCausalLM:
     return Qwen2ForCausalLM(cfg).eval()
 
 
-def bench_engine(model, prompts, new_tokens: int, uneven: bool) -> tuple[float, int]:
-    async def go():
-        engine = LocalEngine(model, max_batch_size=len(prompts), eos_token_ids=[])
-        await engine.generate(prompts[0], SamplingParams(max_new_tokens=2))  # warm-up
-        start = time.perf_counter()
-        outs = await asyncio.gather(*[
-            engine.generate(p, SamplingParams(max_new_tokens=_budget(i, new_tokens, uneven), temperature=1.0, seed=i))
-            for i, p in enumerate(prompts)])
-        elapsed = time.perf_counter() - start
-        await engine.close()
-        return elapsed, sum(len(o.token_ids) for o in outs)
-    return asyncio.run(go())
+class EngineRun:
+    """The embedded engine, built and warmed up once on an event loop kept across repeats."""
+
+    def __init__(self, model, prompts, new_tokens: int, uneven: bool):
+        self.prompts, self.new_tokens, self.uneven = prompts, new_tokens, uneven
+        self.loop = asyncio.new_event_loop()
+        self.engine = self.loop.run_until_complete(self._start(model))
+
+    async def _start(self, model) -> LocalEngine:
+        engine = LocalEngine(model, max_batch_size=len(self.prompts), eos_token_ids=[])
+        await engine.generate(self.prompts[0], SamplingParams(max_new_tokens=2))
+        return engine
+
+    def __call__(self) -> int:
+        """Generate every prompt's budget; the tokens generated (EOS is ignored: exactly the budgets)."""
+        async def every_prompt():
+            return await asyncio.gather(*[
+                self.engine.generate(p, SamplingParams(max_new_tokens=_budget(i, self.new_tokens, self.uneven),
+                                                       temperature=1.0, seed=i))
+                for i, p in enumerate(self.prompts)])
+        return sum(len(o.token_ids) for o in self.loop.run_until_complete(every_prompt()))
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.engine.close())
+        self.loop.close()
+
+
+class SGLangRun:
+    """SGLang 0.5.23's own server on the CPU (from `make sglang-env`) serving the same model,
+    started as megarl's fleet starts an engine, sent the same prompts over its API."""
+
+    KEY = "rollout-engine-bench"
+
+    def __init__(self, model, prompts, new_tokens: int, uneven: bool, python: str, workdir: Path):
+        from megarl.config import load_config
+        from megarl.data.tokenizer import train_bpe_tokenizer
+        from megarl.rollout.http import HTTPEngine
+        from megarl.rollout.sglang_launch import CPU_SERVER_ENV, ServerProcess, server_command
+
+        self.prompts, self.new_tokens, self.uneven = prompts, new_tokens, uneven
+        model_dir = workdir / "model"
+        model.save_pretrained(model_dir)
+        # the server detokenizes what it generates: a tokenizer with (at most) the model's vocabulary
+        words = ("".join(chr(97 + (i * 7 + j * j) % 26) for j in range(3 + i % 6)) for i in range(20000))
+        train_bpe_tokenizer([" ".join(words)], vocab_size=model.config.vocab_size).save_pretrained(model_dir)
+        longest = max(len(p) for p in prompts) + new_tokens
+        cfg = load_config(None, [f"model.path={model_dir}", "model.dtype=float32", "rollout.engine=sglang",
+                                 "cluster.gpus_per_node=0", f"rollout.sglang.python={python}",
+                                 f"rollout.max_concurrency={len(prompts)}",
+                                 f"rollout.sglang.max_total_tokens={max(32768, 2 * len(prompts) * longest)}"])
+        self.server = ServerProcess(server_command(cfg, colocated=False), "sglang", log_dir=str(workdir),
+                                    api_key=self.KEY, env=dict(CPU_SERVER_ENV))
+        self.server.start(timeout_s=600)
+        self.client = HTTPEngine(self.server.url, api_key=self.KEY, timeout_s=600)
+        self.loop = asyncio.new_event_loop()
+
+    def __call__(self) -> int:
+        async def every_prompt():
+            return await asyncio.gather(*[
+                self.client.generate(p, SamplingParams(max_new_tokens=_budget(i, self.new_tokens, self.uneven),
+                                                       temperature=1.0, seed=i, ignore_eos=True))
+                for i, p in enumerate(self.prompts)])
+        return sum(len(o.token_ids) for o in self.loop.run_until_complete(every_prompt()))
+
+    def close(self) -> None:
+        self.loop.close()
+        self.server.stop()
 
 
 def _budget(i: int, new_tokens: int, uneven: bool) -> int:
@@ -49,24 +106,25 @@ def _budget(i: int, new_tokens: int, uneven: bool) -> int:
     return max(1, new_tokens * (1 + i % 8) // 8) if uneven else new_tokens
 
 
-def bench_generate(model, prompts, new_tokens: int, uneven: bool) -> tuple[float, int]:
+def generate_run(model, prompts, new_tokens: int, uneven: bool):
+    """transformers' generate on the whole batch (left-padded, as decoder-only models need)."""
     width = max(len(p) for p in prompts)
     ids = torch.zeros((len(prompts), width), dtype=torch.long)
     mask = torch.zeros_like(ids)
-    for row, p in enumerate(prompts):  # left padding, as generate expects for decoder-only models
+    for row, p in enumerate(prompts):
         ids[row, width - len(p):] = torch.tensor(p)
         mask[row, width - len(p):] = 1
-    model.generate(ids[:1, -2:], max_new_tokens=2, do_sample=True, pad_token_id=0)  # warm-up
-    torch.manual_seed(0)
-    start = time.perf_counter()
-    with torch.inference_mode():
-        # generate has no per-sequence budget: the batch runs to the longest, so with
-        # uneven budgets only the tokens within each budget count as useful
-        model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                       do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0, eos_token_id=None)
-    elapsed = time.perf_counter() - start
-    useful = sum(_budget(i, new_tokens, uneven) for i in range(len(prompts)))
-    return elapsed, useful
+
+    def run() -> int:
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                 do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0,
+                                 eos_token_id=None)
+        assert out.shape == (len(prompts), width + new_tokens), out.shape
+        # generate has no per-sequence budget: the batch runs to the longest, so with uneven
+        # budgets only the tokens within each budget count as done
+        return sum(_budget(i, new_tokens, uneven) for i in range(len(prompts)))
+    return run
 
 
 def main() -> None:
@@ -77,23 +135,44 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each (alternating), after a warm-up")
+    parser.add_argument("--vs-sglang", action="store_true",
+                        help="also SGLang 0.5.23's server on the CPU (built by `make sglang-env`)")
+    parser.add_argument("--sglang-python", default=".venv-sglang/bin/python",
+                        help="the interpreter of the SGLang environment (--vs-sglang)")
     parser.add_argument("--uneven", action="store_true", help="per-prompt budgets from 1/8 to all of --new-tokens")
     args = parser.parse_args()
-    print(installed_versions(), flush=True)
     model = build_model(args.hidden, args.layers, args.vocab)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(1, args.vocab, (args.prompt_len - (i % 16),), generator=g).tolist()
                for i in range(args.prompts)]
     params = sum(p.numel() for p in model.parameters()) / 1e6
-    print(f"model: qwen2 {params:.1f}M params, {args.layers} layers, hidden {args.hidden}; "
-          f"{args.prompts} prompts x {args.new_tokens} new tokens{' (uneven budgets)' if args.uneven else ''}; "
-          f"torch threads {torch.get_num_threads()}")
-    t_gen, n_gen = bench_generate(model, prompts, args.new_tokens, args.uneven)
-    t_eng, n_eng = bench_engine(model, prompts, args.new_tokens, args.uneven)
-    print(f"{'':24}{'tokens':>8}{'seconds':>10}{'tokens/s':>11}")
-    print(f"{'transformers generate':24}{n_gen:8d}{t_gen:10.2f}{n_gen / t_gen:11.1f}")
-    print(f"{'megarl LocalEngine':24}{n_eng:8d}{t_eng:10.2f}{n_eng / t_eng:11.1f}")
-    print(f"ratio engine / generate: {(n_eng / t_eng) / (n_gen / t_gen):.2f}x")
+    header = (f"model: qwen2 {params:.1f}M params, {args.layers} layers, hidden {args.hidden}; {args.prompts} prompts "
+              f"x {args.new_tokens} new tokens{' (uneven budgets)' if args.uneven else ''}; "
+              f"torch threads {torch.get_num_threads()}")
+    contenders = {"generate": generate_run(model, prompts, args.new_tokens, args.uneven),
+                  "engine": EngineRun(model, prompts, args.new_tokens, args.uneven)}
+    with tempfile.TemporaryDirectory(prefix="rollout-engine-bench-") as workdir:
+        try:
+            if args.vs_sglang:
+                if not Path(args.sglang_python).is_file():
+                    raise SystemExit(f"no SGLang environment at {args.sglang_python}: build it with `make sglang-env`")
+                contenders["sglang"] = SGLangRun(model, prompts, args.new_tokens, args.uneven,
+                                                 str(Path(args.sglang_python).absolute()), Path(workdir))
+            result = compare(contenders, repeats=args.repeats, show=lambda line: print(line, flush=True),
+                             header=header)
+        finally:
+            for contender in contenders.values():
+                if hasattr(contender, "close"):
+                    contender.close()
+    tokens = result.work["engine"][0]
+    labels = {"generate": "transformers generate", "engine": "megarl LocalEngine", "sglang": "SGLang server"}
+    for name in contenders:
+        rates = ", ".join(f"{tokens / s:.0f}" for s in result.seconds[name])
+        print(f"{labels[name]}: {tokens:g} tokens per run, tokens/s {rates}")
+    if args.vs_sglang:
+        print(result.summary("sglang", "engine"))
+    print(result.summary("generate", "engine"))
 
 
 if __name__ == "__main__":
