@@ -18,7 +18,8 @@ def test_benchmark_runs_and_reports_both_numbers(capsys, tmp_path):
             "--workdir", str(tmp_path)]
     assert bench.main(argv) == 0
     out = capsys.readouterr().out
-    assert "30 queries in" in out and "queries/s (batches of 256, top-3)" in out
-    assert "timed on the first 10 of 30 queries" in out
-    assert "speed-up (megarl / rank_bm25):" in out
+    assert "timed on the first 10 of 30 queries" in out and "in batches of 256 for megarl, top-3" in out
+    assert out.count("work 10\n") == 6  # 3 timed runs each, the same 10 queries answered
+    assert "megarl on all 30 queries:" in out
     assert "top-1 agreement on the 10 shared queries:" in out
+    assert "megarl vs rank_bm25:" in out.splitlines()[-1] and "(median of 3 alternating runs" in out

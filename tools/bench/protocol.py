@@ -40,16 +40,18 @@ class Comparison:
 
 def compare(contenders: Mapping[str, Callable[[], float]], repeats: int = 3, warmups: int = 1,
             work_tolerance: float = 0.0, clock: Callable[[], float] = time.perf_counter,
-            show: Callable[[str], None] = print, header: str = "") -> Comparison:
+            show: Callable[[str], None] = print, header: str = "", versions: bool = True) -> Comparison:
     """Time each contender `repeats` times after `warmups` untimed runs, alternating their order
     (repeat r runs them forwards when r is even, backwards when odd). Work that differs by more
     than `work_tolerance` (relative; 0 = exactly equal) between any two runs is an error.
-    `header` (what is measured) is shown after the versions."""
+    `header` (what is measured) is shown after the versions (versions=False: the bench showed
+    them already, before work that comes first)."""
     if repeats < 3:
         raise ValueError(f"repeats={repeats}: a median needs at least 3 timed runs of each contender")
     if len(contenders) < 2:
         raise ValueError("compare needs at least two contenders")
-    show(installed_versions())
+    if versions:
+        show(installed_versions())
     if header:
         show(header)
     names = list(contenders)

@@ -1,13 +1,14 @@
 """Benchmark: batched top-k BM25 with megarl's index (bm25s) against rank_bm25's BM25Okapi.
 
-    python tools/bench/retrieval.py [--docs 100000 --queries 1000 --topk 3 --baseline-queries 200]
+    python tools/bench/retrieval.py [--docs 100000 --queries 1000 --topk 3 --baseline-queries 100]
 
 Runs offline on a seeded synthetic corpus: a Zipf-distributed vocabulary of made-up words,
 passages of about 100 words (wiki-18's length) with a two-word title line, and queries of
 3-6 words taken from a random passage. megarl's index is built, saved and loaded
 (memory-mapped) through the public API, then searched in batches; rank_bm25, the common
 pure-Python alternative, scores every document per query in Python, so by default it is
-timed on a subset of the queries (said in the output). Both see the same tokens. Top-1
+timed on a subset of the queries (said in the output), the same for both, under the bench
+protocol (protocol.py), each with its query tokenisation. Both see the same tokens. Top-1
 agreement is reported, not asserted: the two implement slightly different BM25 variants
 (Lucene's idf vs Okapi's idf with an epsilon floor for common words).
 """
@@ -27,6 +28,9 @@ import numpy as np
 
 from megarl.versions import installed_versions
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from protocol import compare  # noqa: E402
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -35,9 +39,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--topk", type=int, default=3, help="documents per query (default 3)")
     parser.add_argument("--batch-size", type=int, default=256, help="queries per megarl search call (default 256)")
     parser.add_argument(
-        "--baseline-queries", type=int, default=200,
-        help="queries timed with rank_bm25, the first N of the megarl queries (default 200; 0 = all)",
+        "--baseline-queries", type=int, default=100,
+        help="queries timed on both, the first N of the queries (default 100; 0 = all)",
     )
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each (alternating), after a warm-up")
     parser.add_argument("--vocab", type=int, default=50_000, help="distinct synthetic words (default 50,000)")
     parser.add_argument("--doc-words", type=int, default=100, help="mean words per passage (default 100)")
     parser.add_argument("--search-threads", type=int, default=0, help="bm25s threads per batch (default 0)")
@@ -88,7 +93,7 @@ def top1_agreement(ours: list, theirs: list[np.ndarray]) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    print(installed_versions(), flush=True)
+    print(installed_versions(), flush=True)  # first, before the corpus is built
     from megarl.retrieval import build_index, load_index
 
     try:
@@ -113,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         corpus = workdir / "corpus.jsonl"
         with open(corpus, "w") as f:
             f.writelines(json.dumps(row) + "\n" for row in rows)
-        print(f"machine: {os.cpu_count()} CPUs; megarl timings include query tokenisation and document lookup")
+        print(f"machine: {os.cpu_count()} CPUs; both timings include query tokenisation (megarl's: also document lookup)")
         print(f"corpus: {args.docs:,} passages, {corpus.stat().st_size / 2**20:.0f} MiB, "
               f"{args.vocab:,}-word Zipf vocabulary; {args.queries:,} queries ({time.perf_counter() - t0:.1f} s)")
 
@@ -124,41 +129,44 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         retriever = load_index(index_dir, search_threads=args.search_threads)
         load_s = time.perf_counter() - t0
-        retriever.search(queries[:8], args.topk)  # warm-up: page in the memory-mapped arrays
-        t0 = time.perf_counter()
-        ours = []
-        for start in range(0, len(queries), args.batch_size):
-            ours.extend(retriever.search(queries[start : start + args.batch_size], args.topk))
-        ours_s = time.perf_counter() - t0
-        ours_qps = len(queries) / ours_s
         size_mib = sum(p.stat().st_size for p in index_dir.rglob("*") if p.is_file()) / 2**20
-        print(f"megarl (bm25s): build+save {build_s:.1f} s, load {load_s:.2f} s, index {size_mib:.0f} MiB; "
-              f"{len(queries):,} queries in {ours_s:.2f} s = {ours_qps:,.0f} queries/s "
-              f"(batches of {args.batch_size}, top-{args.topk})")
-
-        # rank_bm25 on the same tokens
-        n_base = len(queries) if args.baseline_queries <= 0 else min(args.baseline_queries, len(queries))
-        subset = queries[:n_base]
+        print(f"megarl (bm25s): build+save {build_s:.1f} s, load {load_s:.2f} s, index {size_mib:.0f} MiB")
         t0 = time.perf_counter()
         doc_tokens = retriever.tokenize([row["contents"] for row in rows])
         baseline = OkapiKeepingDocFreqs(doc_tokens)
-        base_build_s = time.perf_counter() - t0
+        print(f"rank_bm25 (BM25Okapi): build {time.perf_counter() - t0:.1f} s (in memory, from megarl's tokens)")
         del doc_tokens
-        query_tokens = retriever.tokenize(subset)
-        t0 = time.perf_counter()
-        base_top = []
-        for tokens in query_tokens:
-            base_top.append(top_k(baseline.get_scores(tokens), args.topk))
-        base_s = time.perf_counter() - t0
-        base_qps = n_base / base_s
-        scope = (
-            "all queries" if n_base == len(queries)
-            else f"the first {n_base:,} of {len(queries):,} queries (rank_bm25 is too slow for all; --baseline-queries)"
-        )
-        print(f"rank_bm25 (BM25Okapi): build {base_build_s:.1f} s (in memory); {n_base:,} queries in {base_s:.2f} s "
-              f"= {base_qps:,.1f} queries/s (query tokens given, positions only), timed on {scope}")
 
-        print(f"speed-up (megarl / rank_bm25): {ours_qps / base_qps:,.1f}x ({ours_qps:,.0f} vs {base_qps:,.1f} queries/s)")
+        # both answer the same queries from their text: tokenisation, scoring, top-k
+        n_base = len(queries) if args.baseline_queries <= 0 else min(args.baseline_queries, len(queries))
+        subset = queries[:n_base]
+        ours, base_top = [], []
+
+        def megarl_queries() -> int:
+            ours.clear()
+            for start in range(0, n_base, args.batch_size):
+                ours.extend(retriever.search(subset[start : start + args.batch_size], args.topk))
+            return len(ours)  # queries answered
+
+        def rank_bm25_queries() -> int:
+            base_top.clear()
+            base_top.extend(top_k(baseline.get_scores(tokens), args.topk) for tokens in retriever.tokenize(subset))
+            return len(base_top)
+
+        scope = ("all queries" if n_base == len(queries) else
+                 f"the first {n_base:,} of {len(queries):,} queries (rank_bm25 is too slow for all; --baseline-queries)")
+        result = compare({"rank_bm25": rank_bm25_queries, "megarl": megarl_queries}, repeats=args.repeats,
+                         show=lambda line: print(line, flush=True), versions=False,
+                         header=f"timed on {scope}, each with its tokenisation, in batches of {args.batch_size} "
+                                f"for megarl, top-{args.topk}")
+        for name in result.seconds:
+            rates = ", ".join(f"{n_base / s:,.1f}" for s in result.seconds[name])
+            print(f"{name}: {n_base:,} queries, queries/s {rates}")
+        t0 = time.perf_counter()
+        for start in range(0, len(queries), args.batch_size):
+            retriever.search(queries[start : start + args.batch_size], args.topk)
+        ours_s = time.perf_counter() - t0
+        print(f"megarl on all {len(queries):,} queries: {ours_s:.2f} s = {len(queries) / ours_s:,.0f} queries/s")
         print(f"top-1 agreement on the {n_base:,} shared queries: {top1_agreement(ours, base_top):.1f}% "
               "(Lucene vs Okapi BM25 variants; not expected to be 100%)")
 
@@ -167,8 +175,9 @@ def main(argv: list[str] | None = None) -> int:
         # Okapi's constant (k1 + 1) factor, so with Lucene's idf the rankings should agree.
         n_docs = baseline.corpus_size
         baseline.idf = {w: float(np.log(1 + (n_docs - n + 0.5) / (n + 0.5))) for w, n in baseline.nd.items()}
-        lucene_top = [top_k(baseline.get_scores(tokens), args.topk) for tokens in query_tokens]
+        lucene_top = [top_k(baseline.get_scores(tokens), args.topk) for tokens in retriever.tokenize(subset)]
         print(f"top-1 agreement with rank_bm25 given Lucene's idf (untimed): {top1_agreement(ours, lucene_top):.1f}%")
+        print(result.summary("rank_bm25", "megarl"))
     finally:
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
