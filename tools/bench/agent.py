@@ -2,37 +2,52 @@
 
 Both loops drive the same embedded engine and model over the same Search-R1 trajectories:
 the Search-R1 instruction as the prompt, 1 to 4 turns each, every turn but the last ending in a
-search whose observation is three retrieved passages, the last in an answer. Turn lengths are
-drawn per turn from a long-tailed (log-normal) distribution, as reasoning lengths are in real
-runs. The lockstep loop is the shape of Search-R1's original rollout: every turn, all
-trajectories still going generate, the batch waits for the slowest, searches as one batch, and
-each turn's whole history is prefilled again. megarl's loop runs every trajectory as its own
-task, so one that is between turns never waits for the others, and its engine reuses the cache
-of a trajectory's previous turn (measured without that reuse too).
+search, answered by megarl's retrieval server (a BM25 index of the bench's corpus, served over
+HTTP in its own process, as a run serves it), the last in an answer. Turn lengths are drawn per
+turn from a long-tailed (log-normal) distribution, as reasoning lengths are in real runs, and
+there are more trajectories than engine slots. The lockstep loop is the shape of Search-R1's
+rollout: every turn, all trajectories still going generate, the batch waits for the slowest,
+searches as one batch, and each turn's whole history is sent again. megarl's loop runs every
+trajectory as its own task, so one that is between turns never waits for the others.
+
+The headline baseline is the lockstep loop with the same prefix reuse as megarl's (the engine
+keeps the cache of every trajectory's previous turn and computes the shared instruction once,
+as SGLang's radix cache and vLLM's prefix cache do by default): the ratio measures the loop, not
+the cache. Search-R1's own lockstep loop without a cache is the second row.
 
 The model is a random tiny Qwen2, so it cannot choose its actions: `ScriptedPolicy` stands in
 for a trained one. It lets the model sample each turn's drawn number of tokens, then appends the
 action a trained policy would end the turn with (`<search> ... </search>`, or `<answer> ...
-</answer>` on the last turn), with log-prob 0. Both loops get the same turns, the same
-searches and the same tokens (asserted).
+</answer>` on the last turn), with log-prob 0. Every loop gets the same turns, the same
+searches and the same number of tokens (checked by the bench protocol, protocol.py: a warm-up,
+3 alternating timed runs, the median ratio last).
 
-    python tools/bench/agent.py [--trajectories 64 --max-batch-size 64 --median-turn-length 32]
+    python tools/bench/agent.py [--trajectories 128 --max-batch-size 64 --median-turn-length 32]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
+import os
 import random
+import socket
+import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import replace
+from pathlib import Path
+
+import httpx
 
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from megarl.data.tokenizer import train_bpe_tokenizer
-from megarl.retrieval.client import SearchResult
+from megarl.retrieval.client import RetrievalClient, SearchResult
 from megarl.retrieval.documents import Document
 from megarl.rollout.agent import (ANSWER_CLOSE, INVALID_ACTION_MESSAGE, SEARCH_CLOSE, SEARCH_INSTRUCTION,
                                   AgentSettings, Trajectory, build_search_prompt, format_observation, parse_action,
@@ -40,6 +55,7 @@ from megarl.rollout.agent import (ANSWER_CLOSE, INVALID_ACTION_MESSAGE, SEARCH_C
 from megarl.rollout.engine import GenerationOutput, SamplingParams
 from megarl.rollout.local import LocalEngine
 from megarl.versions import installed_versions
+from protocol import compare
 
 WORDS = ("river harbour council founded merchant guild charter bridge fortress abbey market tower wall "
          "province governor treaty archive census canal mill quarry cathedral bishop duke railway").split()
@@ -56,16 +72,54 @@ def passage(i: int, k: int) -> Document:
     return Document(id=f"{i}-{k}", contents=f'"City {i * 7} ({k})"\n{text}')
 
 
-class Passages:
-    """The searcher of both loops: three passages about the city a query names."""
+class RetrievalServer:
+    """`megarl retrieval serve` in its own process over a BM25 index of the bench's corpus: the
+    passages of every question's city, and `distractors` more about other cities."""
 
-    def __init__(self):
-        self.queries = 0
+    KEY = "agent-bench-retrieval"
+
+    def __init__(self, workdir: Path, questions: int, distractors: int):
+        from megarl.retrieval import build_index
+
+        corpus = workdir / "corpus.jsonl"
+        with open(corpus, "w") as f:
+            for i in range(questions + distractors // 3):
+                f.writelines(json.dumps(passage(i, k).to_dict()) + "\n" for k in range(3))
+        index = build_index(corpus, workdir / "index", show_progress=False, checksum=False)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.log = open(workdir / "retrieval.log", "wb")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "megarl.cli", "retrieval", "serve", "--index", str(index), "--port", str(self.port)],
+            env={**os.environ, "MEGARL_RETRIEVAL_API_KEY": self.KEY}, stdout=self.log, stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 120
+        while True:
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"the retrieval server did not start; see {workdir / 'retrieval.log'}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.2)
+
+    def close(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=30)
+        self.log.close()
+
+
+class CountingSearcher:
+    """The retrieval client, counting the queries it is sent."""
+
+    def __init__(self, url: str):
+        self.client, self.queries = RetrievalClient(url, api_key=RetrievalServer.KEY, timeout_s=60), 0
 
     async def search(self, queries, topk=3):
         self.queries += len(queries)
-        return [SearchResult(docs=[passage(int(q.split()[-1].rstrip("?")) // 7, k) for k in range(topk)])
-                for q in queries]
+        return await self.client.search(queries, topk)
 
 
 class ScriptedPolicy:
@@ -141,7 +195,9 @@ async def lockstep(engine, tok, prompts, settings, searcher) -> list[Trajectory]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trajectories", type=int, default=64)
+    parser.add_argument("--trajectories", type=int, default=128)
+    parser.add_argument("--distractors", type=int, default=30000, help="passages about no question's city")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each (alternating), after a warm-up")
     parser.add_argument("--median-turn-length", type=int, default=32, help="median tokens the model samples per turn")
     parser.add_argument("--sigma", type=float, default=0.9, help="spread of log(turn length); larger = longer tail")
     parser.add_argument("--max-turn-length", type=int, default=256)
@@ -152,7 +208,7 @@ def main() -> None:
                         help="engine slots (a GPU engine holds a batch like this one at once; fewer slots than "
                              "trajectories make both loops queue)")
     args = parser.parse_args()
-    print(installed_versions(), flush=True)
+    print(installed_versions(), flush=True)  # first: the tokenizer and the index are built before the runs
     texts = [SEARCH_INSTRUCTION.format(question=question(i)) for i in range(200)]
     texts += [format_observation(SearchResult(docs=[passage(i, k) for k in range(3)])) for i in range(20)]
     tok = train_bpe_tokenizer(texts + [INVALID_ACTION_MESSAGE], 1000)
@@ -167,39 +223,50 @@ def main() -> None:
     turns = [len(t) for t in lengths]
     observation = len(tok.encode(format_observation(SearchResult(docs=[passage(0, k) for k in range(3)])),
                                  add_special_tokens=False))
-    print(f"{args.trajectories} trajectories, turns per trajectory: "
+    searches = sum(turns) - len(turns)
+    header = (f"{args.trajectories} trajectories, turns per trajectory: "
           + ", ".join(f"{k}: {turns.count(k)}" for k in range(1, 5))
           + f"; sampled tokens per turn {min(map(min, lengths))}-{max(map(max, lengths))} "
           + f"(median {args.median_turn_length}); prompt {len(prompts[0])} tokens, observation {observation} tokens; "
-          + f"engine slots {args.max_batch_size}")
-    print(f"longest trajectory {max(map(sum, lengths))} sampled tokens, sum over turns of the longest turn "
-          f"{sum(max(t[k] for t in lengths if len(t) > k) for k in range(max(turns)))}")
+          + f"engine slots {args.max_batch_size}; retrieval: megarl's BM25 server over HTTP, "
+          + f"{3 * (args.trajectories + args.distractors // 3):,} passages\n"
+          + f"longest trajectory {max(map(sum, lengths))} sampled tokens, sum over turns of the longest turn "
+          + f"{sum(max(t[k] for t in lengths if len(t) > k) for k in range(max(turns)))}")
 
-    results = {}
-    # the lockstep baseline prefills each turn's whole history again, as Search-R1's loop does
-    # without a prefix cache; megarl's loop is measured without and with the engine's prefix reuse
-    for name, loop, kept in (("lockstep", lockstep, 0), ("megarl, no reuse", independent, 0),
-                             ("megarl", independent, None)):
-        async def go(loop=loop, kept=kept):
-            engine = LocalEngine(model, tok, max_batch_size=args.max_batch_size, eos_token_ids=[],
-                                 kept_sequences=kept)
-            policy, searcher = ScriptedPolicy(engine, tok, prompts, lengths), Passages()
-            start = time.perf_counter()
-            trajs = await loop(policy, tok, prompts, settings, searcher)
-            elapsed = time.perf_counter() - start
-            await engine.close()
-            return elapsed, trajs, searcher.queries, engine.kept.reused_tokens + engine.shared_prefix_tokens
-        elapsed, trajs, searches, reused = asyncio.run(go())
-        assert [t.num_turns for t in trajs] == turns, "both loops must run the same turns"
-        assert searches == sum(turns) - len(turns), "every turn but the last searches"
-        model_tokens = sum(sum(t.loss_mask) for t in trajs)
-        results.setdefault("tokens", model_tokens)
-        assert model_tokens == results["tokens"], "both loops must generate the same number of tokens"
-        results[name] = elapsed
-        print(f"{name:17} {elapsed:7.2f} s  {len(trajs) / elapsed:7.2f} trajectories/s  "
-              f"{model_tokens / elapsed:8.1f} model tokens/s  prompt tokens reused {reused}")
-    print(f"ratio megarl / lockstep: {results['lockstep'] / results['megarl']:.2f}x")
+    def contender(loop, kept: int):
+        def run() -> float:
+            async def go():
+                engine = LocalEngine(model, tok, max_batch_size=args.max_batch_size, eos_token_ids=[],
+                                     kept_sequences=kept)
+                policy, searcher = ScriptedPolicy(engine, tok, prompts, lengths), CountingSearcher(server.url)
+                try:
+                    trajs = await loop(policy, tok, prompts, settings, searcher)
+                finally:
+                    await searcher.client.aclose()
+                    await engine.close()
+                assert [t.num_turns for t in trajs] == turns, "every loop must run the same turns"
+                assert searches == sum(turns) - len(turns), "every turn but the last searches"
+                assert all(t.num_turns == 1 or any(not m for m in t.loss_mask) for t in trajs), "observations"
+                return sum(sum(t.loss_mask) for t in trajs)  # the model's tokens (actions included)
+            return asyncio.run(go())
+        return run
 
+    # the cache keeps every trajectory's last turn in both loops (kept_sequences), as a radix
+    # cache with room for them does; kept_sequences=0 is no cache at all
+    contenders = {"lockstep": contender(lockstep, args.trajectories), "megarl": contender(independent,
+                                                                                          args.trajectories),
+                  "lockstep, no cache": contender(lockstep, 0)}
+    with tempfile.TemporaryDirectory(prefix="agent-bench-") as workdir:
+        server = RetrievalServer(Path(workdir), args.trajectories, args.distractors)
+        try:
+            result = compare(contenders, repeats=args.repeats, versions=False, header=header,
+                             show=lambda line: print(line, flush=True))
+        finally:
+            server.close()
+    for name in contenders:
+        print(f"{name}: trajectories/s " + ", ".join(f"{len(prompts) / s:.2f}" for s in result.seconds[name]))
+    print(result.summary("lockstep, no cache", "megarl") + " (Search-R1's loop without a prefix cache)")
+    print(result.summary("lockstep", "megarl") + " (the lockstep loop with the same prefix reuse; target >= 1.3x)")
 
 if __name__ == "__main__":
     main()
