@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "bench"))
-from protocol import compare  # noqa: E402
+from protocol import Measured, compare  # noqa: E402
 
 
 class Clock:
@@ -57,3 +57,15 @@ def test_fewer_than_three_repeats_or_one_contender_is_refused():
         compare({"a": lambda: 1, "b": lambda: 1}, repeats=2, show=lambda _: None)
     with pytest.raises(ValueError, match="two contenders"):
         compare({"a": lambda: 1}, show=lambda _: None)
+
+
+def test_a_contender_that_times_itself_is_taken_at_its_word():
+    clock, calls, lines = Clock(), [], []
+    base = contender(clock, "base", [50.0] * 3, calls)
+    # a run whose own steps took 10 s of the 50 its call took (its start-up left out)
+    runs = iter([Measured(7.0, 10.0), Measured(7.0, 20.0), Measured(7.0, 5.0)])
+    result = compare({"base": lambda: (base(), 7.0)[1], "run": lambda: next(runs)}, warmups=0, clock=clock,
+                     show=lines.append, header="what is measured")
+    assert result.seconds == {"base": [50.0] * 3, "run": [10.0, 20.0, 5.0]}
+    assert result.summary("base", "run") == "run vs base: 5.00x (median of 3 alternating runs; range 2.50-10.00x)"
+    assert lines[1] == "what is measured" and "run 2/3 run: 20.000 s, work 7" in lines

@@ -75,6 +75,8 @@ def test_command_line(tmp_path, monkeypatch):
     assert (seen["settings"].read_steps, seen["settings"].mix_steps) == (20, 20) and seen["force"] is False
     with pytest.raises(SystemExit):
         main(["prepare", str(tmp_path), "--warmup-steps", "0"])
+    assert main(["prepare", str(tmp_path), "--think-words", "6"]) == 0  # the async bench's long tail
+    assert seen["settings"].think_words == (6, 1.0, 96) and seen["settings"].read_steps == 400
 
 
 def test_math_quickstart_config_trains_on_prepared_inputs(tmp_path, monkeypatch):
@@ -123,3 +125,33 @@ def test_code_quickstart_config_trains_on_prepared_inputs(tmp_path, monkeypatch)
     assert 0.0 <= client.get_metric_history(run.info.run_id, "train/reward_mean")[0].value <= 1.0
     assert client.get_metric_history(run.info.run_id, "reward/failures")[0].value == 0
     assert {m.step for m in client.get_metric_history(run.info.run_id, "val/acc")} == {0, 1}
+
+
+def test_reasoning_sections_have_a_long_tail():
+    import random
+    import statistics
+
+    from megarl.quickstart.worlds import thinking
+
+    rng = random.Random(0)
+    words = [len(thinking(rng, 8, 1.0, 128).split()) - 2 for _ in range(4000)]  # less <think> and </think>
+    # log-normal with median 8, sigma 1: P(> 8 e^1.2816 = 28.8) = 0.10, P(> 128 = 8 e^2.77) = 0.0028
+    assert 7 <= statistics.median(words) <= 9
+    assert 0.08 < sum(w > 28.8 for w in words) / len(words) < 0.12
+    assert max(words) == 128 and 2 <= words.count(128) <= 25 and min(words) >= 1
+
+
+def test_demonstrations_reason_before_each_action_when_asked():
+    from megarl.data.tokenizer import train_bpe_tokenizer
+    from megarl.quickstart.worlds import make_facts, warmup_examples
+
+    facts = make_facts(6, seed=0)
+    tok = train_bpe_tokenizer(["<think> </think> <search> </search> <answer> </answer> so the question"], 400)
+    plain = warmup_examples(facts, tok, 0.5, seed=3)
+    reasoned = warmup_examples(facts, tok, 0.5, seed=3, think=(4, 1.0, 16))
+    assert [d.searched for d in plain] == [d.searched for d in reasoned]  # the same draws of actions
+    for d in reasoned:
+        text = tok.decode([t for t, m in zip(d.response_ids, d.loss_mask) if m])  # what the model writes
+        assert text.startswith("<think>") and text.count("<think>") == 1 + d.searched
+        assert text.count("</think> <answer>") == 1 and text.count("</think> <search>") == d.searched
+    assert all("<think>" not in tok.decode(d.response_ids) for d in plain)

@@ -23,12 +23,17 @@ from dataclasses import replace
 from megarl.quickstart.inputs import QuickstartSettings, prepare, prepare_code, prepare_math
 
 
-def _search_settings(warmup_steps: int | None) -> QuickstartSettings:
-    if warmup_steps is None:
-        return QuickstartSettings()
-    if warmup_steps < 1:
-        raise SystemExit("--warmup-steps must be at least 1")
-    return replace(QuickstartSettings(), read_steps=warmup_steps, mix_steps=warmup_steps)
+def _search_settings(warmup_steps: int | None, think_words: int = 0) -> QuickstartSettings:
+    settings = QuickstartSettings()
+    if warmup_steps is not None:
+        if warmup_steps < 1:
+            raise SystemExit("--warmup-steps must be at least 1")
+        settings = replace(settings, read_steps=warmup_steps, mix_steps=warmup_steps)
+    if think_words < 0:
+        raise SystemExit("--think-words must be 0 (no reasoning) or more")
+    if think_words:  # log-normal, sigma 1: a tenth of the sections over 3.6x the median; none over 16x
+        settings = replace(settings, think_words=(think_words, 1.0, 16 * think_words))
+    return settings
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,7 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup-steps", type=int, default=None,
                    help="steps of each warm-up phase (default 400 and 300); a few dozen make a model good only "
                         "for smoke runs of the pipeline, such as the slurm test")
-    p.set_defaults(run=lambda a: prepare(a.out_dir, _search_settings(a.warmup_steps), force=a.force))
+    p.add_argument("--think-words", type=int, default=0,
+                   help="median words of reasoning (<think> ... </think>) the model learns to write before each "
+                        "action, log-normally many (at most 16x): long-tailed response lengths (default 0: none)")
+    p.set_defaults(run=lambda a: prepare(a.out_dir, _search_settings(a.warmup_steps, a.think_words), force=a.force))
     m = sub.add_parser("prepare-math", help="build the arithmetic problems and warmed-up tiny model")
     m.add_argument("out_dir", help="where data/ and model/ go (the math config reads outputs/quickstart_math)")
     m.add_argument("--force", action="store_true", help="rebuild even when up to date")

@@ -20,6 +20,7 @@ Everything is seeded. Main entry points: `write_search_world`, `warmup_examples`
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,15 +154,28 @@ class Demonstration:
     searched: bool = False
 
 
+THINKING = ("so the question asks about this one and that one let me check what is known first then answer "
+            "it well").split()
+
+
+def thinking(rng: random.Random, median: int, sigma: float, most: int) -> str:
+    """A reasoning section of log-normally many words (median `median`, at most `most`): the
+    long tail of reasoning lengths that RL runs see, for a model to learn."""
+    words = min(most, max(1, round(median * math.exp(sigma * rng.gauss(0, 1)))))
+    return "<think> " + " ".join(rng.choice(THINKING) for _ in range(words)) + " </think> "
+
+
 def warmup_examples(facts: list[Fact], tokenizer, search_fraction: float, seed: int, topk: int = 1,
-                    bare_question: bool = False, repeats: int = 1) -> list[Demonstration]:
+                    bare_question: bool = False, repeats: int = 1,
+                    think: tuple[int, float, int] = (0, 1.0, 0)) -> list[Demonstration]:
     """`repeats` demonstrations per (entity, relation) of `facts`, each with answers drawn afresh from
     the relation's pool, so the warm-up teaches reading the observation, not memorising the
     world. With probability search_fraction it searches for "{entity} {keyword}", reads the
     passages the index returns for that query (the fact first, then the entity's other
     facts, topk in all) and answers from them; otherwise it answers at once with a guess.
     bare_question: the prompt is only the instruction's last line, "Question: ...\\n" (short
-    sequences, for the first phase of a warm-up curriculum)."""
+    sequences, for the first phase of a warm-up curriculum). think = (median, sigma, most): each
+    turn starts with a `thinking` section of that many words (median 0: none)."""
     from megarl.retrieval.client import SearchResult
     from megarl.retrieval.documents import Document
 
@@ -170,6 +184,11 @@ def warmup_examples(facts: list[Fact], tokenizer, search_fraction: float, seed: 
 
     def encode(text: str) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=False)
+
+    thinker = random.Random(f"think {seed}")  # its own draws: the actions and answers stay as without it
+
+    def thought() -> str:
+        return thinking(thinker, *think) if think[0] else ""
 
     out = []
     for f in [f for _ in range(repeats) for f in facts]:
@@ -182,11 +201,11 @@ def warmup_examples(facts: list[Fact], tokenizer, search_fraction: float, seed: 
             docs = [Document(str(i), corpus_rows([Fact(f.entity, r, drawn[r])])[0]["contents"])
                     for i, r in enumerate(order[:topk])]
             query = search_query(f)
-            pieces = [(f"<search> {query} </search>", 1),
+            pieces = [(f"{thought()}<search> {query} </search>", 1),
                       (format_observation(SearchResult(docs=docs)), 0),
-                      (f"<answer> {drawn[f.relation]} </answer>", 1)]
+                      (f"{thought()}<answer> {drawn[f.relation]} </answer>", 1)]
         else:
-            pieces = [(f"<answer> {rng.choice(pools[f.relation])} </answer>", 1)]
+            pieces = [(f"{thought()}<answer> {rng.choice(pools[f.relation])} </answer>", 1)]
         response, mask = [], []
         for text, m in pieces:
             ids = encode(text)

@@ -8,7 +8,8 @@ and range of the ratio printed last.
 
 Each contender is a function of no argument that does the work once and returns how much it did
 (tokens generated, samples scored): the same amount from every contender and every repeat, or
-the comparison stops, naming who did what. `result.ratio("baseline", "megarl")` is the baseline's
+the comparison stops, naming who did what. A contender that times itself (a training run whose
+first step, its start-up, is left out) returns `Measured(work, seconds)` instead. `result.ratio("baseline", "megarl")` is the baseline's
 time over megarl's, per repeat.
 """
 
@@ -20,6 +21,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from megarl.versions import installed_versions
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What a contender that times itself returns: its work and the seconds that count."""
+
+    work: float
+    seconds: float
 
 
 @dataclass
@@ -38,7 +47,7 @@ class Comparison:
                 f"runs; range {min(ratios):.2f}-{max(ratios):.2f}x)")
 
 
-def compare(contenders: Mapping[str, Callable[[], float]], repeats: int = 3, warmups: int = 1,
+def compare(contenders: Mapping[str, Callable[[], float | Measured]], repeats: int = 3, warmups: int = 1,
             work_tolerance: float = 0.0, clock: Callable[[], float] = time.perf_counter,
             show: Callable[[str], None] = print, header: str = "", versions: bool = True) -> Comparison:
     """Time each contender `repeats` times after `warmups` untimed runs, alternating their order
@@ -62,9 +71,12 @@ def compare(contenders: Mapping[str, Callable[[], float]], repeats: int = 3, war
     for r in range(repeats):
         for name in names if r % 2 == 0 else names[::-1]:
             start = clock()
-            done = float(contenders[name]())
-            result.seconds[name].append(clock() - start)
-            result.work[name].append(done)
+            done = contenders[name]()
+            seconds = clock() - start
+            if isinstance(done, Measured):
+                done, seconds = done.work, done.seconds
+            result.seconds[name].append(seconds)
+            result.work[name].append(float(done))
             show(f"run {r + 1}/{repeats} {name}: {result.seconds[name][-1]:.3f} s, work {done:g}")
     every = [(n, w) for n in names for w in result.work[n]]
     low, high = min(w for _, w in every), max(w for _, w in every)
