@@ -38,3 +38,14 @@ def test_the_setting_is_checked():
     assert load_config(None, []).cluster.threads_per_rank is None
     with pytest.raises(Exception, match="threads_per_rank"):
         load_config(None, ["cluster.threads_per_rank=0"])
+
+
+def test_the_service_actors_module_does_not_import_torch():
+    # a Ray worker imports its actor's module: the retrieval, reward and sandbox actors' processes
+    # start without torch's seconds of imports
+    import subprocess
+    import sys
+
+    code = "import sys, megarl.runtime.service_actors; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"

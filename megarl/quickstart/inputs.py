@@ -60,8 +60,9 @@ class QuickstartSettings:
     batch_size: int = 16
     lr: float = 1e-3
     topk: int = 1  # as in examples/quickstart/search_r1_tiny.yaml
-    # words of reasoning before each action, log-normal (median, sigma, at most); median 0 = none.
-    # With reasoning the responses' lengths have a long tail, as RL runs' do (tools/bench/async_rollout.py)
+    # words of reasoning before each action in phase two, log-normal (median, sigma, at most); median
+    # 0 = none. With reasoning the responses' lengths have a long tail, as RL runs' do
+    # (tools/bench/async_rollout.py)
     think_words: tuple[int, float, int] = (0, 1.0, 0)
 
 
@@ -283,7 +284,7 @@ def _warm_up(model, tokenizer, facts, s: QuickstartSettings) -> dict:
         return -(-steps * s.batch_size // len(facts))
 
     reading = warmup_examples(facts, tokenizer, 1.0, s.seed, topk=s.topk, bare_question=True,
-                              repeats=repeats(s.read_steps), think=s.think_words)
+                              repeats=repeats(s.read_steps))
     supervised_warmup(model, reading, steps=s.read_steps, batch_size=s.batch_size, optim=optim, seed=s.seed,
                       pad_id=tokenizer.pad_token_id, desc="warm-up 1/2 (reading)")
     mixed = warmup_examples(facts, tokenizer, s.search_fraction, s.seed + 1, topk=s.topk, repeats=repeats(s.mix_steps),

@@ -5,8 +5,22 @@ of nodes (cluster.launcher=ray). Main entry point: `build_runtime`.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from megarl.config import RunConfig
-from megarl.runtime.base import Runtime
+
+if TYPE_CHECKING:
+    from megarl.runtime.base import Runtime
+
+
+def __getattr__(name: str):
+    # Runtime imports torch: a process that only needs megarl.runtime.liveness or the service
+    # actors (megarl.runtime.service_actors) does not import it (seconds of each Ray worker's start)
+    if name == "Runtime":
+        from megarl.runtime.base import Runtime
+
+        return Runtime
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def build_runtime(cfg: RunConfig, total_steps: int) -> Runtime:

@@ -25,7 +25,8 @@ from megarl.driver_loop import run_async
 from megarl.errors import ComponentDied
 from megarl.runtime.base import Runtime, hosted_retrieval_key
 from megarl.runtime.local_ray import init_local_ray
-from megarl.runtime.ray_actors import EngineActor, RetrievalActor, RewardActor, SandboxActor, TrainWorkerActor
+from megarl.runtime.ray_actors import EngineActor, TrainWorkerActor
+from megarl.runtime.service_actors import RetrievalActor, RewardActor, SandboxActor
 from megarl.runtime.liveness import died, frozen, wait_started
 from megarl.runtime.ray_proxies import RayRanks, RemoteEngine, RemoteRewardPool, RemoteTrainWorker, rank_name
 from megarl.termination import handlers_kept

@@ -1,16 +1,27 @@
-"""Benchmark: the synchronous loop vs asynchronous rollouts (staleness 1) vs asynchronous with
-partial rollouts (abort and continue at each weight sync), on the same short CPU run.
+"""Benchmark: asynchronous rollouts (staleness 1), with and without partial rollouts (abort and
+continue at each weight sync), against two synchronous loops, on the same short CPU run.
 
 The run is the quickstart's Search-R1 + DAPO loop (multi-turn search, dynamic sampling) on
 inputs prepared here as `make quickstart` prepares them (its warmed-up model searches or
-guesses, so trajectories take one to three turns). It runs disaggregated, as on a cluster where the engines have GPUs of
-their own: the Ray launcher puts the embedded engine and the train worker in processes of
-their own, and this script pins every thread of the engine's process to core 0 and of the
-train worker's to core 1 (Ray gives each one thread of math), so time the synchronous loop
-spends waiting shows as an idle core, the way it shows as idle GPUs. The engine's batch is
-capped at 4 sequences (SCENARIO) so that generation takes about as long as training. Steps per second come
-from the run's own `perf/step_s` (the first step left out: start-up), busy fractions from
-`perf/trainer_busy_fraction` and `perf/engine_busy_fraction`.
+guesses, so trajectories take one to three turns), except that the model is warmed up to
+reason before each action (`prepare --think-words 8`: log-normally many words, median 8, at
+most 128), so that response lengths have a long tail as DAPO's do. It runs on the Ray
+launcher, with the engine's concurrency at its default. Two synchronous baselines, both printed:
+- disaggregated, as on a cluster where the engines have GPUs of their own: this script pins
+  every thread of the engine's process to core 0 and of the train worker's to core 1 (one
+  thread each), so time the loop spends waiting shows as an idle core, the way it shows as
+  idle GPUs;
+- colocated, as a colocated run shares its GPUs: no pinning, and each phase (generation, then
+  training) uses both cores.
+The asynchronous loops run disaggregated: the engine generates the next batch on its core
+while the trainer trains on the other.
+
+Steps per second come from each run's own `perf/step_s` (the first step, its start-up, left
+out), under the bench protocol (protocol.py: 3 timed repeats with the variants' order
+alternated, the median ratio last). Equal work: the response tokens per step and the
+generation batches per step (dynamic sampling) are equal in expectation, not exactly (sampled
+lengths; an asynchronous step trains on tokens of the previous weights); both are printed and
+checked within WORK_TOLERANCE.
 
     python tools/bench/async_rollout.py [--steps 6] [--work DIR]
 """
@@ -19,29 +30,28 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 from megarl.versions import installed_versions
+from protocol import Measured, compare
 
 ROOT = Path(__file__).resolve().parents[2]
-VARIANTS = {
-    "synchronous": [],
-    "async, staleness 1": ["trainer.async_rollout.enable=true", "trainer.async_rollout.max_staleness=1"],
-    "async + partial rollouts": ["trainer.async_rollout.enable=true", "trainer.async_rollout.max_staleness=1",
-                                 "trainer.async_rollout.partial_rollouts=abort"],
+PINNED = ["cluster.threads_per_rank=1"]  # one thread on each pinned core
+ASYNC = ["trainer.async_rollout.enable=true", "trainer.async_rollout.max_staleness=1"]
+VARIANTS = {  # name -> (overrides, whether its engine and trainer are pinned to a core each)
+    "synchronous, disaggregated": (PINNED, True),
+    "synchronous, colocated": ([], False),
+    "asynchronous": (PINNED + ASYNC, True),
+    "asynchronous + partial rollouts": (PINNED + ASYNC + ["trainer.async_rollout.partial_rollouts=abort"], True),
 }
-# The engine holds 4 sequences at a time (a GPU engine's KV memory bounds its batch the same way),
-# so that generating a batch takes about as long as training on it, as in real DAPO runs where
-# generation is half of a step or more; with the embedded engine's default (1024) the tiny
-# model's batch is generated in a fifth of the trainer's time and there is little to overlap.
-SCENARIO = ["rollout.max_concurrency=4"]
+# room for the reasoning the model learnt (at most 16x the median words, about a token each)
+LONG_RESPONSES = ["agent.max_turn_length=192", "rollout.max_response_length=512"]
+WORK_TOLERANCE = 0.2  # response tokens per step of two runs: equal in expectation, sampled
 PINS = {"EngineActor": {0}, "TrainWorkerActor": {1}}  # process title -> its core
 
 
@@ -61,38 +71,42 @@ def pin_actors(stop: threading.Event) -> None:
                 continue  # a process or thread that just ended
 
 
-def prepare(work: Path) -> Path:
+def prepare(work: Path, think_words: int) -> Path:
+    """The quickstart's inputs, its model warmed up to reason before each action (skipped when
+    built alike)."""
     inputs = work / "inputs"
-    if not (inputs / "model").exists():
-        subprocess.run([sys.executable, "-m", "megarl.quickstart", "prepare", str(inputs)], check=True)
+    subprocess.run([sys.executable, "-m", "megarl.quickstart", "prepare", str(inputs), "--think-words",
+                    str(think_words)], check=True, timeout=3600)
     return inputs
 
 
-def run_variant(name: str, extra: list[str], inputs: Path, work: Path, steps: int) -> dict[str, float]:
+def run_variant(name: str, extra: list[str], pinned: bool, inputs: Path, work: Path, steps: int) -> dict[str, float]:
     """One run of the quickstart config with this variant's overrides; its step metrics."""
     from megarl.config import load_config
     from megarl.train import train
 
-    out = work / name.replace(" ", "_").replace(",", "").replace("+", "plus")
-    shutil.rmtree(out, ignore_errors=True)  # a run of its own, never a resumed one
+    # a directory of its own, never a resumed run (and never one removed and made again: this
+    # process's MLflow keeps its database open)
+    out = Path(tempfile.mkdtemp(prefix=name.replace(" ", "_").replace(",", "").replace("+", "plus") + "-", dir=work))
     q = str(inputs)
     overrides = [f"model.path={q}/model", f"data.train_files=[{q}/data/train.parquet]",
                  f"data.val_files=[{q}/data/val.parquet]", f"agent.retrieval.index_dir={q}/index",
                  f"trainer.output_dir={out}", f"trainer.total_training_steps={steps}", "trainer.resume=disable",
                  "trainer.test_freq=0", "trainer.val_before_train=false", "trainer.save_freq=0",
                  "tracking.log_rollouts_freq=0", "algorithm.tis_cap=2.0", "cluster.launcher=ray",
-                 "cluster.cpus_per_node=4", *extra]
+                 "cluster.cpus_per_node=4", *LONG_RESPONSES, *extra]
     stop = threading.Event()
-    pinner = threading.Thread(target=pin_actors, args=(stop,), daemon=True)
-    pinner.start()
+    if pinned:
+        threading.Thread(target=pin_actors, args=(stop,), daemon=True).start()
     try:
-        train(load_config(str(ROOT / "examples/quickstart/search_r1_tiny.yaml"), overrides))
+        cfg = load_config(str(ROOT / "examples/quickstart/search_r1_tiny.yaml"), overrides)
+        train(cfg)
     finally:
         stop.set()
-    return read_metrics(out)
+    return read_metrics(out, samples=cfg.data.train_batch_size * cfg.rollout.n)
 
 
-def read_metrics(out: Path) -> dict[str, float]:
+def read_metrics(out: Path, samples: int) -> dict[str, float]:
     from mlflow.tracking import MlflowClient
 
     from megarl.tracking import local_store_uri
@@ -104,7 +118,10 @@ def read_metrics(out: Path) -> dict[str, float]:
         return [m.value for m in sorted(client.get_metric_history(run.info.run_id, name), key=lambda m: m.step)][1:]
 
     step_s = values("perf/step_s")
-    return {"steps_per_s": 1.0 / statistics.mean(step_s), "step_s": statistics.mean(step_s),
+    lengths = values("train/response_length_mean")
+    return {"seconds": sum(step_s), "step_s": statistics.mean(step_s),
+            "tokens_per_step": statistics.mean(lengths) * samples,
+            "gen_batches": statistics.mean(values("train/gen_batches")),
             "trainer_busy": statistics.mean(values("perf/trainer_busy_fraction")),
             "engine_busy": statistics.mean(values("perf/engine_busy_fraction")),
             "staleness_mean": statistics.mean(values("rollout/staleness_mean")),
@@ -114,35 +131,50 @@ def read_metrics(out: Path) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=6, help="training steps per variant (the first is not timed)")
+    parser.add_argument("--steps", type=int, default=6, help="training steps per run (the first is not timed)")
+    parser.add_argument("--think-words", type=int, default=8,
+                        help="median words of reasoning before each action (log-normal, the long tail of response "
+                             "lengths; 0 = the quickstart's model, which acts at once)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each variant (their order alternated)")
     parser.add_argument("--work", type=Path, default=None, help="where inputs and runs go (default: a temp dir)")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                         help="more config overrides for every variant")
-    parser.add_argument("--only", nargs="*", default=None, help="variants to run (default: all)")
     args = parser.parse_args()
-    print(installed_versions(), flush=True)
+    print(installed_versions(), flush=True)  # first: the inputs are prepared before the runs
     if (os.cpu_count() or 1) < 2:
         sys.exit("this benchmark pins the engine and the trainer to a core each: it needs 2 cores")
     work = args.work or Path(tempfile.mkdtemp(prefix="megarl-bench-async-"))
-    inputs = prepare(work)
-    results = {}
-    for name, extra in VARIANTS.items():
-        if args.only is not None and name not in args.only:
-            continue
-        started = time.perf_counter()
-        results[name] = run_variant(name, SCENARIO + args.set + extra, inputs, work, args.steps)
-        print(f"{name}: {time.perf_counter() - started:.0f} s in all", file=sys.stderr, flush=True)
-    print(f"\n{'variant':<26} {'steps/s':>8} {'s/step':>7} {'trainer busy':>13} {'engine busy':>12} "
-          f"{'staleness':>10} {'continued':>10} {'reward':>7}")
-    for name, r in results.items():
-        print(f"{name:<26} {r['steps_per_s']:>8.4f} {r['step_s']:>7.1f} {r['trainer_busy']:>13.2f} "
-              f"{r['engine_busy']:>12.2f} {r['staleness_mean']:>10.2f} {r['continued']:>10.0f} {r['reward']:>7.3f}")
-    if len(results) < len(VARIANTS):
-        return
-    base = results["synchronous"]["steps_per_s"]
-    print(f"ratio async / synchronous: {results['async, staleness 1']['steps_per_s'] / base:.2f}x; "
-          f"async + partial rollouts / synchronous: {results['async + partial rollouts']['steps_per_s'] / base:.2f}x")
+    inputs = prepare(work, args.think_words)
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in VARIANTS}
 
+    def variant(name: str):
+        def run() -> Measured:
+            extra, pinned = VARIANTS[name]
+            runs[name].append(run_variant(name, args.set + extra, pinned, inputs, work, args.steps))
+            return Measured(runs[name][-1]["tokens_per_step"], runs[name][-1]["seconds"])
+        return run
+
+    result = compare({name: variant(name) for name in VARIANTS}, repeats=args.repeats, warmups=0,
+                     work_tolerance=WORK_TOLERANCE, versions=False, show=lambda line: print(line, flush=True),
+                     header=f"{args.steps} steps a run, the first untimed; work = response tokens per step")
+    print(f"\n{'variant':<32} {'s/step':>7} {'tokens/step':>12} {'gen batches':>12} {'trainer busy':>13} "
+          f"{'engine busy':>12} {'staleness':>10} {'continued':>10} {'reward':>7}")
+    for name, rows in runs.items():
+        def mean(key):
+            return statistics.mean(r[key] for r in rows)
+        print(f"{name:<32} {mean('step_s'):>7.2f} {mean('tokens_per_step'):>12.0f} {mean('gen_batches'):>12.2f} "
+              f"{mean('trainer_busy'):>13.2f} {mean('engine_busy'):>12.2f} {mean('staleness_mean'):>10.2f} "
+              f"{mean('continued'):>10.1f} {mean('reward'):>7.3f}")
+    batches = [statistics.mean(r["gen_batches"] for r in rows) for rows in runs.values()]
+    if max(batches) - min(batches) > WORK_TOLERANCE * max(batches):
+        sys.exit(f"unequal work: generation batches per step {batches} differ by more than {WORK_TOLERANCE:.0%}")
+    for baseline in ("synchronous, disaggregated", "synchronous, colocated"):
+        for name in ("asynchronous", "asynchronous + partial rollouts"):
+            print(result.summary(baseline, name))
+    best = min(("synchronous, disaggregated", "synchronous, colocated"),
+               key=lambda n: statistics.median(result.seconds[n]))
+    print(f"the better synchronous baseline: {best}; target: asynchronous >= 1.5x it")
+    print(result.summary(best, "asynchronous"))
 
 if __name__ == "__main__":
     main()
