@@ -36,7 +36,8 @@ class ClusterConfig:
     threads_per_rank: int | None = param(
         None, "CPU threads (torch's pool) of each train rank and of the embedded engine, as Ray actors; None = the "
         "cores of the actor's node shared by the train ranks placed on it (the engine, which generates while the "
-        "trainer waits, takes them all). Ray alone gives an actor as many threads as its num_cpus: one.", gt=0)
+        "trainer waits, takes them all; with asynchronous rollouts it shares them too). Ray alone gives an actor as "
+        "many threads as its num_cpus: one.", gt=0)
     placement_strategy: Literal["PACK", "SPREAD"] = param(
         "PACK", "How Ray places the run's actors on the nodes: PACK = on as few nodes as fit them (the engines next to "
         "the train ranks whose GPUs they share), SPREAD = over as many nodes as it can.")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megarl.config import load_config
-from megarl.runtime.ray_actors import use_threads
+from megarl.runtime.ray_actors import sharers, use_threads
 
 
 @pytest.fixture
@@ -49,3 +49,14 @@ def test_the_service_actors_module_does_not_import_torch():
     code = "import sys, megarl.runtime.service_actors; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("nodes, world, concurrent, want", [
+    ({0: "a", 1: "a"}, 1, False, [1, 1]),  # one rank, the engine: each alone while it computes
+    ({0: "a", 1: "a"}, 1, True, [2, 2]),  # asynchronous: the engine generates while the rank trains
+    ({0: "a", 1: "a", 2: "b", 3: "a", 4: "a"}, 3, False, [2, 2, 1, 1]),  # bundle 4: reward and retrieval
+    ({0: "a", 1: "a", 2: "b", 3: "a", 4: "b"}, 3, True, [3, 3, 1, 3]),  # the engine on node a, with 2 ranks
+    ({0: "a", 1: "a", 2: "b", 3: "b", 4: "a"}, 3, True, [2, 2, 2, 2]),  # the engine on b, with 1 rank
+])
+def test_actors_that_compute_at_once_share_their_nodes_cores(nodes, world, concurrent, want):
+    assert sharers(nodes, world, concurrent) == want

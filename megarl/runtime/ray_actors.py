@@ -29,9 +29,21 @@ def load_model(cfg: RunConfig):
     return AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=getattr(torch, cfg.model.dtype))
 
 
+def sharers(bundle_nodes: dict[int, str], world: int, engine_concurrent: bool) -> list[int]:
+    """For bundles 0..world (the train ranks, then the embedded engine): how many of the actors
+    that compute at once share that bundle's node. The train ranks of a node share it; the
+    engine shares it with them only when it generates while they train (asynchronous rollouts),
+    and otherwise has the node to itself while the ranks wait."""
+    def ranks_on(node: str) -> int:
+        return sum(bundle_nodes[r] == node for r in range(world))
+    engine_node = bundle_nodes[world]
+    out = [ranks_on(bundle_nodes[r]) + (engine_concurrent and bundle_nodes[r] == engine_node) for r in range(world)]
+    return out + [ranks_on(engine_node) + 1 if engine_concurrent else 1]
+
+
 def use_threads(configured: int | None, sharing: int) -> int:
     """This actor's CPU threads: `configured` (cluster.threads_per_rank), or the cores it may
-    run on divided among the `sharing` train ranks of its node. Ray sets OMP_NUM_THREADS to an
+    run on divided among the `sharing` actors of its node that compute at once (`sharers`). Ray sets OMP_NUM_THREADS to an
     actor's num_cpus (1 here), which would leave a CPU machine's update on one core."""
     import torch
 
@@ -57,8 +69,8 @@ class TrainWorkerActor:
             return ray.util.get_node_ip_address(), s.getsockname()[1]
 
     def setup(self, cfg: RunConfig, total_steps: int, rank: int, world_size: int, master: tuple[str, int],
-              ranks_on_node: int = 1) -> bool:
-        use_threads(cfg.cluster.threads_per_rank, ranks_on_node)
+              sharing: int = 1) -> bool:
+        use_threads(cfg.cluster.threads_per_rank, sharing)
         if cfg.actor.backend == "torch":
             from megarl.backends.torch.worker import TorchTrainWorker
 
@@ -115,12 +127,12 @@ def _megatron_worker(cfg: RunConfig, total_steps: int, rank: int, world_size: in
 class EngineActor:
     """The embedded engine in its own process; an async actor, so many generate calls run at once."""
 
-    def __init__(self, cfg: RunConfig):
+    def __init__(self, cfg: RunConfig, sharing: int = 1):
         from transformers import AutoTokenizer
 
         from megarl.rollout.local import LocalEngine
 
-        use_threads(cfg.cluster.threads_per_rank, 1)
+        use_threads(cfg.cluster.threads_per_rank, sharing)
 
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
         self.engine = LocalEngine(load_model(cfg).eval(), tokenizer, max_batch_size=cfg.rollout.max_concurrency,

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from megarl.config import RunConfig
@@ -25,7 +25,7 @@ from megarl.driver_loop import run_async
 from megarl.errors import ComponentDied
 from megarl.runtime.base import Runtime, hosted_retrieval_key
 from megarl.runtime.local_ray import init_local_ray
-from megarl.runtime.ray_actors import EngineActor, TrainWorkerActor
+from megarl.runtime.ray_actors import EngineActor, TrainWorkerActor, sharers
 from megarl.runtime.service_actors import RetrievalActor, RewardActor, SandboxActor
 from megarl.runtime.liveness import died, frozen, wait_started
 from megarl.runtime.ray_proxies import RayRanks, RemoteEngine, RemoteRewardPool, RemoteTrainWorker, rank_name
@@ -99,8 +99,10 @@ class RayRuntime(Runtime):
         wait_started(self.worker_actors, [rank_name(r) for r in range(world)], liveness)
         self.ranks = RayRanks(self.worker_actors, liveness)
         master = self.ranks.free_address(0)
-        nodes = [node for node, _ in self.ranks.gather([a.address.remote() for a in self.worker_actors])]
-        has_reference = self.ranks.gather([a.setup.remote(cfg, total_steps, r, world, master, nodes.count(nodes[r]))
+        # the CPU threads of each model's actor: its node's cores shared by what computes at once
+        sharing = sharers(placement_group_table(self.pg)["bundles_to_node_id"], world,
+                          cfg.trainer.async_rollout.enable and cfg.rollout.engine != "sglang")
+        has_reference = self.ranks.gather([a.setup.remote(cfg, total_steps, r, world, master, sharing[r])
                                            for r, a in enumerate(self.worker_actors)])[0]
         self.worker = RemoteTrainWorker(self.worker_actors, has_reference, liveness)
         if cfg.rollout.engine == "sglang":
@@ -112,7 +114,7 @@ class RayRuntime(Runtime):
                                                     str(weight_dir(cfg)))
         else:
             self.engine_actor = EngineActor.options(num_cpus=1, num_gpus=gpus, scheduling_strategy=place[world],
-                                                    max_concurrency=1000).remote(cfg)
+                                                    max_concurrency=1000).remote(cfg, sharing[world])
             self.engine = RemoteEngine(self.engine_actor, liveness)
         self.transport = transport_class(cfg.sync_transport())(cfg, self.engine)
         self.reward_pool = RemoteRewardPool(self.reward_actor, liveness)
