@@ -18,12 +18,13 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 UV_SPEC ?= uv==0.13.9
 SGLANG_VENV ?= .venv-sglang
+TRL_VENV ?= .venv-trl
 PYTEST_ARGS ?=
 
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.megarl-installed
 
-.PHONY: setup sglang-env test test-slurm test-ui quickstart quickstart-math quickstart-megatron bench clean
+.PHONY: setup sglang-env bench-trl-env test test-slurm test-ui quickstart quickstart-math quickstart-megatron bench clean
 
 setup: $(STAMP) sandbox-tool
 
@@ -65,6 +66,24 @@ $(SGLANG_STAMP): requirements/sglang-cpu.txt
 	SGLANG_USE_CPU_ENGINE=1 $(SGLANG_VENV)/bin/python -W ignore -c 'import sgl_kernel, torchvision, \
 		sglang.launch_server, sglang.srt.entrypoints.http_server, sglang.srt.managers.scheduler, \
 		sglang.srt.model_executor.model_runner, sglang_router.launch_router, megarl.rollout.with_api_key'
+	touch $@
+
+# Hugging Face TRL 1.16.0 for tools/bench/vs_trl.py (megarl beside TRL's GRPOTrainer), in its own venv
+# $(TRL_VENV) so that TRL never becomes a dependency of megarl: the CPU torch, then the pinned lock
+# requirements/bench-trl.txt (.venv's versions of transformers and the rest) and megarl itself, all
+# --no-deps; the import at the end is the check. Run the bench from .venv: `python tools/bench/vs_trl.py`.
+TRL_STAMP := $(TRL_VENV)/.megarl-installed
+
+bench-trl-env: $(TRL_STAMP)
+
+$(TRL_STAMP): requirements/bench-trl.txt
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "megarl needs Python >= 3.11, found " + sys.version'
+	test -x $(TRL_VENV)/bin/python || $(PYTHON) -m venv $(TRL_VENV)
+	if [ -n "$(TORCH_SPEC)" ]; then $(TRL_VENV)/bin/python -m pip install --no-compile "$(TORCH_SPEC)"; fi
+	$(TRL_VENV)/bin/python -m pip install -q "$(UV_SPEC)"
+	$(TRL_VENV)/bin/uv pip install --python $(TRL_VENV)/bin/python --no-deps -r requirements/bench-trl.txt
+	$(TRL_VENV)/bin/uv pip install --python $(TRL_VENV)/bin/python --no-deps -e .
+	$(TRL_VENV)/bin/python -W ignore -c 'import trl, megarl.reward, megarl.algo.overlong, megarl.backends.torch.actor'
 	touch $@
 
 # make test: every test but the long ones, on TEST_WORKERS processes (pytest-xdist; default: the

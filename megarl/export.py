@@ -16,7 +16,7 @@ from megarl.config import load_config
 
 def export_checkpoint(run_dir: str | Path, out_dir: str | Path, step_dir: str | Path | None = None) -> Path:
     import torch
-    from safetensors.torch import load_file
+    from safetensors.torch import load_model
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from megarl.models.hf_layout import checkpoint_views
@@ -44,9 +44,10 @@ def export_checkpoint(run_dir: str | Path, out_dir: str | Path, step_dir: str | 
                 for name, tensor in state.items():
                     views[name].copy_(tensor)
     else:  # the torch backend's: the model's own names
-        state = load_file(str(source / "actor.safetensors"))
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        missing = [m for m in missing if not (m == "lm_head.weight" and model.config.tie_word_embeddings)]
+        # saved with safetensors' save_model, which keeps one name of tied weights (either one):
+        # its load_model fills the others
+        missing, unexpected = load_model(model, str(source / "actor.safetensors"), strict=False)
+        missing, unexpected = list(missing), list(unexpected)
     if missing or unexpected:
         raise ValueError(f"{source} does not fit {cfg.model.path}: missing {missing[:5]}, unexpected {unexpected[:5]}")
     out_dir = Path(out_dir)
