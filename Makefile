@@ -37,11 +37,17 @@ sandbox-tool:
 		  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; }; }; } || \
 		echo "megarl: bubblewrap (bwrap) is not installed; the code rewards need it (apt-get install bubblewrap)" >&2
 
+# $(call venv_with_torch,DIR): the venv DIR (made if missing) with the CPU torch (TORCH_SPEC, by pip
+# without compiling ahead) and uv, which installs the rest and keeps that torch.
+define venv_with_torch
+@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "megarl needs Python >= 3.11, found " + sys.version'
+test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
+if [ -n "$(TORCH_SPEC)" ]; then $(1)/bin/python -m pip install --no-compile "$(TORCH_SPEC)"; fi
+$(1)/bin/python -m pip install -q "$(UV_SPEC)"
+endef
+
 $(STAMP): pyproject.toml
-	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "megarl needs Python >= 3.11, found " + sys.version' 
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	if [ -n "$(TORCH_SPEC)" ]; then $(BIN)/python -m pip install --no-compile "$(TORCH_SPEC)"; fi
-	$(BIN)/python -m pip install -q "$(UV_SPEC)"
+	$(call venv_with_torch,$(VENV))
 	$(BIN)/uv pip install --python $(BIN)/python -e '.[dev]'
 	$(BIN)/python tools/fetch_sglang_api.py $(VENV)/sglang-api
 	touch $@
@@ -56,10 +62,7 @@ SGLANG_STAMP := $(SGLANG_VENV)/.megarl-installed
 sglang-env: $(SGLANG_STAMP)
 
 $(SGLANG_STAMP): requirements/sglang-cpu.txt
-	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "megarl needs Python >= 3.11, found " + sys.version'
-	test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV)
-	if [ -n "$(TORCH_SPEC)" ]; then $(SGLANG_VENV)/bin/python -m pip install --no-compile "$(TORCH_SPEC)"; fi
-	$(SGLANG_VENV)/bin/python -m pip install -q "$(UV_SPEC)"
+	$(call venv_with_torch,$(SGLANG_VENV))
 	$(SGLANG_VENV)/bin/uv pip install --python $(SGLANG_VENV)/bin/python --no-deps -r requirements/sglang-cpu.txt
 	$(SGLANG_VENV)/bin/uv pip install --python $(SGLANG_VENV)/bin/python --no-deps -e .
 	echo "$(abspath tools/sglang_cpu)" > "$$($(SGLANG_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/megarl-sglang-cpu.pth"
@@ -77,10 +80,7 @@ TRL_STAMP := $(TRL_VENV)/.megarl-installed
 bench-trl-env: $(TRL_STAMP)
 
 $(TRL_STAMP): requirements/bench-trl.txt
-	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "megarl needs Python >= 3.11, found " + sys.version'
-	test -x $(TRL_VENV)/bin/python || $(PYTHON) -m venv $(TRL_VENV)
-	if [ -n "$(TORCH_SPEC)" ]; then $(TRL_VENV)/bin/python -m pip install --no-compile "$(TORCH_SPEC)"; fi
-	$(TRL_VENV)/bin/python -m pip install -q "$(UV_SPEC)"
+	$(call venv_with_torch,$(TRL_VENV))
 	$(TRL_VENV)/bin/uv pip install --python $(TRL_VENV)/bin/python --no-deps -r requirements/bench-trl.txt
 	$(TRL_VENV)/bin/uv pip install --python $(TRL_VENV)/bin/python --no-deps -e .
 	$(TRL_VENV)/bin/python -W ignore -c 'import trl, megarl.reward, megarl.algo.overlong, megarl.backends.torch.actor'
