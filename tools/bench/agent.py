@@ -31,22 +31,18 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import random
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import replace
 from pathlib import Path
 
-import httpx
 
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from megarl.data.tokenizer import train_bpe_tokenizer
+from megarl.http_auth import RETRIEVAL_KEY_ENV
 from megarl.retrieval.client import RetrievalClient, SearchResult
 from megarl.retrieval.documents import Document
 from megarl.rollout.agent import (ANSWER_CLOSE, INVALID_ACTION_MESSAGE, SEARCH_CLOSE, SEARCH_INSTRUCTION,
@@ -54,6 +50,7 @@ from megarl.rollout.agent import (ANSWER_CLOSE, INVALID_ACTION_MESSAGE, SEARCH_C
                                   run_trajectory)
 from megarl.rollout.engine import GenerationOutput, SamplingParams
 from megarl.rollout.local import LocalEngine
+from megarl.rollout.sglang_launch import ServerProcess
 from megarl.versions import installed_versions
 from protocol import compare
 
@@ -86,29 +83,13 @@ class RetrievalServer:
             for i in range(questions + distractors // 3):
                 f.writelines(json.dumps(passage(i, k).to_dict()) + "\n" for k in range(3))
         index = build_index(corpus, workdir / "index", show_progress=False, checksum=False)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.log = open(workdir / "retrieval.log", "wb")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "megarl.cli", "retrieval", "serve", "--index", str(index), "--port", str(self.port)],
-            env={**os.environ, "MEGARL_RETRIEVAL_API_KEY": self.KEY}, stdout=self.log, stderr=subprocess.STDOUT)
-        self.url = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + 120
-        while True:
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.close()
-                raise RuntimeError(f"the retrieval server did not start; see {workdir / 'retrieval.log'}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        # started, health-checked and stopped as the fleet does its servers (a deadline, a log)
+        self.server = ServerProcess([sys.executable, "-m", "megarl.cli", "retrieval", "serve", "--index", str(index)],
+                                    "retrieval", log_dir=str(workdir), env={RETRIEVAL_KEY_ENV: self.KEY})
+        self.url = self.server.start(timeout_s=120)
 
     def close(self) -> None:
-        self.process.terminate()
-        self.process.wait(timeout=30)
-        self.log.close()
+        self.server.stop()
 
 
 class CountingSearcher:
