@@ -37,7 +37,6 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
