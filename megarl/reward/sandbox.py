@@ -28,6 +28,7 @@ Main entry points: `LocalSandbox`, `Limits`, `RunResult`.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import resource
 import selectors
@@ -65,6 +66,7 @@ def _uid_base() -> int:
 
 SANDBOX_UID_BASE = _uid_base()
 _counter = itertools.count()
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -212,6 +214,8 @@ class LocalSandbox:
         if status is not None:
             _kill(proc)
         code = proc.wait()
+        if uid is not None:
+            _end_processes_of(uid)
         feeder.join(timeout=1)
         if status is None:
             status = OK if code == 0 else FAILED
@@ -261,16 +265,45 @@ def _enter_limits(limits: Limits, uid: int | None, processes: int) -> None:
     resource.setrlimit(resource.RLIMIT_NPROC, (processes, processes))
 
 
-def _processes_of(uid: int) -> int:
-    count = 0
+def _pids_of(uid: int) -> list[int]:
+    pids = []
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
             try:
                 if entry.stat().st_uid == uid:
-                    count += len(os.listdir(f"/proc/{entry.name}/task"))
+                    pids.append(int(entry.name))
             except OSError:
-                pass
+                pass  # it ended while we looked
+    return pids
+
+
+def _processes_of(uid: int) -> int:
+    count = 0
+    for pid in _pids_of(uid):
+        try:
+            count += len(os.listdir(f"/proc/{pid}/task"))
+        except OSError:
+            pass
     return count
+
+
+def _end_processes_of(uid: int, wait_s: float = 10.0) -> None:
+    """Once bubblewrap has exited, its namespace's processes are still being torn down by the
+    kernel (a fork bomb's many take a while on a busy machine): kill what is left of the
+    sandbox's uid and wait until none is, so that no process outlives its case and the uid's next
+    sandbox starts with none counted against its process limit."""
+    end = time.monotonic() + wait_s
+    while pids := _pids_of(uid):
+        if time.monotonic() > end:
+            log.warning("sandbox uid %d: %d processes still there %.0f s after their sandbox was killed (pids %s)",
+                        uid, len(pids), wait_s, pids[:10])
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.01)
 
 
 def _feed(pipe, data: bytes) -> None:
