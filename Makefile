@@ -110,6 +110,17 @@ test-sglang: $(STAMP) $(SGLANG_STAMP)
 test-gpu: $(STAMP)
 	$(BIN)/python tests/gpu/gpu_status.py $(PYTEST_ARGS)
 
+# The Debian packages of the slurm, multi-node and UI tests (slurm-wlm, munge, chromium), installed
+# as root when missing; each of those targets also installs what it needs by itself. .ci/run
+# installs them while the suite runs.
+SYSTEM_PACKAGES := slurm-wlm munge chromium
+.PHONY: system-packages
+system-packages:
+	@missing=""; for cmd in slurmctld munged chromium; do command -v $$cmd >/dev/null || missing=yes; done; \
+	if [ -n "$$missing" ]; then \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SYSTEM_PACKAGES) >/dev/null \
+		|| { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SYSTEM_PACKAGES) >/dev/null; }; fi
+
 # The MLflow UI in headless Chromium (installs Debian's chromium when missing, as root).
 test-ui: $(STAMP)
 	command -v chromium >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium \
