@@ -128,6 +128,11 @@ class AlgorithmConfig:
     )
     tis_level: Literal["token", "sequence"] = param(
         "token", "TIS weight per token, or one per sequence (the product of its token ratios, capped).")
+    old_log_probs: Literal["trainer", "engine"] = param(
+        "trainer", "Where the old policy's log-probs (the PPO ratio's denominator) come from: trainer = a forward "
+        "pass of the step's batch by the train model; engine = the log-probs the engine returned with each sampled "
+        "token (one forward pass less a step; exact only where engine and trainer compute the same numbers, as the "
+        "embedded engine in float32 on the CPU; on GPUs their kernels differ, and the ratio then starts off 1).")
     dynamic_sampling: DynamicSamplingConfig = param(help="DAPO dynamic sampling.", factory=DynamicSamplingConfig)
     overlong: OverlongConfig = param(help="DAPO soft overlong punishment.", factory=OverlongConfig)
 
@@ -341,6 +346,9 @@ class RunConfig:
         if a.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline") and r.n < 2:
             problems.add("rollout.n", f"{r.n} gives groups of one sample, so {a.adv_estimator} has no baseline",
                          "use rollout.n >= 2 (DAPO: 16)")
+        if a.old_log_probs == "engine" and a.tis_cap is not None:
+            problems.add("algorithm.old_log_probs", "is engine, but algorithm.tis_cap weighs the loss by exp(old - "
+                         "engine log-probs), which is then 1 everywhere", "use algorithm.old_log_probs=trainer with TIS")
         if a.use_kl_loss and a.use_kl_in_reward:
             problems.add("algorithm.use_kl_loss", "and algorithm.use_kl_in_reward are both on (KL counted twice)",
                          "turn one of them off")

@@ -156,10 +156,13 @@ def train_step(c: Components, step: int, rollouts: SyncRollouts | None = None) -
     batch = to_train_batch(samples, pad_id=c.tokenizer.pad_token_id or 0, routed_experts=cfg.actor.moe_routing_replay)
     scores = [s.score for s in samples]
     groups = [s.group for s in samples]
-    with _timer(metrics, "old_log_prob"):
-        old_log_probs, _ = c.worker.compute_log_prob(batch)
-    mask = batch.loss_mask.bool()
-    metrics["rollout/logprob_mismatch"] = float((old_log_probs - batch.rollout_log_probs).abs()[mask].mean())
+    if cfg.algorithm.old_log_probs == "engine":  # the sampling policy's own numbers, no forward pass
+        old_log_probs = batch.rollout_log_probs
+    else:
+        with _timer(metrics, "old_log_prob"):
+            old_log_probs, _ = c.worker.compute_log_prob(batch)
+        mask = batch.loss_mask.bool()
+        metrics["rollout/logprob_mismatch"] = float((old_log_probs - batch.rollout_log_probs).abs()[mask].mean())
     ref = c.worker.compute_ref_log_prob(batch) if c.worker.has_reference else None
     if cfg.critic.enable:
         with _timer(metrics, "values"):
