@@ -53,7 +53,10 @@ NOT_EQUAL = """settings that could not be made equal:
   - token-mean: megarl divides each mini-batch's loss by its own loss tokens, TRL 'dapo' by the step's loss
     tokens / mini-batches (its generation batch's mean); equal when the mini-batches hold as many tokens
   - dual clip: megarl's is set out of reach (algorithm.clip_ratio_c=1e9); TRL has none
-  - the megarl run's own data order: TRL is fed megarl's order (shuffle_dataset=False), not its own"""
+  - the megarl run's own data order: TRL is fed megarl's order (shuffle_dataset=False), not its own
+  - old log-probs: megarl takes the engine's (--old-log-probs engine, its default here: exact in float32 on
+    the CPU, docs/training.md); TRL computes them with a forward pass of the generation batch, as megarl does
+    with --old-log-probs trainer"""
 
 
 @dataclass
@@ -85,14 +88,16 @@ def steady_mean(values: list[float], steps: list[int]) -> float:
     return statistics.mean(values[s - 1] for s in steps)
 
 
-def run_overrides(world: Path, out: Path, seed: int, steps: int, save_every: int) -> list[str]:
+def run_overrides(world: Path, out: Path, seed: int, steps: int, save_every: int,
+                  old_log_probs: str = "engine") -> list[str]:
     """The megarl run's overrides of the quickstart config (the TRL side reads the same)."""
     return [f"model.path={world / 'model'}", f"data.train_files=[{world / 'data' / 'train.parquet'}]",
             f"data.val_files=[{world / 'data' / 'val.parquet'}]", f"trainer.output_dir={out}",
             f"trainer.seed={seed}", f"trainer.total_training_steps={steps}", f"trainer.save_freq={save_every}",
             f"trainer.max_ckpt_to_keep={steps // save_every + 1}", "trainer.resume=disable",
             "trainer.test_freq=0", "trainer.val_before_train=false",
-            "algorithm.dynamic_sampling.enable=false", "algorithm.clip_ratio_c=1e9"]
+            "algorithm.dynamic_sampling.enable=false", "algorithm.clip_ratio_c=1e9",
+            f"algorithm.old_log_probs={old_log_probs}"]
 
 
 def prompt_order(cfg, num_prompts: int, steps: int) -> list[list[int]]:
@@ -253,6 +258,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--val-n", type=int, default=None, help="samples per validation prompt; default rollout.val.n")
     p.add_argument("--timeout", type=float, default=1800, help="seconds one run may take")
     p.add_argument("--trl-python", type=Path, default=TRL_PYTHON, help="the Python of TRL's venv")
+    p.add_argument("--old-log-probs", choices=("engine", "trainer"), default="engine",
+                   help="megarl's algorithm.old_log_probs (engine: the engine's log-probs, exact in float32 on the CPU)")
     args = p.parse_args(argv)
     if not args.trl_python.exists():
         raise SystemExit(f"{args.trl_python} is missing: build TRL's venv with `make bench-trl-env`")
@@ -270,7 +277,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"TRL venv:    {trl_versions(args.trl_python)}", flush=True)
     out = (ROOT / args.out).resolve()
     world = prepare_math(out / "world")
-    base = load_config(str(ROOT / args.config), run_overrides(world, out, 0, args.steps, args.save_every))
+    base = load_config(str(ROOT / args.config), run_overrides(world, out, 0, args.steps, args.save_every,
+                                                                    args.old_log_probs))
     tok = eval_tokenizer(world / "model")
     d = base.data
     train, _ = load_prompts(d.train_files, tok, prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
@@ -288,7 +296,8 @@ def main(argv: list[str] | None = None) -> None:
     keep = steady_steps(args.steps, args.save_every)
     results: dict[str, list[SideRun]] = {"megarl": [], "trl": []}
     for seed in range(args.seeds):
-        overrides = run_overrides(world, out / f"megarl_seed{seed}", seed, args.steps, args.save_every)  # TRL's too
+        overrides = run_overrides(world, out / f"megarl_seed{seed}", seed, args.steps, args.save_every,
+                                  args.old_log_probs)  # TRL's too
         cfg = load_config(str(ROOT / args.config), overrides)
         order = prompt_order(cfg, len(train), args.steps)
         rows = [{"prompt": tok.decode(train[i].prompt_ids), "data_source": train[i].data_source,
