@@ -1,0 +1,83 @@
+"""The trainer's sleep (megarl.backends.sleep): storages freed and back bit for bit, views and
+tied weights intact, gradients back as zeros, host buffers allocated once and reused."""
+
+from __future__ import annotations
+
+import torch
+
+from megarl.backends.sleep import TrainerSleep, optimizer_tensors
+
+
+def test_storages_are_freed_and_come_back_bit_for_bit_views_included():
+    torch.manual_seed(0)
+    flat = torch.randn(100)
+    first, second = flat[:40].view(4, 10), flat[40:]  # two views of one storage (megatron's buffers)
+    other = torch.randn(7, dtype=torch.bfloat16)
+    grad = torch.randn(30)
+    want = [flat.clone(), other.clone()]
+    sleep = TrainerSleep("cpu")
+    sleep.sleep([first, second, other, None], drop=[grad])
+    assert sleep.asleep
+    assert flat.untyped_storage().nbytes() == 0 and other.untyped_storage().nbytes() == 0
+    assert grad.untyped_storage().nbytes() == 0
+    assert sleep.host_bytes == 100 * 4 + 7 * 2  # one copy of each storage, the dropped one not copied
+    sleep.wake()
+    assert not sleep.asleep
+    assert torch.equal(flat, want[0]) and torch.equal(other, want[1])
+    assert torch.equal(first, want[0][:40].view(4, 10)) and torch.equal(second, want[0][40:])
+    assert torch.equal(grad, torch.zeros(30))
+
+
+def test_host_buffers_are_reused_from_one_sleep_to_the_next():
+    a, b = torch.randn(64), torch.randn(64)
+    sleep = TrainerSleep("cpu")
+    sleep.sleep([a, b])
+    buffers = {host.data_ptr() for _, _, host in sleep._kept}
+    sleep.wake()
+    a.add_(1.0)  # a training phase changes the values in place
+    want = [a.clone(), b.clone()]
+    sleep.sleep([a, b])
+    assert {host.data_ptr() for _, _, host in sleep._kept} == buffers and sleep.host_bytes == 2 * 64 * 4
+    sleep.wake()
+    assert torch.equal(a, want[0]) and torch.equal(b, want[1])
+
+
+def test_a_mapped_tensor_gets_memory_of_its_own_and_a_tied_weight_is_kept_once(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    save_file({"w": torch.arange(12, dtype=torch.float32)}, str(tmp_path / "w.safetensors"))
+    mapped = torch.nn.Parameter(load_file(str(tmp_path / "w.safetensors"))["w"])
+    tied = [mapped, mapped]  # an embedding and the output layer: one tensor under two names
+    sleep = TrainerSleep("cpu")
+    sleep.sleep(tied)
+    assert len(sleep._kept) == 1 and mapped.untyped_storage().nbytes() == 0
+    sleep.wake()
+    assert torch.equal(mapped.detach(), torch.arange(12, dtype=torch.float32))
+
+
+def test_an_optimizers_state_sleeps_and_the_next_step_is_the_same():
+    torch.manual_seed(0)
+    models = [torch.nn.Linear(8, 4) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    x = torch.randn(16, 8)
+
+    def step(model, optimizer):
+        optimizer.zero_grad(set_to_none=False)
+        model(x).square().mean().backward()
+        optimizer.step()
+
+    for model, optimizer in zip(models, optimizers):
+        step(model, optimizer)
+    sleep = TrainerSleep("cpu")
+    model, optimizer = models[1], optimizers[1]
+    sleep.sleep([*model.parameters(), *optimizer_tensors(optimizer)], drop=[p.grad for p in model.parameters()])
+    assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+    assert all(v.untyped_storage().nbytes() == 0 for s in optimizer.state.values() for v in s.values())
+    sleep.wake()
+    for model, optimizer in zip(models, optimizers):
+        step(model, optimizer)
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(a, b)
+    for a, b in zip(optimizers[0].state.values(), optimizers[1].state.values()):
+        assert all(torch.equal(a[k], b[k]) for k in a)
