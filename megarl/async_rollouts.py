@@ -70,12 +70,13 @@ class SyncRollouts:
         self.c, self.collect, self.clock = c, collect, EngineClock()
 
     def batch(self, step: int, metrics: dict) -> list[Sample]:
+        self.c.for_generation()
         self.clock.start()
         try:
             samples = self.collect(self.c, step, metrics)
         finally:
             self.clock.stop()
-        self.c.release_engine_memory()
+        self.c.for_training()
         return samples
 
     def sync_weights(self, version: int) -> None:

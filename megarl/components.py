@@ -62,9 +62,13 @@ class Components:
         """Trainer weights -> engine (megarl.runtime.base.Runtime.sync_weights)."""
         self.runtime.sync_weights(version)
 
-    def release_engine_memory(self) -> None:
-        """After the rollouts: engines on the trainer's GPUs give it their memory."""
-        self.runtime.release_engine_memory()
+    def for_generation(self) -> None:
+        """Before the engines generate: the trainer asleep (where it sleeps), their memory back."""
+        self.runtime.for_generation()
+
+    def for_training(self) -> None:
+        """Before the trainer computes or saves: engines on its GPUs give it their memory, it wakes."""
+        self.runtime.for_training()
 
     def engine_metrics(self) -> dict[str, float]:
         """The engine's counters so far (the fleet's restarts and re-sent requests)."""

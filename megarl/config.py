@@ -233,6 +233,11 @@ class TrainerConfig:
     max_ckpt_to_keep: int = param(2, "Checkpoints kept on disk (oldest deleted first).", gt=0)
     resume: str = param("auto", "auto = newest checkpoint in output_dir; disable = start fresh; or a checkpoint path.")
     max_bad_steps: int = param(3, "Consecutive NaN/inf steps tolerated before the run stops.", gt=0)
+    sleep_during_generation: bool | None = param(
+        None, "The trainer hands its device memory to the engines while they generate: weights, gradients, "
+        "optimizer state and the reference leave the GPU after each weight sync and come back before the next "
+        "training phase, bit for bit (docs/training.md). None = on where engine servers share the trainer's GPUs "
+        "(rollout.engine=sglang, rollout.mode=colocated, cluster.gpus_per_node > 0); true also on the CPU.")
     async_rollout: AsyncRolloutConfig = param(help="Generation overlapped with training (off by default).",
                                               factory=AsyncRolloutConfig)
 
@@ -287,6 +292,13 @@ class RunConfig:
             return self.cluster.nnodes * self.cluster.gpus_per_node
         expert_tp = p.expert_tensor_parallel_size or p.tensor_model_parallel_size
         return math.lcm(p.model_parallel_size, expert_tp * p.expert_model_parallel_size * p.pipeline_model_parallel_size)
+
+    def trainer_sleeps(self) -> bool:
+        """trainer.sleep_during_generation with None resolved: on for engine servers colocated on GPUs."""
+        if self.trainer.sleep_during_generation is not None:
+            return self.trainer.sleep_during_generation
+        return (self.rollout.engine == "sglang" and self.rollout.mode == "colocated" and self.cluster.gpus_per_node > 0
+                and not self.trainer.async_rollout.enable)
 
     def sync_transport(self) -> str:
         """sync.transport with auto resolved: inprocess for the embedded engine, ipc for
@@ -346,6 +358,9 @@ class RunConfig:
         if a.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline") and r.n < 2:
             problems.add("rollout.n", f"{r.n} gives groups of one sample, so {a.adv_estimator} has no baseline",
                          "use rollout.n >= 2 (DAPO: 16)")
+        if self.trainer.sleep_during_generation and self.trainer.async_rollout.enable:
+            problems.add("trainer.sleep_during_generation", "is on with trainer.async_rollout, where the engines "
+                         "generate while the trainer trains", "turn one of them off")
         if a.old_log_probs == "engine" and a.tis_cap is not None:
             problems.add("algorithm.old_log_probs", "is engine, but algorithm.tis_cap weighs the loss by exp(old - "
                          "engine log-probs), which is then 1 everywhere", "use algorithm.old_log_probs=trainer with TIS")

@@ -59,6 +59,7 @@ def train(cfg: RunConfig) -> dict[str, float]:
         rerun = params if not resume_from and cfg.trainer.resume == "auto" else None
         tracker = open_tracker(cfg.tracking, out, run_id=meta.get("run_id"), rerun_params=rerun)
         if resume_from:
+            c.for_training()
             c.worker.load_checkpoint(resume_from)
             c.prompt_order.load_state_dict(meta["sampler"])
             c.sync_weights(version=step)
@@ -179,6 +180,7 @@ def train_step(c: Components, step: int, rollouts: SyncRollouts | None = None) -
     metrics.update({f"actor/{k}": v for k, v in actor_metrics.items()})
     with _timer(metrics, "sync_weights"):
         rollouts.sync_weights(step + 1)
+    metrics.update(c.runtime.sleep_metrics())
     metrics["actor/advantage_mean"] = float(masked_mean(advantages, batch.loss_mask))
     trainer_s = sum(metrics.get(f"timing/{k}_s", 0.0) for k in TRAINER_PHASES)
     wall_s, engine_s = rollouts.clock.lap()
@@ -265,6 +267,7 @@ def rollout(c: Components, records, n: int, seed_base: int, group_base: int,
 
 def validate(c: Components) -> dict[str, float]:
     v = c.cfg.rollout.val
+    c.for_generation()
     samples, _ = rollout(c, c.val_records, v.n, seed_base=7_777_777, group_base=0, validation=True)
     by_prompt: dict[int, list[Sample]] = {}
     for s in samples:
@@ -321,6 +324,7 @@ def plot_curves(history: list[dict], path: Path) -> Path:
 
 def _save(c: Components, root: Path, step: int, run_id: str | None, history: list, rollouts: SyncRollouts) -> None:
     meta = {"run_id": run_id, "sampler": rollouts.order_state(step), "history": history}  # key as in old checkpoints
+    c.for_training()
     with deferred():  # a first signal waits for the checkpoint to be complete (megarl.termination)
         checkpoint.save_atomically(root, step, c.worker.save_checkpoint, meta)
         checkpoint.prune(root, c.cfg.trainer.max_ckpt_to_keep)
@@ -328,6 +332,7 @@ def _save(c: Components, root: Path, step: int, run_id: str | None, history: lis
 
 def export_hf(c: Components, directory: Path) -> Path:
     """The actor as an HF model directory (safetensors, config, tokenizer)."""
+    c.for_training()
     c.worker.save_hf(directory)
     c.tokenizer.save_pretrained(directory)
     return directory

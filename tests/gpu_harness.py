@@ -287,14 +287,24 @@ def calls(url: str) -> list[dict]:
 
 
 class Trainer:
-    """What Runtime.sync_weights asks of the driver's worker: the trainer's checksums (of the
-    tensors the ranks export)."""
+    """What Runtime.sync_weights and the phases ask of the driver's worker: the trainer's
+    checksums (of the tensors the ranks export), and its sleep and wake, each recorded with
+    the time it happened (time.time(), as the engine doubles record their calls)."""
 
     def __init__(self, tensors: dict[str, torch.Tensor]):
         self.tensors = tensors
+        self.calls: list[tuple[str, float]] = []
 
     def weight_checksums(self) -> dict[str, str]:
         return weight_checksums(sorted(self.tensors.items()))
+
+    def sleep(self) -> float:
+        self.calls.append(("sleep", time.time()))
+        return 0.0
+
+    def wake(self) -> float:
+        self.calls.append(("wake", time.time()))
+        return 0.0
 
 
 class HarnessRuntime(Runtime):

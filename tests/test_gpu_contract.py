@@ -31,72 +31,7 @@ from megarl.weights.ipc import IpcTransport, ipc_plan
 pytest.importorskip("megatron.core")
 
 
-# -- Megatron on GPUs: FP8 padding, FP8 parameter reload, fused-kernel flags
-
-@pytest.mark.parametrize("tp, cp, sp, recipe, want", [
-    (1, 1, False, None, 1),
-    (2, 1, False, None, 2),  # sequence parallelism splits rows over TP
-    (2, 1, True, None, 2),
-    (2, 2, False, None, 8),  # 2 x CP chunks of a multiple of TP
-    (1, 1, False, "delayed", 16),  # the FP8 GEMM's token dimension
-    (2, 1, False, "tensorwise", 16),  # lcm(2, 16)
-    (3, 1, False, "delayed", 48),  # lcm(3, 16)
-    (4, 1, True, "delayed", 64),  # each TP rank quantises its quarter: 4 x 16
-    (2, 2, False, "delayed", 32),  # lcm(8, 2 x 16): each CP rank holds 16
-    (2, 2, True, "delayed", 64),  # lcm(8, 16 x 2 x 2)
-    (8, 4, True, "tensorwise", 512),  # lcm(64, 16 x 4 x 8)
-    (1, 1, False, "blockwise", 128),  # 1 x 128 tiles
-    (4, 1, False, "blockwise", 128),  # lcm(4, 128)
-    (2, 2, True, "blockwise", 512),  # lcm(8, 128 x 2 x 2)
-])
-def test_token_multiple(tp, cp, sp, recipe, want):
-    from megarl.backends.megatron.forward import token_multiple
-
-    assert token_multiple(tp, cp, sequence_parallel=sp, fp8_recipe=recipe) == want
-
-
-def test_token_multiple_refuses_a_recipe_it_does_not_know():
-    from megarl.backends.megatron.forward import token_multiple
-
-    with pytest.raises(ValueError, match="mxfp8"):
-        token_multiple(2, fp8_recipe="mxfp8")
-
-
-def _layout(monkeypatch, tp: int, cp: int = 1) -> None:
-    """megatron's parallel state as split_batch reads it, for one rank of a tp x cp layout."""
-    from megatron.core import parallel_state
-
-    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: tp)
-    monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: cp)
-    monkeypatch.setattr(parallel_state, "get_context_parallel_rank", lambda: 0)
-
-
-@pytest.mark.parametrize("tp, cp, sp, fp8, packing, want_shape", [
-    (2, 1, False, None, None, (2, 6)),  # rows of 5 and 3 tokens: the longest rounded up to 2
-    (2, 1, False, "hybrid", None, (2, 16)),  # to 16 under FP8
-    (4, 1, True, "hybrid", None, (2, 64)),  # 16 per TP rank with sequence parallelism
-    (2, 1, False, "hybrid", "thd", (1, 16)),  # packed: 8 real tokens and a padding segment of 8
-    (1, 2, False, "hybrid", None, (2, 16)),  # 32 positions, this CP rank's 16 of them
-])
-def test_micro_batches_follow_the_models_fp8_recipe(monkeypatch, tp, cp, sp, fp8, packing, want_shape):
-    from megarl.backends.batch import TrainBatch
-    from megarl.backends.megatron.forward import split_batch
-
-    _layout(monkeypatch, tp, cp)
-    batch = TrainBatch.from_sequences([[1, 2, 3], [4, 5]], [[6, 7], [8]], [[1, 1], [1]])
-    config = SimpleNamespace(sequence_parallel=sp, fp8=fp8, fp8_recipe="delayed")  # a TransformerConfig's fields
-    (micro,) = split_batch(batch, config, micro_batch_size=2, packing=packing)
-    assert tuple(micro.input_ids.shape) == want_shape
-
-
-def test_context_parallel_rows_need_a_multiple_of_two_cp():
-    from megarl.backends.batch import TrainBatch
-    from megarl.backends.megatron.forward import make_micro_batches
-
-    batch = TrainBatch.from_sequences([[1, 2, 3]], [[4]], [[1]])
-    with pytest.raises(ValueError, match="2 x cp"):
-        make_micro_batches(batch, [[0]], multiple=2, cp=2)
-
+# -- Megatron on GPUs: fused-kernel flags (FP8 padding and parameters: tests/test_gpu_contract_fp8.py)
 
 @pytest.mark.parametrize("cuda, kernels, explicit_mask, cp, want", [
     (True, True, False, 1, True),
@@ -400,6 +335,33 @@ def test_engines_get_every_memory_kind_back_before_generation_continues(run):
         assert r.ranks.freed_at and r.ranks.freed_at[0] <= first_resume  # the trainer's cache freed first
     out = asyncio.run(r.fleet.generate([1, 2, 3], SamplingParams(max_new_tokens=1)))
     assert out.token_ids == [7] and out.weight_version == 2
+
+
+@pytest.mark.timeout(300)
+def test_the_trainer_sleeps_between_the_engines_weights_and_their_kv_cache_and_wakes_after_they_release(run):
+    """Colocated on GPUs the trainer sleeps by default (trainer.sleep_during_generation): in a
+    sync, after the engines' weights are back and loaded and before their KV cache and CUDA
+    graphs come back; after the generation, it wakes only once every engine has released."""
+    layout = Layout(tp=2, dp=2, pp=1)
+    r = run(ipc_config(layout), IpcTransport, layout, ["0", "1", "2", "3"], [["0", "1"], ["2", "3"]])
+    assert r.runtime.cfg.trainer_sleeps()
+    trainer = r.runtime.worker
+    r.runtime.for_training()  # after a generation: the engines release, the trainer is awake already
+    r.runtime.sync_weights(version=2)
+    r.runtime.for_generation()  # asleep already, the engines hold their memory: nothing more
+    out = asyncio.run(r.fleet.generate([1, 2, 3], SamplingParams(max_new_tokens=1)))
+    assert out.weight_version == 2
+    r.runtime.for_training()
+    assert [name for name, _ in trainer.calls] == ["sleep", "wake"]
+    slept, woke = (t for _, t in trainer.calls)
+    for url in r.urls():
+        served = calls(url)
+        resumed = [(c["tags"], c["time"]) for c in served if c["route"] == "/resume_memory_occupation"]
+        assert [tags for tags, _ in resumed] == [["weights"], ["kv_cache", "cuda_graph"]]
+        loaded = max(c["time"] for c in served if c["route"] == "/update_weights_from_tensor")
+        assert resumed[0][1] <= loaded <= slept <= resumed[1][1]  # weights back, loaded; trainer asleep; KV back
+        released = [c["time"] for c in served if c["route"] == "/release_memory_occupation"]
+        assert len(released) == 2 and released[1] <= woke  # the second release, after the generation: then awake
 
 
 def test_an_engine_gpu_without_a_train_rank_is_refused_by_name():

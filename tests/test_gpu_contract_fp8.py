@@ -1,5 +1,6 @@
 """The GPU contract of FP8 parameters and optimizer offload, checked on a CPU (the FP8 rules of
-tests/test_gpu_contract.py continue here): which combinations the config refuses and why, that
+tests/test_gpu_contract.py continue here): the padding FP8's GEMMs need of a micro-batch's
+tokens, which combinations the config refuses and why, that
 Transformer Engine's high-precision copies of FP8 weights are freed once no optimizer will
 read them (the frozen reference's right after loading), and the OptimizerConfig megatron gets
 for an offloaded optimizer, checked against megatron-core's own validation of it."""
@@ -160,3 +161,70 @@ def test_megatron_refuses_the_offload_path_without_the_distributed_optimizer(mon
 
 def test_the_fp8_recipe_reaches_the_optimizer(monkeypatch):
     assert optimizer_config(monkeypatch, offload=False, cuda=True, fp8_recipe="blockwise").fp8_recipe == "blockwise"
+
+
+# -- the token padding FP8's GEMMs need (megarl.backends.megatron.forward)
+
+@pytest.mark.parametrize("tp, cp, sp, recipe, want", [
+    (1, 1, False, None, 1),
+    (2, 1, False, None, 2),  # sequence parallelism splits rows over TP
+    (2, 1, True, None, 2),
+    (2, 2, False, None, 8),  # 2 x CP chunks of a multiple of TP
+    (1, 1, False, "delayed", 16),  # the FP8 GEMM's token dimension
+    (2, 1, False, "tensorwise", 16),  # lcm(2, 16)
+    (3, 1, False, "delayed", 48),  # lcm(3, 16)
+    (4, 1, True, "delayed", 64),  # each TP rank quantises its quarter: 4 x 16
+    (2, 2, False, "delayed", 32),  # lcm(8, 2 x 16): each CP rank holds 16
+    (2, 2, True, "delayed", 64),  # lcm(8, 16 x 2 x 2)
+    (8, 4, True, "tensorwise", 512),  # lcm(64, 16 x 4 x 8)
+    (1, 1, False, "blockwise", 128),  # 1 x 128 tiles
+    (4, 1, False, "blockwise", 128),  # lcm(4, 128)
+    (2, 2, True, "blockwise", 512),  # lcm(8, 128 x 2 x 2)
+])
+def test_token_multiple(tp, cp, sp, recipe, want):
+    from megarl.backends.megatron.forward import token_multiple
+
+    assert token_multiple(tp, cp, sequence_parallel=sp, fp8_recipe=recipe) == want
+
+
+def test_token_multiple_refuses_a_recipe_it_does_not_know():
+    from megarl.backends.megatron.forward import token_multiple
+
+    with pytest.raises(ValueError, match="mxfp8"):
+        token_multiple(2, fp8_recipe="mxfp8")
+
+
+def _layout(monkeypatch, tp: int, cp: int = 1) -> None:
+    """megatron's parallel state as split_batch reads it, for one rank of a tp x cp layout."""
+    from megatron.core import parallel_state
+
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: tp)
+    monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: cp)
+    monkeypatch.setattr(parallel_state, "get_context_parallel_rank", lambda: 0)
+
+
+@pytest.mark.parametrize("tp, cp, sp, fp8, packing, want_shape", [
+    (2, 1, False, None, None, (2, 6)),  # rows of 5 and 3 tokens: the longest rounded up to 2
+    (2, 1, False, "hybrid", None, (2, 16)),  # to 16 under FP8
+    (4, 1, True, "hybrid", None, (2, 64)),  # 16 per TP rank with sequence parallelism
+    (2, 1, False, "hybrid", "thd", (1, 16)),  # packed: 8 real tokens and a padding segment of 8
+    (1, 2, False, "hybrid", None, (2, 16)),  # 32 positions, this CP rank's 16 of them
+])
+def test_micro_batches_follow_the_models_fp8_recipe(monkeypatch, tp, cp, sp, fp8, packing, want_shape):
+    from megarl.backends.batch import TrainBatch
+    from megarl.backends.megatron.forward import split_batch
+
+    _layout(monkeypatch, tp, cp)
+    batch = TrainBatch.from_sequences([[1, 2, 3], [4, 5]], [[6, 7], [8]], [[1, 1], [1]])
+    config = SimpleNamespace(sequence_parallel=sp, fp8=fp8, fp8_recipe="delayed")  # a TransformerConfig's fields
+    (micro,) = split_batch(batch, config, micro_batch_size=2, packing=packing)
+    assert tuple(micro.input_ids.shape) == want_shape
+
+
+def test_context_parallel_rows_need_a_multiple_of_two_cp():
+    from megarl.backends.batch import TrainBatch
+    from megarl.backends.megatron.forward import make_micro_batches
+
+    batch = TrainBatch.from_sequences([[1, 2, 3]], [[4]], [[1]])
+    with pytest.raises(ValueError, match="2 x cp"):
+        make_micro_batches(batch, [[0]], multiple=2, cp=2)

@@ -81,3 +81,21 @@ def test_an_optimizers_state_sleeps_and_the_next_step_is_the_same():
         assert torch.equal(a, b)
     for a, b in zip(optimizers[0].state.values(), optimizers[1].state.values()):
         assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_run_whose_trainer_sleeps_ends_on_the_same_weights_bit_for_bit(tiny_inputs, tiny_reference, tmp_path):
+    from megarl.config import load_config
+    from megarl.train import train
+    from train_fixtures import hf_weights, mlflow_metric, tiny_overrides
+
+    out = tmp_path / "run"
+    # the reference run's settings (train_fixtures.tiny_reference_run), the trainer asleep while the engine generates
+    train(load_config(None, tiny_overrides(tiny_inputs, out, 2) + [
+        "reward.custom_function=reward_fixtures:length_score", "trainer.sleep_during_generation=true"]))
+    reference, got = hf_weights(tiny_reference / "hf"), hf_weights(out / "hf")
+    assert sorted(got) == sorted(reference)
+    assert all(torch.equal(got[name], tensor) for name, tensor in reference.items())
+    assert not torch.equal(reference["lm_head.weight"], hf_weights(tiny_inputs["model"])["lm_head.weight"])
+    # each step: asleep after its weight sync, awake after the next generation (validation and checkpoint between)
+    assert len(mlflow_metric(out, "perf/trainer_offload_s")) == 2
+    assert len(mlflow_metric(out, "perf/trainer_onload_s")) == 2

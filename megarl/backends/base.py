@@ -55,6 +55,14 @@ class TrainWorker(Protocol):
 
     def update_critic(self, batch: TrainBatch) -> dict[str, float]: ...
 
+    def sleep(self) -> float:
+        """Hand the device memory to the engines: weights, optimizer state and reference to host
+        buffers, gradients freed (megarl.backends.sleep); the seconds it took. Nothing else may
+        be called until `wake`."""
+
+    def wake(self) -> float:
+        """Everything `sleep` moved back on the device, bit for bit; the seconds it took (0 awake)."""
+
     def export_hf_weights(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
         """The actor's weights as HF-named full tensors, in buckets of about `bucket_bytes`
         (megarl.weights.buckets.group_tensors). Every rank must iterate it (the TP gathers

@@ -111,9 +111,25 @@ def _bytes(storage: torch.UntypedStorage, nbytes: int) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (nbytes,), (1,))
 
 
-def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+def optimizer_tensors(optimizer) -> list[torch.Tensor]:
     """The tensors an optimizer holds: its parameters (for megatron's distributed optimizer, the
-    FP32 master shards) and every tensor of its state (Adam's moments and step)."""
-    tensors = [p for group in optimizer.param_groups for p in group["params"]]
-    tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    FP32 master shards) and every tensor of its state (Adam's moments and step). A torch
+    optimizer, or megatron's (its torch optimizer inside; each of a chain's)."""
+    tensors = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", opt)
+        tensors += [p for group in inner.param_groups for p in group["params"]]
+        tensors += [v for state in inner.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
     return tensors
+
+
+def trained_tensors(modules: Iterable[torch.nn.Module], optimizers: Iterable,
+                    frozen: Iterable[torch.nn.Module] = ()) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """(what a sleep keeps, what it drops) of trained `modules` with their `optimizers` and
+    `frozen` ones: parameters, buffers and optimizer state kept; gradients dropped (`grad`, and
+    megatron's `main_grad`, views into its gradient buffers)."""
+    modules, frozen = list(modules), list(frozen)
+    keep = [t for m in modules + frozen for t in (*m.parameters(), *m.buffers())]
+    keep += [t for opt in optimizers for t in optimizer_tensors(opt)]
+    drop = [g for m in modules for p in m.parameters() for g in (p.grad, getattr(p, "main_grad", None))]
+    return keep, drop

@@ -260,12 +260,17 @@ class SGLangFleet:
         """Free the engines' GPU memory for a trainer on the same GPUs: a health pass first
         (it generates a token, which needs the KV cache), then each kind of sglang_api.MEMORY_TAGS,
         named explicitly so that exactly those are resumed."""
+        if self.memory_released:
+            return  # released already (a health check now would need the KV cache)
         await self.check_engines()
         await self._each("release_memory", list(tags or sglang_api.MEMORY_TAGS))
         self.memory_released = True
 
     async def resume_memory(self, tags: list[str] | None = None) -> None:
+        """`tags` (all by default) back; with all of them the engines hold their memory again."""
         await self._each("resume_memory", list(tags or sglang_api.MEMORY_TAGS))
+        if tags is None:
+            self.memory_released = False
 
     async def begin_weight_update(self) -> None:
         """The weights' memory back if released (else a health pass, so that a restarted

@@ -39,11 +39,48 @@ class Runtime(ABC):
     retrieval_api_key: str | None = None  # and the key it requires (hosted_retrieval_key)
     retrieval_where: str = ""  # how an error names that server's host, e.g. " (Ray actor RetrievalActor)"
 
+    # Whose turn it is on the GPUs. Training: colocated engines have released their memory and
+    # the trainer is awake. Generation: the trainer sleeps (trainer.sleep_during_generation) and
+    # the engines hold their memory. A weight sync runs in the training phase and ends in the
+    # generation phase: the engines' weights come back first (to be loaded), then the trainer
+    # sleeps, then the engines take their KV cache and CUDA graphs back.
+    _trainer_asleep = False
+
+    def for_generation(self) -> None:
+        """Before the engines generate: the trainer asleep, the engines' memory back."""
+        if self.cfg.trainer_sleeps() and not self._trainer_asleep:
+            self._sleep_trainer()
+        self.resume_engine_memory()
+
+    def for_training(self) -> None:
+        """Before the trainer computes or saves: the engines' memory released, the trainer awake."""
+        self.release_engine_memory()
+        if self._trainer_asleep:
+            self._trainer_asleep = False
+            self._count("perf/trainer_onload_s", self.worker.wake())
+
+    def sleep_metrics(self) -> dict[str, float]:
+        """Seconds the trainer spent going to sleep and waking since the last call (one step's)."""
+        taken, self._sleep_s = getattr(self, "_sleep_s", {}), {}
+        return taken
+
+    def _sleep_trainer(self) -> None:
+        self._count("perf/trainer_offload_s", self.worker.sleep())
+        self._trainer_asleep = True
+
+    def _count(self, name: str, seconds: float) -> None:
+        if not hasattr(self, "_sleep_s"):
+            self._sleep_s = {}
+        self._sleep_s[name] = self._sleep_s.get(name, 0.0) + seconds
+
     def sync_weights(self, version: int) -> None:
         """Trainer weights -> engine, with decoding paused around it; then, with
-        sync.verify, the engine's checksums against the trainer's."""
+        sync.verify, the engine's checksums against the trainer's. Starts in the training
+        phase, ends in the generation phase (the trainer asleep where it sleeps)."""
+        self.for_training()
         self.ranks.free_cache()  # before colocated engines take their memory back
         run_async(self.engine.begin_weight_update())
+        checksums = None
         try:
             self.transport.connect(self.ranks)
             bucket_bytes = self.cfg.sync.bucket_mb << 20
@@ -53,18 +90,25 @@ class Runtime(ABC):
             else:
                 self.ranks.push(bucket_bytes, version)
             self.transport.finish(version)
+            checksums = self.worker.weight_checksums() if self.cfg.sync.verify else None
+            if self.cfg.trainer_sleeps():  # its memory freed before the engines take their KV cache back
+                self._sleep_trainer()
         finally:
             # the push's buffers (and the CUDA IPC memory the engines have closed) back to the
             # device before colocated engines take their KV cache and CUDA graphs back
             self.ranks.free_cache()
             run_async(self.engine.end_weight_update())
-        if self.cfg.sync.verify:
-            run_async(verify_engine(self.engine, self.worker.weight_checksums()))
+        if checksums is not None:
+            run_async(verify_engine(self.engine, checksums))
 
     @abstractmethod
     def release_engine_memory(self) -> None:
-        """After a step's rollouts: engines on the trainer's GPUs give their memory to the
-        trainer (the next sync takes it back); nothing where they share no device."""
+        """Engines on the trainer's GPUs give their memory to the trainer (once: nothing when
+        they have); nothing where they share no device. Part of `for_training`."""
+
+    def resume_engine_memory(self) -> None:
+        """Engines on the trainer's GPUs take back what they released (nothing when they hold
+        it, or share no device). Part of `for_generation`."""
 
     def check_retrieval(self) -> None:
         """ComponentDied when the retrieval server this runtime hosts is gone."""

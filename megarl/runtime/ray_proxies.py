@@ -74,6 +74,12 @@ class RemoteTrainWorker(_Ranks):
     def update_critic(self, batch: TrainBatch) -> dict[str, float]:
         return self._on_every_rank("update_critic", batch)
 
+    def sleep(self) -> float:
+        return max(self.gather([a.run.remote("sleep") for a in self.actors]))  # the slowest rank's
+
+    def wake(self) -> float:
+        return max(self.gather([a.run.remote("wake") for a in self.actors]))
+
     def export_hf_weights(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
         raise NotImplementedError("the rank actors send their weights themselves (RayRanks.push); "
                                   "the driver never holds them")

@@ -223,6 +223,10 @@ class RayRuntime(Runtime):
         if self.colocated:
             run_async(self.engine.release_memory())
 
+    def resume_engine_memory(self) -> None:
+        if self.colocated and self.engine.memory_released:
+            run_async(self.engine.resume_memory())
+
     def shutdown(self) -> None:
         if self.transport is not None:
             try:

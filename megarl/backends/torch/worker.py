@@ -19,6 +19,7 @@ from safetensors.torch import load_model, save_model
 from megarl.backends.batch import TrainBatch
 from megarl.backends.offload import HostOffloaded
 from megarl.backends.rng import rng_state, set_rng_state
+from megarl.backends.sleep import TrainerSleep, trained_tensors
 from megarl.backends.torch.actor import TorchActor
 from megarl.backends.torch.critic import TorchCritic
 from megarl.checkpoint import unreadable
@@ -49,6 +50,7 @@ class TorchTrainWorker:
                 mini_batch_samples=cfg.critic.ppo_mini_batch_size * samples,
                 micro_batch_samples=cfg.critic.ppo_micro_batch_size, ppo_epochs=cfg.critic.ppo_epochs,
                 total_steps=total_steps, norm_length=cfg.rollout.max_response_length)
+        self._sleep = TrainerSleep(next(model.parameters()).device)
 
     # -- TrainWorker ---------------------------------------------------------------------
     @property
@@ -88,6 +90,17 @@ class TorchTrainWorker:
         if self.critic is None:
             raise RuntimeError("no critic: set critic.enable=true")
         return self.critic.update_critic(batch)
+
+    def sleep(self) -> float:
+        """Weights, optimizer states and the reference off the device (megarl.backends.sleep)."""
+        parts = [self.actor] + ([self.critic] if self.critic is not None else [])
+        # an offloaded reference is on the host already
+        frozen = [self.reference] if self.reference is not None and self.reference_weights is None else []
+        keep, drop = trained_tensors([p.model for p in parts], [p.optimizer for p in parts], frozen)
+        return self._sleep.sleep(keep, drop)
+
+    def wake(self) -> float:
+        return self._sleep.wake()
 
     def export_hf_weights(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
         """The actor's HF-named tensors in buckets of about `bucket_bytes` (megarl.weights.buckets)."""
