@@ -142,3 +142,38 @@ def logprobs_from_dist(hf_dir: str, layout_kw: dict, ckpt_dir: str, batch):
         c.load_state_dict(loaded[k], strict=False)
         c.eval()  # as the worker computes log-probs
     return forward_log_probs(chunks, spec.vocab_size, batch, micro_batch_size=2)[0]
+
+
+def sleep_phase(hf_dir: str, overrides: list[str], first, second, sleep: bool):
+    """Update on `first`; with `sleep`, the trainer sleeps and wakes (megarl.backends.sleep),
+    checked tensor by tensor; then update on `second`. Returns (bytes of device storage freed,
+    storages left on the device while asleep, tensors that differ after waking, gradient
+    elements not zero after waking, the log-probs of `second` after its update)."""
+    from megarl.backends.sleep import trained_tensors
+
+    w = worker(hf_dir, overrides)
+
+    def update(batch):
+        w.update_actor(batch.with_fields(ref_log_probs=w.compute_ref_log_prob(batch)) if w.has_reference else batch)
+
+    update(first)
+    parts = [w.actor] + ([w.critic] if w.critic is not None else [])
+    keep, drop = trained_tensors([c for p in parts for c in p.chunks], [p.optimizer for p in parts], w.reference or [])
+    before = [t.detach().clone() for t in keep]
+    freed = left = differ = nonzero = 0
+    if sleep:
+        storages = {s.data_ptr(): s for s in (t.untyped_storage() for t in keep + [g for g in drop if g is not None])}
+        size = sum(s.nbytes() for s in storages.values())
+        # megatron's own contiguous buffers, found from its DDP wrappers (not from the tensors above)
+        buffers = [t for p in parts for m in p.model for b in m.buffers + m.expert_parallel_buffers
+                   for t in (b.param_data, b.grad_data) if t is not None]
+        assert buffers
+        w.sleep()
+        left = sum(s.nbytes() > 0 for s in storages.values()) + sum(t.untyped_storage().nbytes() > 0 for t in buffers)
+        freed = size - sum(s.nbytes() for s in storages.values())
+        w.wake()
+        differ = sum(not (a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b))
+                     for a, b in zip(before, keep))
+        nonzero = sum(int(torch.count_nonzero(g)) for g in drop if g is not None)
+    update(second)
+    return freed, left, differ, nonzero, w.compute_log_prob(second)[0]

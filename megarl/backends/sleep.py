@@ -129,7 +129,8 @@ def trained_tensors(modules: Iterable[torch.nn.Module], optimizers: Iterable,
     `frozen` ones: parameters, buffers and optimizer state kept; gradients dropped (`grad`, and
     megatron's `main_grad`, views into its gradient buffers)."""
     modules, frozen = list(modules), list(frozen)
-    keep = [t for m in modules + frozen for t in (*m.parameters(), *m.buffers())]
+    # nn.Module's own methods: megatron's DDP wrapper has an attribute `buffers` (its gradient buffers)
+    keep = [t for m in modules + frozen for t in (*torch.nn.Module.parameters(m), *torch.nn.Module.buffers(m))]
     keep += [t for opt in optimizers for t in optimizer_tensors(opt)]
     drop = [g for m in modules for p in m.parameters() for g in (p.grad, getattr(p, "main_grad", None))]
     return keep, drop

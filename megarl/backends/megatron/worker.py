@@ -334,7 +334,7 @@ class MegatronTrainWorker:
         reference off the device, the gradient buffers freed (megarl.backends.sleep)."""
         parts = self._parts().values()
         frozen = self.reference if self.reference is not None and self.reference_weights is None else []
-        keep, drop = trained_tensors([c for p in parts for c in p.model], [p.optimizer for p in parts], frozen)
+        keep, drop = trained_tensors([c for p in parts for c in p.chunks], [p.optimizer for p in parts], frozen)
         return self._sleep.sleep(keep, drop)
 
     def wake(self) -> float:
