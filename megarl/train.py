@@ -127,7 +127,8 @@ def _lost_parts(c: Components) -> str:
 
 PROGRESS_KEYS = {"reward": "train/reward_mean", "acc": "train/acc", "searches": "rollout/search_calls_mean",
                  "val_acc": "val/acc"}
-HISTORY_KEYS = ("train/reward_mean", "train/acc", "rollout/search_calls_mean", "val/acc")
+HISTORY_KEYS = ("train/reward_mean", "train/acc", "rollout/search_calls_mean", "val/acc", "perf/trainer_offload_s",
+                "perf/trainer_onload_s")
 
 
 def summary(status: str, out: Path, history: list[dict], tracking: TrackingConfig) -> str:
@@ -136,6 +137,11 @@ def summary(status: str, out: Path, history: list[dict], tracking: TrackingConfi
     val = [(h["step"], h["val/acc"]) for h in history if "val/acc" in h]
     if val:
         lines.append(f"  val/acc: {val[0][1]:.3f} at step {val[0][0]} -> {val[-1][1]:.3f} at step {val[-1][0]}")
+    slept = [(h["perf/trainer_offload_s"], h.get("perf/trainer_onload_s", 0.0)) for h in history
+             if "perf/trainer_offload_s" in h]
+    if slept:
+        lines.append(f"  trainer asleep while the engines generated: {sum(s[0] for s in slept) / len(slept):.3f} s "
+                     f"to sleep, {sum(s[1] for s in slept) / len(slept):.3f} s to wake, a step (mean of {len(slept)})")
     lines += [f"  checkpoints: {out / 'checkpoints'}", f"  HF export:   {out / 'hf'}"]
     if tracking.backend == "mlflow" and tracking.uri:
         lines.append(f"  MLflow:      {tracking.uri}")

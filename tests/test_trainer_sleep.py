@@ -83,7 +83,7 @@ def test_an_optimizers_state_sleeps_and_the_next_step_is_the_same():
         assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_a_run_whose_trainer_sleeps_ends_on_the_same_weights_bit_for_bit(tiny_inputs, tiny_reference, tmp_path):
+def test_a_run_whose_trainer_sleeps_ends_on_the_same_weights_bit_for_bit(tiny_inputs, tiny_reference, tmp_path, capsys):
     from megarl.config import load_config
     from megarl.train import train
     from train_fixtures import hf_weights, mlflow_metric, tiny_overrides
@@ -99,3 +99,4 @@ def test_a_run_whose_trainer_sleeps_ends_on_the_same_weights_bit_for_bit(tiny_in
     # each step: asleep after its weight sync, awake after the next generation (validation and checkpoint between)
     assert len(mlflow_metric(out, "perf/trainer_offload_s")) == 2
     assert len(mlflow_metric(out, "perf/trainer_onload_s")) == 2
+    assert "trainer asleep while the engines generated:" in capsys.readouterr().out  # the closing summary says it
