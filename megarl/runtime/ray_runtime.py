@@ -105,6 +105,9 @@ class RayRuntime(Runtime):
         has_reference = self.ranks.gather([a.setup.remote(cfg, total_steps, r, world, master, sharing[r])
                                            for r, a in enumerate(self.worker_actors)])[0]
         self.worker = RemoteTrainWorker(self.worker_actors, has_reference, liveness)
+        if self.colocated and cfg.trainer_sleeps():
+            # asleep before the engines start: SGLang sizes its KV cache from the memory free then
+            self._sleep_trainer()
         if cfg.rollout.engine == "sglang":
             from megarl.rollout.sglang_launch import launch_fleet
             from megarl.weights.disk import weight_dir
