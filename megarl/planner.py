@@ -35,13 +35,18 @@ what is free then minus free x (1 - f): KV cache = f x free - engine weights. So
     engine weights per GPU = 2 P / engine TP (experts over the engine's EP = its TP),   KV bytes per token per GPU =
     2 (K, V) x L x max(kv / engine TP, 1) x d x 2 (bf16),
     static budget (engine weights + KV cache) B, and free F at start-up:
-      colocated (on the trainer's GPUs, SGLang's memory released during training):
+      colocated, the trainer asleep while the engines generate (trainer.sleep_during_generation,
+      the default; megarl.backends.sleep), from before the engines start:
+        B = 0.9 GPU - trainer asleep - engine context - engine runtime
+        F = GPU - trainer asleep - engine context
+      colocated, the trainer awake (SGLang's memory released during training; --no-sleep):
         B = 0.9 GPU - static - overhead - engine context - engine runtime
         F = GPU - static at launch - overhead - engine context
       disaggregated (GPUs of their own):
         B = 0.9 GPU - engine context - engine runtime,   F = GPU - engine context
     f = B / F (rounded down to 0.01), KV cache = f F - engine weights
-with engine context 1 GiB (the server's CUDA context and NCCL communicators, in use before SGLang
+with trainer asleep 2 GiB (the CUDA context and NCCL communicators a sleeping trainer keeps),
+engine context 1 GiB (the server's CUDA context and NCCL communicators, in use before SGLang
 measures) and engine runtime 3 GiB (its activations and CUDA graphs, in SGLang's (1 - f) share).
 B is what fits next to the trainer's memory while it holds its optimizer state; the engines
 start after the trainer is built and before its first step (and before a checkpoint is loaded),
@@ -72,6 +77,7 @@ GiB = 1 << 30
 OVERHEAD = 4 * GiB
 ENGINE_CONTEXT = 1 * GiB  # an engine server's CUDA context and NCCL communicators, before SGLang measures free memory
 ENGINE_RUNTIME = 3 * GiB  # its activations and CUDA graphs, in the (1 - mem_fraction_static) share SGLang leaves
+TRAINER_ASLEEP = 2 * GiB  # what a sleeping trainer keeps: its CUDA context and NCCL communicators
 USABLE = 0.9  # of a GPU's memory
 
 @dataclass
@@ -82,6 +88,7 @@ class Workload:
     rollout_batch: int = 512 * 16  # sequences generated per step (prompts x samples)
     kl: bool = False  # a frozen reference model (KL loss or KL in the reward)
     critic: bool = False  # PPO's value model on the same GPUs
+    sleep: bool = True  # colocated: the trainer sleeps while the engines generate (trainer.sleep_during_generation)
 
     @property
     def sequence(self) -> int:
@@ -121,6 +128,7 @@ class Estimate:
     problems: list[str] = field(default_factory=list)
     ep: int = 1  # expert parallelism (a mixture of experts; expert TP 1)
     moe: bool = False
+    sleep: bool = False  # colocated engines sized next to a sleeping trainer
 
     @property
     def static(self) -> int:
@@ -179,22 +187,26 @@ def estimate(shape: ModelShape, world: int, gpus_per_node: int, gpu_bytes: int, 
                         f"{gpu_bytes / GiB:.0f} GiB")
     e = Estimate(tp, pp, cp, dp, recompute, offload, weights, grads, optimizer, reference, critic, activations,
                  logits, OVERHEAD, peak, rollout_gpus=rollout_gpus, problems=problems, ep=ep, moe=s.is_moe)
+    e.sleep = work.sleep and not rollout_gpus
     _size_engines(e, shape, world, gpus_per_node, gpu_bytes, work)
     return e
 
 
-def engine_memory(e: Estimate, gpu_bytes: int) -> tuple[int, int]:
+def engine_memory(e: Estimate, gpu_bytes: int, sleep: bool = False) -> tuple[int, int]:
     """(B, F): what an engine's weights and KV cache may take on one of its GPUs, and the memory
     free there when it starts (what SGLang's mem_fraction_static is a fraction of)."""
     if e.rollout_gpus:
         return int(USABLE * gpu_bytes) - ENGINE_CONTEXT - ENGINE_RUNTIME, gpu_bytes - ENGINE_CONTEXT
+    if sleep:  # the trainer asleep from before the engines start: its CUDA context is all it keeps
+        return (int(USABLE * gpu_bytes) - TRAINER_ASLEEP - ENGINE_CONTEXT - ENGINE_RUNTIME,
+                gpu_bytes - TRAINER_ASLEEP - ENGINE_CONTEXT)
     return (int(USABLE * gpu_bytes) - e.static - OVERHEAD - ENGINE_CONTEXT - ENGINE_RUNTIME,
             gpu_bytes - e.static_at_launch - OVERHEAD - ENGINE_CONTEXT)
 
 
 def _size_engines(e: Estimate, shape: ModelShape, world: int, gpus_per_node: int, gpu_bytes: int,
                   work: Workload) -> None:
-    budget, free = engine_memory(e, gpu_bytes)
+    budget, free = engine_memory(e, gpu_bytes, work.sleep)
     engine_gpus = e.rollout_gpus or world
     total = 2 * shape.params()
     sizes = [t for t in (1, 2, 4, 8) if t <= gpus_per_node and engine_gpus % t == 0]
@@ -206,6 +218,7 @@ def _size_engines(e: Estimate, shape: ModelShape, world: int, gpus_per_node: int
         e.engine_tp, e.engines = fits[0], engine_gpus // fits[0]
     if not e.engine_tp:
         where = (f"on GPUs of {gpu_bytes / GiB:.0f} GiB" if e.rollout_gpus
+                 else f"next to the sleeping trainer's {TRAINER_ASLEEP / GiB:.0f} GiB" if work.sleep
                  else f"next to the trainer's {e.static / GiB:.1f} GiB")
         e.problems.append(f"no room for SGLang engines {where} (an engine's weights would take more than half "
                           f"of the {max(budget, 0) / GiB:.1f} GiB left, and leave no KV cache for one "
@@ -265,7 +278,9 @@ def parse_bytes(text: str) -> int:
 def render(shape: ModelShape, nodes: int, gpus_per_node: int, gpu_bytes: int, work: Workload,
            estimates: list[Estimate], top: int, rollout_gpus: int = 0) -> str:
     g = lambda b: f"{b / GiB:6.1f}"  # noqa: E731
-    engines = f"{rollout_gpus} of them the engines' own" if rollout_gpus else "engines colocated with the trainer"
+    engines = (f"{rollout_gpus} of them the engines' own" if rollout_gpus else
+               "engines colocated with the trainer, which sleeps while they generate" if work.sleep else
+               "engines colocated with the trainer, which keeps its memory")
     lines = [f"{shape.spec.family} model, {shape.params() / 1e9:.2f}B parameters; {nodes} nodes x {gpus_per_node} "
              f"GPUs of {gpu_bytes / GiB:.0f} GiB ({engines}); sequences up to {work.sequence} tokens "
              f"({work.max_prompt_length} prompt + {work.max_response_length} response), micro-batches of "
@@ -306,6 +321,8 @@ def overrides(e: Estimate) -> list[str]:
             out += [f"{w}.parallel.expert_model_parallel_size={e.ep}", f"{w}.parallel.expert_tensor_parallel_size=1"]
     mode = "disaggregated" if e.rollout_gpus else "colocated"
     engines = [f"rollout.expert_parallel_size={e.engine_tp}"] if e.moe else []
+    if not e.rollout_gpus and not e.sleep:
+        engines.append("trainer.sleep_during_generation=false")
     return out + [f"rollout.mode={mode}", f"rollout.tensor_parallel_size={e.engine_tp}",
                   f"rollout.gpu_memory_utilization={e.mem_fraction_static}", *engines]
 
@@ -325,6 +342,9 @@ def add_plan_command(sub) -> None:
     p.add_argument("--rollout-gpus", type=int, default=0,
                    help="GPUs of the engines' own (rollout.mode=disaggregated), the trainer takes the rest; "
                         "0 = engines colocated on the trainer's GPUs")
+    p.add_argument("--no-sleep", action="store_true",
+                   help="colocated engines next to a trainer that keeps its memory while they generate "
+                        "(trainer.sleep_during_generation=false); by default it sleeps")
     p.add_argument("--top", type=int, default=5, help="feasible layouts to show")
     p.add_argument("--json", action="store_true", help="every layout as JSON")
     p.add_argument("--overrides", action="store_true",
@@ -338,7 +358,7 @@ def _plan_command(args: argparse.Namespace) -> int:
     shape = ModelShape.load(args.model)
     gpu = parse_bytes(args.gpu_memory)
     work = Workload(args.max_prompt_length, args.max_response_length, args.max_tokens_per_gpu, args.rollout_batch,
-                    args.kl, args.critic)
+                    args.kl, args.critic, sleep=not args.no_sleep)
     estimates = plan_layouts(shape, args.nodes, args.gpus_per_node, gpu, work, args.rollout_gpus)
     feasible = [e for e in estimates if not e.problems]
     table = render(shape, args.nodes, args.gpus_per_node, gpu, work, estimates, args.top, args.rollout_gpus)

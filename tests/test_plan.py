@@ -26,7 +26,7 @@ def test_parameter_counts():
 
 def test_qwen2_5_32b_tp8_pp2_dp4_by_hand():
     shape = ModelShape.load("Qwen2.5-32B")
-    e = estimate(shape, 64, 8, GPU, Workload(2048, 20480), tp=8, pp=2)
+    e = estimate(shape, 64, 8, GPU, Workload(2048, 20480, sleep=False), tp=8, pp=2)  # the trainer awake
     # largest stage: 32 layers + the vocabulary padded to a multiple of 128 x 8 (152576) + the final norm
     stage = 32 * 487_605_248 + 152576 * 5120 + 5120
     assert e.weights == 2 * stage // 8 == 4_096_140_544
@@ -61,6 +61,24 @@ def test_qwen2_5_32b_tp8_pp2_dp4_by_hand():
     assert e.static + 8 * GiB + 49_645_608_672 == 76_668_175_712 <= int(0.9 * GPU)
 
 
+def test_qwen2_5_32b_engines_next_to_a_sleeping_trainer_by_hand():
+    """The layout above with the trainer asleep while the engines generate (the default): it keeps
+    2 GiB (its CUDA context and communicators) and sleeps before the engines start."""
+    e = estimate(ModelShape.load("Qwen2.5-32B"), 64, 8, GPU, Workload(2048, 20480), tp=8, pp=2)
+    assert e.sleep and e.train_peak == 67_872_990_848  # training itself is as above
+    budget = 77_309_411_328 - 2 * GiB - 1 * GiB - 3 * GiB
+    assert budget == 70_866_960_384
+    # TP 1 would put 65_527_752_704 bytes of weights in more than B / 2; TP 2 puts 32_763_876_352
+    assert (e.engine_tp, e.engines) == (2, 32)
+    free = GPU - 2 * GiB - 1 * GiB
+    assert free == 82_678_120_448
+    assert e.mem_fraction_static == 0.85  # 70_866_960_384 / 82_678_120_448 = 0.857
+    assert e.kv_cache == 70_276_402_380 - 32_763_876_352 == 37_512_526_028  # int(0.85 x free) - engine weights
+    assert e.kv_tokens == 37_512_526_028 // (2 * 64 * (8 // 2) * 128 * 2) == 286_197  # 4 KV heads per GPU
+    assert e.sequences_per_engine == 286_197 // 22528 == 12
+    assert e.rollout_waves == -(-8192 // (12 * 32)) == 22
+
+
 def test_qwen2_5_7b_tp4_with_recompute_by_hand():
     shape = ModelShape.load("Qwen2.5-7B")
     work = Workload(max_prompt_length=1024, max_response_length=7168, max_tokens_per_gpu=16384)
@@ -91,7 +109,8 @@ def test_offload_reference_and_critic_terms():
 def test_engines_start_before_the_critic_and_actor_have_adam_moments():
     """PPO with a KL reference, Qwen2.5-7B TP 4 with recompute on 8 GPUs (DP 2): at the engines'
     start neither the actor's nor the critic's Adam m, v exist."""
-    e = estimate(ModelShape.load("Qwen2.5-7B"), 8, 8, GPU, Workload(kl=True, critic=True), tp=4, pp=1, recompute=True)
+    e = estimate(ModelShape.load("Qwen2.5-7B"), 8, 8, GPU, Workload(kl=True, critic=True, sleep=False), tp=4, pp=1,
+                 recompute=True)
     weights, grads, optimizer = 3_807_808_256, 7_615_616_512, 11_423_424_768  # 2, 4, 12/DP bytes x 7.6e9 / 4
     static = weights + grads + optimizer + weights + (weights + grads + optimizer)  # actor, reference, critic
     assert e.static == static == 49_501_507_328
@@ -128,8 +147,8 @@ def test_disaggregated_engines_on_gpus_of_their_own():
 
 def test_every_colocated_plan_fits_next_to_the_stepped_trainer():
     """Whatever layout is picked, SGLang's static share (f x the memory free at its start) plus
-    its runtime, next to the trainer's memory after a step, stays within 90% of the GPU."""
-    for e in plan_layouts(ModelShape.load("Qwen2.5-32B"), 4, 8, GPU, Workload(critic=True)):
+    its runtime, next to the trainer's memory after a step (awake), stays within 90% of the GPU."""
+    for e in plan_layouts(ModelShape.load("Qwen2.5-32B"), 4, 8, GPU, Workload(critic=True, sleep=False)):
         if e.problems:
             continue
         free = GPU - e.static_at_launch - 5 * GiB
@@ -157,7 +176,7 @@ def test_plan_prefers_layouts_without_offload_or_recompute():
     estimates = plan_layouts(ModelShape.load("Qwen2.5-32B"), 8, 8, GPU, Workload())
     best = estimates[0]
     assert (best.tp, best.pp, best.dp, best.recompute, best.offload) == (8, 2, 4, False, False)
-    assert (best.engine_tp, best.engines) == (4, 16)
+    assert (best.engine_tp, best.engines) == (2, 32)  # next to the sleeping trainer (worked out below)
     feasible = [e for e in estimates if not e.problems]
     keys = [(e.offload, e.recompute, e.cp, e.pp, e.tp) for e in feasible]
     assert keys == sorted(keys)
@@ -202,8 +221,13 @@ def test_command_line(capsys, tmp_path):
                           "actor.parallel.context_parallel_size=1", "actor.parallel.data_parallel_size=4"]
     from megarl.config import load_config  # the overrides are valid keys of a run
     cfg = load_config(str(Path(__file__).parents[1] / "examples/dapo/dapo_qwen2.5_32b.yaml"), layout)
-    assert cfg.rollout.tensor_parallel_size == 4
-    assert (cfg.rollout.mode, cfg.rollout.gpu_memory_utilization) == ("colocated", 0.75)  # worked out above
+    assert cfg.rollout.tensor_parallel_size == 2
+    assert (cfg.rollout.mode, cfg.rollout.gpu_memory_utilization) == ("colocated", 0.85)  # worked out below
+    assert main(["plan", "--model", "Qwen2.5-32B", "--nodes", "8", "--overrides", "--no-sleep"]) == 0
+    awake = load_config(str(Path(__file__).parents[1] / "examples/dapo/dapo_qwen2.5_32b.yaml"),
+                        capsys.readouterr().out.split())
+    assert (awake.rollout.tensor_parallel_size, awake.rollout.gpu_memory_utilization) == (4, 0.75)  # worked out above
+    assert awake.trainer.sleep_during_generation is False
     (tmp_path / "config.json").write_text('{"model_type": "gpt2", "vocab_size": 10}')
     assert main(["plan", "--model", str(tmp_path), "--nodes", "1"]) == 1  # unsupported family: a clear error
     assert "not supported" in capsys.readouterr().err
@@ -230,7 +254,7 @@ def test_qwen3_30b_a3b_parameters_by_hand():
 def test_qwen3_30b_a3b_tp4_cp2_ep8_by_hand():
     """2 nodes: attention over TP 4 x CP 2 x DP 2, the experts over EP 8 x expert DP 2 (expert TP 1)."""
     shape = ModelShape.load("Qwen3-30B-A3B")
-    e = estimate(shape, 16, 8, GPU, Workload(2048, 20480, 22528), tp=4, pp=1, cp=2, ep=8)
+    e = estimate(shape, 16, 8, GPU, Workload(2048, 20480, 22528, sleep=False), tp=4, pp=1, cp=2, ep=8)
     rest = 48 * (18_874_368 + 4352 + 262_144) + 152064 * 2048 * 2 + 2048  # vocabulary padded to 512 x 297
     experts = 48 * 603_979_776
     assert e.weights == int(2 * (rest / 4 + experts / 8)) == 8_018_566_144
@@ -252,13 +276,15 @@ def test_expert_layouts_that_cannot_work_say_why():
     assert "EP=2 needs a mixture of experts" in estimate(dense, 8, 8, GPU, Workload(), tp=1, pp=1, ep=2).problems
 
 
-def test_qwen3_235b_a22b_engines_need_gpus_of_their_own():
-    """An engine's bf16 weights take 59 GB of each of 8 GPUs: never next to the trainer; on GPUs of
-    their own, a layout fits on 8 and on 16 nodes."""
+def test_qwen3_235b_a22b_engines_need_gpus_of_their_own_or_a_sleeping_trainer():
+    """An engine's bf16 weights take 59 GB of each of 8 GPUs: never next to an awake trainer; on GPUs
+    of their own, a layout fits on 8 and on 16 nodes; next to a trainer that sleeps, too."""
     shape = ModelShape.load("Qwen3-235B-A22B")
     assert 2 * shape.params() / 8 > 58e9
     for nodes in (8, 16):
-        colocated = plan_layouts(shape, nodes, 8, GPU, Workload(2048, 20480, 22528))
+        colocated = plan_layouts(shape, nodes, 8, GPU, Workload(2048, 20480, 22528, sleep=False))
         assert all(any("no room for SGLang engines" in p for p in e.problems) for e in colocated)
+        asleep = plan_layouts(shape, nodes, 8, GPU, Workload(2048, 20480, 22528))[0]
+        assert not asleep.problems and asleep.engine_tp == 8 and not asleep.rollout_gpus
         best = plan_layouts(shape, nodes, 8, GPU, Workload(2048, 20480, 22528), rollout_gpus=nodes * 4)[0]
         assert not best.problems and best.engine_tp == 8 and best.ep > 1
