@@ -72,6 +72,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 
 from megarl.planner_models import KNOWN_MODELS, ModelShape  # noqa: F401 (the command's public names)
+from megarl.planner_time import GPUS, StepTime, StepWork, describe, estimate_step
 
 GiB = 1 << 30
 OVERHEAD = 4 * GiB
@@ -262,6 +263,17 @@ def plan_layouts(shape: ModelShape, nodes: int, gpus_per_node: int, gpu_bytes: i
     return sorted(out, key=preference)
 
 
+def step_time(shape: ModelShape, e: Estimate, nodes: int, gpus_per_node: int, work: Workload, prompt: float,
+              response: float, gpu: str = "H100") -> StepTime:
+    """megarl.planner_time's estimate of one step on layout `e`, sequences of `prompt` + `response`
+    tokens on average."""
+    world = nodes * gpus_per_node - e.rollout_gpus
+    step = StepWork(work.rollout_batch, prompt, response, work.max_response_length, forwards=1 + work.kl,
+                    recompute=e.recompute, critic=work.critic)
+    return estimate_step(shape, step, train_gpus=world, engine_gpus=e.rollout_gpus or world, engine_tp=e.engine_tp,
+                         kv_tokens_per_engine=e.kv_tokens, colocated=not e.rollout_gpus, gpu=GPUS[gpu])
+
+
 def preference(e: Estimate) -> tuple:
     return bool(e.problems), e.offload, e.recompute, e.cp, e.pp, e.tp, e.ep
 
@@ -345,6 +357,13 @@ def add_plan_command(sub) -> None:
     p.add_argument("--no-sleep", action="store_true",
                    help="colocated engines next to a trainer that keeps its memory while they generate "
                         "(trainer.sleep_during_generation=false); by default it sleeps")
+    p.add_argument("--mean-prompt-length", type=float, default=None,
+                   help="mean prompt tokens, for the step-time estimate (default: half the longest)")
+    p.add_argument("--mean-response-length", type=float, default=None,
+                   help="mean response tokens, for the step-time estimate (default: half the longest)")
+    p.add_argument("--gpu", choices=sorted(GPUS), default="H100", help="the GPU the step time is estimated for")
+    p.add_argument("--estimate", action="store_true",
+                   help="print only the step-time estimate of the recommended layout; status 1 if none fits")
     p.add_argument("--top", type=int, default=5, help="feasible layouts to show")
     p.add_argument("--json", action="store_true", help="every layout as JSON")
     p.add_argument("--overrides", action="store_true",
@@ -362,6 +381,16 @@ def _plan_command(args: argparse.Namespace) -> int:
     estimates = plan_layouts(shape, args.nodes, args.gpus_per_node, gpu, work, args.rollout_gpus)
     feasible = [e for e in estimates if not e.problems]
     table = render(shape, args.nodes, args.gpus_per_node, gpu, work, estimates, args.top, args.rollout_gpus)
+    prompt = args.mean_prompt_length or args.max_prompt_length / 2
+    response = args.mean_response_length or args.max_response_length / 2
+    timing = describe(step_time(shape, feasible[0], args.nodes, args.gpus_per_node, work, prompt, response, args.gpu),
+                      GPUS[args.gpu]) if feasible else ""
+    if args.estimate:
+        if not feasible:
+            print(table, file=sys.stderr)
+            return 1
+        print(timing)
+        return 0
     if args.overrides:
         if not feasible:
             print(table, file=sys.stderr)
@@ -372,5 +401,6 @@ def _plan_command(args: argparse.Namespace) -> int:
         json.dump([asdict(e) for e in estimates], sys.stdout, indent=1)
         print()
     else:
-        print(table)
+        print(table + (f"\n{timing}\n  for prompts of {prompt:.0f} and responses of {response:.0f} tokens on average "
+                       "(--mean-prompt-length, --mean-response-length)" if timing else ""))
     return 0 if feasible else 1

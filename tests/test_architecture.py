@@ -25,8 +25,8 @@ LAYERS = [
     ("parts", ["megarl.backends", "megarl.rollout", "megarl.tracking", "megarl.checkpoint"]),
     ("runtime", ["megarl.runtime"]),
     ("loop", ["megarl.components", "megarl.experience", "megarl.export", "megarl.async_rollouts", "megarl.train"]),
-    ("commands", ["megarl.cli", "megarl.planner", "megarl.planner_models", "megarl.quickstart", "megarl.data.prepare",
-                  "megarl.retrieval.commands"]),
+    ("commands", ["megarl.cli", "megarl.planner", "megarl.planner_models", "megarl.planner_time", "megarl.quickstart",
+                  "megarl.data.prepare", "megarl.retrieval.commands"]),
 ]
 
 

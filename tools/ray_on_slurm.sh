@@ -184,6 +184,10 @@ megarl_train_on_slurm() {
         layout=$("$megarl" plan --model "$plan_model" --nodes "$nodes" --gpus-per-node "${GPUS_PER_NODE:-8}" \
                  --gpu-memory "${GPU_MEMORY:-80GB}" ${PLAN_ARGS:-} --overrides) || {
             echo "megarl: no layout of $plan_model fits $nodes nodes (megarl plan above)" >&2; return 1; }
+        # what a step of it should take (megarl plan's estimate; docs/planning.md), before anything starts
+        # shellcheck disable=SC2086
+        "$megarl" plan --model "$plan_model" --nodes "$nodes" --gpus-per-node "${GPUS_PER_NODE:-8}" \
+            --gpu-memory "${GPU_MEMORY:-80GB}" ${PLAN_ARGS:-} --estimate >&2 || true
     fi
     local args=(train "$config" "model.path=$MODEL_PATH" "trainer.output_dir=$OUTPUT_DIR"
                 "cluster.ray_address=auto" "cluster.nnodes=$nodes" "cluster.gpus_per_node=${GPUS_PER_NODE:-8}")
