@@ -274,6 +274,27 @@ def step_time(shape: ModelShape, e: Estimate, nodes: int, gpus_per_node: int, wo
                          kv_tokens_per_engine=e.kv_tokens, colocated=not e.rollout_gpus, gpu=GPUS[gpu])
 
 
+def what_would_fit(shape: ModelShape, nodes: int, gpus_per_node: int, gpu_bytes: int, work: Workload,
+                   rollout_gpus: int = 0) -> list[str]:
+    """Where no layout fits: the changes that would give one (the engines on GPUs of their own,
+    the trainer asleep while they generate, twice or four times the nodes), each checked."""
+    def fits(n: int, rollout: int, w: Workload) -> bool:
+        return any(not e.problems for e in plan_layouts(shape, n, gpus_per_node, gpu_bytes, w, rollout))
+
+    found = []
+    if not rollout_gpus and fits(nodes, nodes * gpus_per_node // 2, work):
+        found.append(f"the engines on {nodes * gpus_per_node // 2} GPUs of their own (--rollout-gpus "
+                     f"{nodes * gpus_per_node // 2}, rollout.mode=disaggregated)")
+    if not rollout_gpus and not work.sleep and fits(nodes, 0, Workload(**{**asdict(work), "sleep": True})):
+        found.append("the trainer asleep while the engines generate (trainer.sleep_during_generation, without --no-sleep)")
+    for more in (2 * nodes, 4 * nodes):
+        if fits(more, rollout_gpus * more // nodes, work):
+            found.append(f"{more} nodes")
+            break
+    return found or ["none of: the engines on GPUs of their own, the trainer asleep, 4x the nodes; shorter "
+                     "sequences or GPUs with more memory (FP8 engine weights are not planned for yet)"]
+
+
 def preference(e: Estimate) -> tuple:
     return bool(e.problems), e.offload, e.recompute, e.cp, e.pp, e.tp, e.ep
 
@@ -391,6 +412,9 @@ def _plan_command(args: argparse.Namespace) -> int:
             return 1
         print(timing)
         return 0
+    if not feasible:
+        table += "\n\nwould fit with: " + "; or ".join(
+            what_would_fit(shape, args.nodes, args.gpus_per_node, gpu, work, args.rollout_gpus))
     if args.overrides:
         if not feasible:
             print(table, file=sys.stderr)

@@ -59,3 +59,47 @@ def test_twice_the_gpus_halve_the_compute_and_the_long_tail_stays():
     assert large.training == pytest.approx(small.training / 2) and large.log_probs == pytest.approx(small.log_probs / 2)
     assert large.generation == small.generation  # 4000 decode steps of one sequence either way
     assert large.one_step_off is None  # colocated engines cannot overlap with training
+
+
+# the peers' published runs (model, nodes of 8 GPUs, GPU, lengths, samples a step, KL), as issue 34 lists
+# them: NeMo-RL's Qwen3-235B-A22B (8k sequences) and Qwen3-32B (4k), slime's Qwen3-30B-A3B example
+# (one node, responses up to 8,192), verl's DAPO Qwen2.5-32B recipe (H800, responses up to 20,480)
+PEERS = [("Qwen3-235B-A22B", 16, "80GB", "H100", 512, 7680, 512, True),
+         ("Qwen3-30B-A3B", 1, "80GB", "H100", 1024, 8192, 32, False),
+         ("Qwen3-32B", 4, "80GB", "H100", 256, 3840, 2048, True),
+         ("Qwen2.5-32B", 16, "80GB", "H800", 2048, 20480, 8192, False)]
+
+
+@pytest.mark.parametrize("model, nodes, memory, gpu, prompt, response, samples, kl", PEERS, ids=[p[0] for p in PEERS])
+def test_each_peers_run_gets_a_colocated_layout_that_fits_and_an_estimate(capsys, model, nodes, memory, gpu, prompt,
+                                                                          response, samples, kl):
+    from megarl.cli import main
+    from megarl.planner import Workload, plan_layouts, step_time
+
+    shape, work = ModelShape.load(model), Workload(prompt, response, None, samples, kl)
+    best = next(e for e in plan_layouts(shape, nodes, 8, GPU, work) if not e.problems)
+    assert best.rollout_gpus == 0 and best.sleep  # colocated, the trainer asleep while the engines generate
+    assert best.train_peak <= 0.9 * GPU and best.sequences_per_engine >= 1 and best.engine_tp <= 8
+    t = step_time(shape, best, nodes, 8, work, prompt / 2, response / 2, gpu)
+    assert t.generation > 0 and t.training > 0 and t.synchronous == pytest.approx(
+        t.generation + t.log_probs + t.training + t.weight_sync)
+    args = ["plan", "--model", model, "--nodes", str(nodes), "--gpu-memory", memory, "--gpu", gpu, "--max-prompt-length",
+            str(prompt), "--max-response-length", str(response), "--rollout-batch", str(samples)] + ["--kl"] * kl
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "colocated with the trainer, which sleeps" in out and f"step time, estimated for {gpu}" in out
+
+
+def test_where_nothing_fits_the_plan_says_what_would():
+    from megarl.cli import main
+    from megarl.planner import Workload, plan_layouts, what_would_fit
+
+    shape = ModelShape.load("Qwen3-235B-A22B")
+    awake = Workload(512, 7680, None, 512, True, sleep=False)  # next to an awake trainer: no room for the engines
+    assert what_would_fit(shape, 16, 8, GPU, awake) == [
+        "the engines on 64 GPUs of their own (--rollout-gpus 64, rollout.mode=disaggregated)",
+        "the trainer asleep while the engines generate (trainer.sleep_during_generation, without --no-sleep)"]
+    small, dense = 24 * GiB, ModelShape.load("Qwen2.5-32B")
+    fits = [n for n in (1, 2) if any(not e.problems for e in plan_layouts(dense, n, 8, small, Workload()))]
+    assert fits == [2] and what_would_fit(dense, 1, 8, small, Workload()) == ["2 nodes"]  # the fewest that fit
+    assert main(["plan", "--model", "Qwen2.5-72B", "--nodes", "1", "--gpu-memory", "24GB"]) == 1
