@@ -34,15 +34,18 @@ def response(code: str) -> str:
 
 
 def sandbox_processes() -> list[int]:
-    """Processes of the sandbox uids megarl uses as root (none may outlive a case)."""
+    """Processes of the sandbox uids megarl uses as root that still run (none may outlive a
+    case); not zombies, which have ended and wait to be reaped (the namespace's init, orphaned
+    when bubblewrap exits, waits for the system's init, seconds on some machines)."""
     found = []
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
             try:
                 uid = entry.stat().st_uid
+                stat = Path(f"/proc/{entry.name}/stat").read_text()
             except OSError:
                 continue
-            if SANDBOX_UID_BASE <= uid < SANDBOX_UID_BASE + 1000:
+            if SANDBOX_UID_BASE <= uid < SANDBOX_UID_BASE + 1000 and stat[stat.rindex(")") + 2] not in "ZX":
                 found.append(int(entry.name))
     return found
 

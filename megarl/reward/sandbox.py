@@ -287,13 +287,24 @@ def _processes_of(uid: int) -> int:
     return count
 
 
+def _running(pid: int) -> bool:
+    """Not a zombie (a zombie has ended: it waits for its parent, or the system's init once
+    orphaned, to reap it, which may take seconds; nothing can kill it sooner)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] not in "ZX"  # the state, after the command name in parentheses
+
+
 def _end_processes_of(uid: int, wait_s: float = 10.0) -> None:
     """Once bubblewrap has exited, its namespace's processes are still being torn down by the
-    kernel (a fork bomb's many take a while on a busy machine): kill what is left of the
-    sandbox's uid and wait until none is, so that no process outlives its case and the uid's next
-    sandbox starts with none counted against its process limit."""
+    kernel (a fork bomb's many take a while on a busy machine): kill what still runs under the
+    sandbox's uid and wait until nothing does, so that no process outlives its case. (The
+    namespace's init, orphaned when bubblewrap exits, stays a zombie until the system's init
+    reaps it: nothing is waited for that.)"""
     end = time.monotonic() + wait_s
-    while pids := _pids_of(uid):
+    while pids := [pid for pid in _pids_of(uid) if _running(pid)]:
         if time.monotonic() > end:
             log.warning("sandbox uid %d: %d processes still there %.0f s after their sandbox was killed (pids %s)",
                         uid, len(pids), wait_s, pids[:10])
