@@ -21,6 +21,7 @@ EP2 = ["actor.parallel.expert_model_parallel_size=2"]
 REFERENCE = ["algorithm.use_kl_loss=true"]
 
 
+@pytest.mark.slow  # 35 s: with the megatron runs of make test-slow
 @pytest.mark.parametrize("family, ranks, layout", [("qwen2", 4, TP2_PP2 + REFERENCE), ("qwen3_moe", 2, EP2)],
                          ids=["tp2-pp2-reference", "ep2"])
 def test_every_tensor_comes_back_bit_for_bit_and_the_next_update_is_unchanged(tmp_path, family, ranks, layout):
