@@ -62,7 +62,12 @@ class RolloutConfig(SamplingConfig):
     engine: Literal["local", "sglang"] = param("local", "local = embedded in-process engine; sglang = a fleet of "
                                                "engine servers (rollout.sglang) launched by Ray.")
     max_response_length: int = param(20480, "Longest response in tokens (all turns of a trajectory together).", gt=0)
-    tensor_parallel_size: int = param(1, "GPUs per rollout engine (SGLang --tp).", gt=0)
+    tensor_parallel_size: int = param(1, "GPUs per rollout engine (SGLang --tp); more than a node's GPUs makes "
+                                      "an engine span several nodes (rollout.nodes_per_engine).", gt=0)
+    nodes_per_engine: int | None = param(
+        None, "Nodes one engine spans (SGLang --nnodes): None = as many as its TP needs (tensor_parallel_size / "
+        "cluster.gpus_per_node, at least 1). On the CPU (cluster.gpus_per_node=0) each node holds one TP rank of "
+        "SGLang's server, so tensor_parallel_size must equal it.", gt=0)
     expert_parallel_size: int = param(
         1, "Expert parallelism inside each engine, a mixture of experts' experts split over its GPUs (SGLang "
         "--ep-size; divides tensor_parallel_size).", gt=0)
@@ -103,18 +108,13 @@ def check_rollout(cfg, problems: Problems) -> None:
                      "every user of the node can read it (and the saved config records it)",
                      "remove it: megarl gives the servers and the router a key of its own, or set "
                      "$MEGARL_ENGINE_API_KEY (or rollout.sglang.api_key)")
+    check_engine_nodes(cfg, problems)
     if c.gpus_per_node == 0:
-        if r.sglang.server == "sglang" and r.tensor_parallel_size > 1:
-            problems.add("rollout.tensor_parallel_size", f"{r.tensor_parallel_size}: SGLang's CPU engine "
-                         "(cluster.gpus_per_node=0) runs one process per engine", "use 1 on the CPU")
         return
     if r.tensor_parallel_size % r.expert_parallel_size:
         problems.add("rollout.expert_parallel_size", f"{r.expert_parallel_size} does not divide the engine's "
                      f"{r.tensor_parallel_size} GPUs (rollout.tensor_parallel_size)",
                      "SGLang splits the experts over the GPUs of one engine: choose a divisor of its TP")
-    if r.tensor_parallel_size > c.gpus_per_node:
-        problems.add("rollout.tensor_parallel_size", f"{r.tensor_parallel_size} GPUs per engine is more than "
-                     f"cluster.gpus_per_node={c.gpus_per_node}", "an engine's TP ranks share one node")
     if r.mode == "colocated" and cfg.train_world_size() % r.tensor_parallel_size:
         problems.add("rollout.tensor_parallel_size", f"{r.tensor_parallel_size} does not divide the "
                      f"{cfg.train_world_size()} train GPUs the engines share (rollout.mode=colocated)",
@@ -127,3 +127,34 @@ def check_rollout(cfg, problems: Problems) -> None:
         problems.add("rollout.mode", f"disaggregated engines need GPUs of their own, but the trainer takes all "
                      f"{c.nnodes * c.gpus_per_node}", "set actor.parallel.data_parallel_size lower, or "
                      "rollout.mode=colocated")
+
+
+def engine_nodes(cfg) -> int:
+    """The nodes one engine spans (rollout.nodes_per_engine, or as many as its TP needs)."""
+    r, gpus = cfg.rollout, cfg.cluster.gpus_per_node
+    if r.nodes_per_engine is not None:
+        return r.nodes_per_engine
+    return -(-r.tensor_parallel_size // gpus) if gpus else 1
+
+
+def check_engine_nodes(cfg, problems: Problems) -> None:
+    """An engine across nodes: SGLang's server (the embedded one is one process), an equal share
+    of its TP ranks on each node, and the nodes to hold it."""
+    r, c, nodes = cfg.rollout, cfg.cluster, engine_nodes(cfg)
+    tp = r.tensor_parallel_size
+    if nodes > 1 and r.sglang.server == "embedded":
+        problems.add("rollout.nodes_per_engine", f"{nodes} nodes per engine: megarl's embedded server runs an "
+                     "engine in one process", "use rollout.sglang.server=sglang for engines across nodes")
+    if not c.gpus_per_node:
+        if r.sglang.server == "sglang" and tp != nodes:
+            problems.add("rollout.tensor_parallel_size", f"{tp} TP ranks on {nodes} node(s): SGLang's CPU engine "
+                         "(cluster.gpus_per_node=0) runs one TP rank per node", f"set rollout.nodes_per_engine={tp}")
+        return
+    if tp % nodes or tp // nodes > c.gpus_per_node or (nodes > 1 and tp != nodes * c.gpus_per_node):
+        key = "rollout.tensor_parallel_size" if r.nodes_per_engine is None else "rollout.nodes_per_engine"
+        problems.add(key, f"an engine of {tp} GPUs on {nodes} node(s) of {c.gpus_per_node} GPUs does not fill them "
+                     "(an engine across nodes takes whole nodes)", f"choose rollout.tensor_parallel_size up to "
+                     f"{c.gpus_per_node}, or a multiple of it, and leave rollout.nodes_per_engine null")
+    if nodes > c.nnodes:
+        problems.add("rollout.tensor_parallel_size", f"an engine of {tp} GPUs spans {nodes} nodes, more than "
+                     f"cluster.nnodes={c.nnodes}", "lower the engine's TP or add nodes")

@@ -53,7 +53,8 @@ start after the trainer is built and before its first step (and before a checkpo
 when Adam's m and v (8 of the optimizer's 12 bytes) do not exist yet: static at launch = static
 - 2/3 optimizer (the critic's too). The engine TP is the smallest (1, 2, 4, 8) whose weights
 take at most half of B (else, for a model whose weights fill a node, the smallest whose weights
-leave KV cache for one sequence).
+leave KV cache for one sequence); where none within a node fits, an engine spans 2 or 4 whole
+nodes by the same two rules.
 
 These are estimates for choosing a layout, not measurements; layouts are listed by
 preference (no offload, no recompute, no context parallelism, fewer pipeline stages, smaller
@@ -210,11 +211,15 @@ def _size_engines(e: Estimate, shape: ModelShape, world: int, gpus_per_node: int
     budget, free = engine_memory(e, gpu_bytes, work.sleep)
     engine_gpus = e.rollout_gpus or world
     total = 2 * shape.params()
-    sizes = [t for t in (1, 2, 4, 8) if t <= gpus_per_node and engine_gpus % t == 0]
+    within = [t for t in (1, 2, 4, 8) if t <= gpus_per_node and engine_gpus % t == 0]
+    across = [gpus_per_node * n for n in (2, 4) if engine_gpus % (gpus_per_node * n) == 0]
     # weights in at most half of the budget; else (a model whose weights fill a node: a large
-    # mixture of experts) the smallest TP that leaves KV cache for one sequence
-    fits = [t for t in sizes if total / t <= budget / 2] or \
-        [t for t in sizes if budget - total / t >= work.sequence * shape.kv_bytes_per_token(t)]
+    # mixture of experts) the smallest TP that leaves KV cache for one sequence; an engine
+    # spans whole nodes (SGLang --nnodes: megarl.rollout.engine_unit) only where none within one fits
+    fits = []
+    for sizes in (within, across):
+        fits = fits or [t for t in sizes if total / t <= budget / 2] or \
+            [t for t in sizes if budget - total / t >= work.sequence * shape.kv_bytes_per_token(t)]
     if fits:
         e.engine_tp, e.engines = fits[0], engine_gpus // fits[0]
     if not e.engine_tp:

@@ -3,6 +3,8 @@ engine's Ray actor (ServerActor), for fleet tests on one server without Ray."""
 
 from __future__ import annotations
 
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 
@@ -12,11 +14,15 @@ class InThisProcess:
 
     def __init__(self, process):
         self.process = process
+        self.thread = ThreadPoolExecutor(1)
 
     def __getattr__(self, method: str):
         call = getattr(self.process, method)
 
         async def remote(*args):
-            return call(*args)
+            # in a thread of its own that lives as long as this object, as a Ray actor's methods run
+            # apart (the ranks of an engine start together) in one thread: a server process gets
+            # SIGKILL when the thread that started it ends (PR_SET_PDEATHSIG)
+            return await asyncio.get_running_loop().run_in_executor(self.thread, call, *args)
 
         return SimpleNamespace(remote=remote)

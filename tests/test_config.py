@@ -131,7 +131,15 @@ def test_out_of_range(override, bound):
      "the overlong penalty is algorithm.overlong (DAPO's soft overlong punishment, applied once, after the reward)"),
     (["reward.repetition_max_penalty=0.5"], "reward.repetition_max_penalty", "out of range"),
     (["rollout.engine=sglang", "rollout.tensor_parallel_size=2"], "rollout.tensor_parallel_size",
-     "SGLang's CPU engine"),
+     "runs one TP rank per node | set rollout.nodes_per_engine=2"),
+    (["rollout.engine=sglang", "rollout.sglang.server=embedded", "rollout.nodes_per_engine=2",
+      "rollout.tensor_parallel_size=2"], "rollout.nodes_per_engine", "embedded server runs an engine in one process"),
+    (["rollout.engine=sglang", "cluster.gpus_per_node=8", "cluster.nnodes=4", "rollout.tensor_parallel_size=12",
+      "rollout.mode=disaggregated", "actor.parallel.data_parallel_size=16"], "rollout.tensor_parallel_size",
+     "an engine of 12 GPUs on 2 node(s) of 8 GPUs does not fill them"),
+    (["rollout.engine=sglang", "cluster.gpus_per_node=8", "cluster.nnodes=4", "rollout.tensor_parallel_size=8",
+      "rollout.nodes_per_engine=2", "rollout.mode=disaggregated", "actor.parallel.data_parallel_size=16"],
+     "rollout.nodes_per_engine", "an engine of 8 GPUs on 2 node(s) of 8 GPUs does not fill them"),
     (["rollout.engine=sglang", "rollout.sglang.server=embedded", "sync.transport=ipc"], "sync.transport",
      "needs GPUs"),
     (["sync.transport=nccl"], "sync.transport", "embedded engine takes weights in process"),
@@ -140,7 +148,7 @@ def test_out_of_range(override, bound):
      "cannot launch engine servers"),
     (["rollout.engine=sglang", "cluster.gpus_per_node=8", "rollout.mode=disaggregated", "rollout.num_engines=1",
       "rollout.tensor_parallel_size=16"],
-     "rollout.tensor_parallel_size", "more than cluster.gpus_per_node=8"),
+     "rollout.tensor_parallel_size", "spans 2 nodes, more than cluster.nnodes=1"),
     (["rollout.engine=sglang", "cluster.gpus_per_node=8", "rollout.mode=disaggregated", "sync.transport=ipc"],
      "sync.transport", "colocated"),
     (["rollout.engine=sglang", "cluster.gpus_per_node=8", "sync.transport=nccl"], "sync.transport",
@@ -178,6 +186,21 @@ def test_sync_verify_on_sglangs_own_server_is_refused():
     (problem,) = problems_of(["rollout.engine=sglang", "sync.verify=true", "model.path=m"])
     assert problem[0] == "sync.verify" and "use sync.verify=false with rollout.sglang.server=sglang" in problem[1]
     load_config(None, ["rollout.engine=sglang", "rollout.sglang.server=embedded", "sync.verify=true", "model.path=m"])
+
+
+def test_engines_across_nodes():
+    """An engine of 16 GPUs on nodes of 8 spans 2 of them; on the CPU its TP ranks are its nodes."""
+    from megarl.config_rollout import engine_nodes
+
+    cfg = load_config(None, ["rollout.engine=sglang", "cluster.gpus_per_node=8", "cluster.nnodes=4",
+                             "rollout.tensor_parallel_size=16", "rollout.mode=disaggregated",
+                             "actor.parallel.data_parallel_size=16"])
+    assert engine_nodes(cfg) == 2 and cfg.num_rollout_engines() == 1
+    cfg = load_config(None, ["rollout.engine=sglang", "rollout.tensor_parallel_size=2", "rollout.nodes_per_engine=2"])
+    assert engine_nodes(cfg) == 2
+    assert engine_nodes(load_config(None, ["rollout.engine=sglang", "cluster.gpus_per_node=8",
+                                           "rollout.tensor_parallel_size=4", "rollout.mode=disaggregated",
+                                           "actor.parallel.data_parallel_size=4"])) == 1
 
 
 def test_consistent_alternatives_pass():

@@ -276,15 +276,22 @@ def test_expert_layouts_that_cannot_work_say_why():
     assert "EP=2 needs a mixture of experts" in estimate(dense, 8, 8, GPU, Workload(), tp=1, pp=1, ep=2).problems
 
 
-def test_qwen3_235b_a22b_engines_need_gpus_of_their_own_or_a_sleeping_trainer():
-    """An engine's bf16 weights take 59 GB of each of 8 GPUs: never next to an awake trainer; on GPUs
-    of their own, a layout fits on 8 and on 16 nodes; next to a trainer that sleeps, too."""
+def test_qwen3_235b_a22b_engines_next_to_an_awake_trainer_span_nodes():
+    """An engine's bf16 weights take 59 GB of each of 8 GPUs: next to an awake trainer they fit
+    only in an engine across nodes (2 P / 32 = 14.7 GB a GPU at TP 32, four nodes); on GPUs of
+    their own, and next to a trainer that sleeps, an engine of one node holds them."""
     shape = ModelShape.load("Qwen3-235B-A22B")
     assert 2 * shape.params() / 8 > 58e9
     for nodes in (8, 16):
         colocated = plan_layouts(shape, nodes, 8, GPU, Workload(2048, 20480, 22528, sleep=False))
-        assert all(any("no room for SGLang engines" in p for p in e.problems) for e in colocated)
+        fit = [e for e in colocated if not e.problems]
+        assert fit and all(e.engine_tp in (16, 32) for e in fit)
+        assert fit[0].engine_weights == int(2 * shape.params() / fit[0].engine_tp)
+        within_a_node = [e for e in colocated if e.engine_tp and e.engine_tp <= 8]
+        assert all(e.problems for e in within_a_node)
         asleep = plan_layouts(shape, nodes, 8, GPU, Workload(2048, 20480, 22528))[0]
         assert not asleep.problems and asleep.engine_tp == 8 and not asleep.rollout_gpus
         best = plan_layouts(shape, nodes, 8, GPU, Workload(2048, 20480, 22528), rollout_gpus=nodes * 4)[0]
         assert not best.problems and best.engine_tp == 8 and best.ep > 1
+
+

@@ -257,6 +257,7 @@ def test_the_launch_flags_are_sglangs(sglang_files, colocated, gpus):
     arguments: a field of its arg_groups/fields dataclasses, flag "--" + the name with "-" for
     "_" (arg_utils._field_to_cli_name); the options given without a value are booleans."""
     from megarl.config import load_config
+    from megarl.rollout.engine_unit import rank_args
     from megarl.rollout.sglang_launch import server_command
 
     groups = sglang_files / "sglang/srt/arg_groups"
@@ -276,10 +277,13 @@ def test_the_launch_flags_are_sglangs(sglang_files, colocated, gpus):
         assert argv[argv.index("--ep-size") + 1] == "4"  # a mixture of experts split over the engine's GPUs
     else:  # SGLang's CPU engine, its KV cache sized in tokens
         assert argv[argv.index("--device") + 1] == "cpu" and argv[argv.index("--max-total-tokens") + 1] == "32768"
-    argv = [*argv[argv.index("sglang.launch_server") + 1:], "--host", "10.0.0.1", "--port", "30000"]  # as ServerProcess
+    # as ServerProcess starts node rank 1 of an engine across two nodes (megarl.rollout.engine_unit)
+    argv = [*argv[argv.index("sglang.launch_server") + 1:], *rank_args(2, 1, "10.0.0.1:5000"), "--host", "10.0.0.1",
+            "--port", "30000"]
     given = {argv[i]: i + 1 < len(argv) and not argv[i + 1].startswith("--")
              for i in range(len(argv)) if argv[i].startswith("--")}
     assert ("--enable-memory-saver" in given) is colocated and "--trust-remote-code" in given
+    assert {"--nnodes", "--node-rank", "--dist-init-addr"} <= set(given)
     for flag, has_value in given.items():
         name = flag[2:].replace("-", "_")
         assert name in fields, f"{flag} is not an option of SGLang {sglang_api.SGLANG_VERSION}"

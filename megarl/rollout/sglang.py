@@ -25,6 +25,7 @@ from megarl.config_cluster import LivenessConfig
 from megarl.errors import ComponentDied
 from megarl.rollout import sglang_api
 from megarl.rollout.engine import GenerationOutput, SamplingParams, WeightBucket
+from megarl.rollout.engine_unit import EngineUnit
 from megarl.rollout.http import HTTPEngine, ServerError
 
 log = logging.getLogger(__name__)
@@ -35,22 +36,27 @@ class EngineStalled(RuntimeError):
 
 
 class _ServerHandle:
-    """The fleet's view of one engine: its HTTP client and the actor that can restart it
-    (a megarl.weights.transport.EngineServer)."""
+    """The fleet's view of one engine: its HTTP client (node rank 0's API) and the server
+    processes that can restart it (an EngineUnit, or the one ServerActor of an engine on one
+    node); a megarl.weights.transport.EngineServer. `node`, `gpus`: node rank 0's address and
+    the GPU of each TP rank on its node, in TP order; `rank_nodes`: the node of each TP rank
+    (all `node` by default)."""
 
     def __init__(self, name: str, actor, url: str, tp: int, settings: SGLangConfig, node: str = "",
-                 gpus: Sequence[str] = (), *, api_key: str | None = None):
+                 gpus: Sequence[str] = (), rank_nodes: Sequence[str] | None = None, *, api_key: str | None = None):
         self.name, self.actor, self.url, self.tp, self.node, self.gpus = name, actor, url, tp, node, tuple(gpus)
+        self.rank_nodes = tuple(rank_nodes) if rank_nodes is not None else (node,) * len(self.gpus)
+        self.unit = actor if isinstance(actor, EngineUnit) else EngineUnit([actor])
         self.client = HTTPEngine(url, timeout_s=settings.request_timeout_s, api_key=api_key)
         self.in_flight = 0
         self.restarts = 0
 
     async def call(self, method: str, *args, timeout_s: float = 60.0):
-        """A call into the engine's ServerActor, within `timeout_s`."""
+        """`method` of the engine's EngineUnit (over its ServerActors), within `timeout_s`."""
         import ray
 
         try:
-            return await asyncio.wait_for(getattr(self.actor, method).remote(*args), timeout_s)
+            return await asyncio.wait_for(getattr(self.unit, method)(*args), timeout_s)
         except ray.exceptions.RayActorError as e:
             raise ComponentDied(f"rollout engine {self.name} (Ray actor ServerActor) died: {e}") from e
         except asyncio.TimeoutError:
@@ -62,8 +68,8 @@ class SGLangFleet:
     """A `RolloutEngine` over engine servers (see the module docstring), and the
     `EngineServers` the weight transports feed (megarl.weights.transport).
 
-    `engines`: (name, ServerActor handle, url, tp[, node address[, GPU ids]]) per engine, already
-    started; `router`: the router's ServerActor and URL, or None. `weight_dir`: storage every
+    `engines`: (name, EngineUnit or ServerActor handle, url, tp[, node address[, GPU ids[, node of
+    each TP rank]]]) per engine, already started; `router`: the router's ServerActor and URL, or None. `weight_dir`: storage every
     engine can read, for `update_weights` from this process and for reloading a restarted
     engine. `api_key`: the key the servers and the router were started with; every request
     of the fleet, and of the transports' senders, carries it.

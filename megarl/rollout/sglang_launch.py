@@ -1,9 +1,10 @@
 """Starting and stopping the SGLang rollout fleet's processes (megarl.rollout.sglang).
 
-Each engine is one server process (`python -m sglang.launch_server`, or megarl's embedded
+Each engine is a server process (`python -m sglang.launch_server`, or megarl's embedded
 engine behind the same API with `rollout.sglang.server=embedded`) kept by a `ServerProcess`
-(a Ray actor, `ServerActor`) on the GPUs of its placement-group bundles; the router, when on,
-is one more. Start-up waits for the health check with a timeout and fails with the tail of the
+(a Ray actor, `ServerActor`) on the GPUs of its placement-group bundles; an engine across
+nodes is one such process per node, kept together as an `EngineUnit` (megarl.rollout.engine_unit).
+The router, when on, is one more process. Start-up waits for the health check with a timeout and fails with the tail of the
 server's log. The servers and the router require one API key for the run (`fleet_api_key`),
 handed to each process in its environment, never on its command line (SGLang and the router
 read it through megarl.rollout.with_api_key). Main entry points: `launch_fleet`, `stop_fleet`,
@@ -12,6 +13,7 @@ read it through megarl.rollout.with_api_key). Main entry points: `launch_fleet`,
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
@@ -26,8 +28,10 @@ from pathlib import Path
 import httpx
 
 from megarl.config import RunConfig, SGLangConfig
+from megarl.config_rollout import engine_nodes
 from megarl.errors import ComponentDied
 from megarl.http_auth import ENGINE_KEY_ENV, bearer, new_api_key
+from megarl.rollout.engine_unit import EngineUnit
 from megarl.rollout.sglang import SGLangFleet
 
 log = logging.getLogger(__name__)
@@ -141,23 +145,29 @@ class ServerProcess:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"{name}.log"
         self.env = dict(env or {})
+        self.launch_args: list[str] = []
         self.process: subprocess.Popen | None = None
         self.starts = 0
         self.ever_ready = False  # once a server answered, its address is in the router's list
 
-    def start(self, timeout_s: float = 900.0) -> str:
-        """Launch and wait until healthy; the URL, or RuntimeError with the tail of the log."""
+    def start(self, timeout_s: float = 900.0, launch_args: Sequence[str] | None = None) -> str:
+        """Launch and wait until healthy; the URL, or RuntimeError with the tail of the log.
+        `launch_args`: arguments of this start and the next ones (an engine's node rank and
+        meeting address, megarl.rollout.engine_unit.rank_args), after the argv."""
         if self.alive():
             return self.url
+        if launch_args is not None:
+            self.launch_args = list(launch_args)
         self.starts += 1
+        argv = [*self.argv, *self.launch_args]
         with open(self.log_path, "ab") as out:
-            out.write(f"\n=== megarl: start {self.starts} of {self.name}: {' '.join(self.argv)}\n".encode())
+            out.write(f"\n=== megarl: start {self.starts} of {self.name}: {' '.join(argv)}\n".encode())
             out.flush()
             env = server_env(os.environ, self.env)
             env.pop(ENGINE_KEY_ENV, None)  # the server's own key, or none
             if self.api_key:
                 env[ENGINE_KEY_ENV] = self.api_key
-            self.process = subprocess.Popen([*self.argv, "--host", self.host, "--port", str(self.port)],
+            self.process = subprocess.Popen([*argv, "--host", self.host, "--port", str(self.port)],
                                             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                             start_new_session=True, preexec_fn=_die_with_parent, env=env)
         deadline = time.monotonic() + timeout_s
@@ -193,6 +203,12 @@ class ServerProcess:
     def restart(self, timeout_s: float = 900.0) -> str:
         self.stop()
         return self.start(timeout_s)
+
+    def meeting_address(self) -> str:
+        """host:port where the node ranks of an engine meet (SGLang --dist-init-addr): a port free
+        now on this server's address (its node's, where it binds them all)."""
+        host = self.host if self.host not in ("0.0.0.0", "::") else _node_address()
+        return f"{host}:{free_port(host)}"
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -245,9 +261,10 @@ def _bundle_device():
 
 def launch_fleet(cfg: RunConfig, placement_group, engine_bundles: list[list[int]], router_bundle: int,
                  log_dir: str, weight_dir: str) -> SGLangFleet:
-    """Start one server per engine on its bundles (all of one node; the server sees exactly
-    their GPUs), then the router, and return the fleet. `engine_bundles[e]` lists the
-    bundle indices whose GPUs engine e uses (shared with train ranks when colocated)."""
+    """Start each engine's servers on its bundles (one per node it spans, each seeing exactly
+    its GPUs there; see megarl.rollout.engine_unit), then the router, and return the fleet.
+    `engine_bundles[e]` lists the bundle indices whose GPUs engine e uses, in TP order (shared
+    with train ranks when colocated); on the CPU, one bundle per node rank."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -263,42 +280,75 @@ def launch_fleet(cfg: RunConfig, placement_group, engine_bundles: list[list[int]
                for bundles in engine_bundles for i in bundles}
     server_actor = ray.remote(ServerProcess)
     argv = server_command(cfg, colocated)
-    actors, nodes = [], []
+    units, entries = [], []
     for e, bundles in enumerate(engine_bundles):
-        where = {devices[i][0] for i in bundles}
-        if len(where) > 1:
-            raise RuntimeError(f"rollout engine {e}'s {len(bundles)} GPUs landed on several nodes {sorted(where)}; "
-                               "an engine's TP ranks must share a node (rollout.tensor_parallel_size)")
-        engine_gpus = [g for i in bundles for g in devices[i][1]]  # TP rank i runs on the i-th
-        env = {"CUDA_VISIBLE_DEVICES": ",".join(engine_gpus)} if gpus else dict(CPU_SERVER_ENV)
-        actors.append(server_actor.options(num_cpus=0, num_gpus=(0.2 if colocated else 1) if gpus else 0,
-                                           scheduling_strategy=place(bundles[0])).remote(
-            argv, f"engine{e}", host=host, log_dir=log_dir, env=env, api_key=api_key))
-        nodes.append((where.pop(), engine_gpus))
-    urls = _start_all(actors, [f"rollout engine {e}" for e in range(len(actors))], s.startup_timeout_s)
+        actors = []
+        ranks = node_ranks(e, bundles, devices, engine_nodes(cfg), gpus)
+        for n, rank_bundles in enumerate(ranks):
+            engine_gpus = [g for i in rank_bundles for g in devices[i][1]]  # TP rank i runs on the i-th
+            env = {"CUDA_VISIBLE_DEVICES": ",".join(engine_gpus)} if gpus else cpu_server_env(len(ranks))
+            name = f"engine{e}" if len(ranks) == 1 else f"engine{e}-node{n}"
+            actors.append(server_actor.options(num_cpus=0, num_gpus=(0.2 if colocated else 1) if gpus else 0,
+                                               scheduling_strategy=place(rank_bundles[0])).remote(
+                argv, name, host=host, log_dir=log_dir, env=env, api_key=api_key))
+        units.append(EngineUnit(actors))
+        rank_nodes = [devices[i][0] for i in bundles] if gpus else [devices[b[0]][0] for b in ranks]
+        entries.append((f"engine{e}", units[-1], cfg.rollout.tensor_parallel_size, devices[bundles[0]][0],
+                        [g for i in bundles for g in devices[i][1]], rank_nodes))
+    urls = _start_all(units, [f"rollout engine {e}" for e in range(len(units))], s.startup_timeout_s)
     router = None
     if s.router:
         actor = server_actor.options(num_cpus=0, scheduling_strategy=place(router_bundle)).remote(
             router_command(s, urls, free_port()), "router", host=host, log_dir=log_dir, api_key=api_key)
-        router = (actor, _start_all([actor], ["sglang-router"], s.startup_timeout_s)[0])
-    fleet = SGLangFleet([(f"engine{e}", a, u, cfg.rollout.tensor_parallel_size, node, engine_gpus)
-                         for e, (a, u, (node, engine_gpus)) in enumerate(zip(actors, urls, nodes))], s, router=router,
-                        weight_dir=weight_dir, liveness=cfg.cluster.liveness, api_key=api_key)
-    log.info("rollout fleet: %d %s engines (TP %d) at %s%s", len(urls), s.server, cfg.rollout.tensor_parallel_size,
-             urls, f", router at {router[1]}" if router else "")
+        router = (actor, _start_all([EngineUnit([actor])], ["sglang-router"], s.startup_timeout_s)[0])
+    fleet = SGLangFleet([(name, unit, url, tp, node, engine_gpus, rank_nodes)
+                         for (name, unit, tp, node, engine_gpus, rank_nodes), url in zip(entries, urls)], s,
+                        router=router, weight_dir=weight_dir, liveness=cfg.cluster.liveness, api_key=api_key)
+    log.info("rollout fleet: %d %s engines (TP %d on %d node(s) each) at %s%s", len(urls), s.server,
+             cfg.rollout.tensor_parallel_size, engine_nodes(cfg), urls, f", router at {router[1]}" if router else "")
     return fleet
 
 
-def _start_all(actors: list, names: list[str], timeout_s: float) -> list[str]:
+def node_ranks(engine: int, bundles: Sequence[int], devices: Mapping[int, tuple[str, list[str]]], nodes: int,
+               gpus: bool) -> list[list[int]]:
+    """The bundles of each node rank of an engine, node rank 0 first. On GPUs the engine's
+    bundles (in TP order) must fill `nodes` nodes evenly, in order; on the CPU each bundle is
+    one node rank (two may share a machine: SGLang's ranks meet over TCP all the same)."""
+    if not gpus:
+        return [[i] for i in bundles]
+    per_node = len(bundles) // nodes
+    ranks = [list(bundles[n * per_node:(n + 1) * per_node]) for n in range(nodes)]
+    where = [sorted({devices[i][0] for i in rank}) for rank in ranks]
+    if any(len(w) > 1 for w in where) or len({w[0] for w in where}) < nodes:
+        raise RuntimeError(f"rollout engine {engine}'s {len(bundles)} GPUs landed on {[w for w in where]}: each of "
+                           f"its {nodes} node(s) must hold {per_node} of them, in TP order "
+                           "(rollout.tensor_parallel_size, rollout.nodes_per_engine; cluster.placement_strategy=PACK "
+                           "keeps a node's GPUs together)")
+    return ranks
+
+
+def cpu_server_env(nodes: int) -> dict[str, str]:
+    """A CPU server's environment: SGLang's CPU engine; for an engine over several nodes, each
+    rank's threads on all of its machine's cores (SGLang otherwise wants a NUMA node per rank)."""
+    env = dict(CPU_SERVER_ENV)
+    if nodes > 1:
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join([f"0-{(os.cpu_count() or 1) - 1}"] * nodes)
+    return env
+
+
+def _start_all(units: list[EngineUnit], names: list[str], timeout_s: float) -> list[str]:
     import ray
 
-    refs = [a.start.remote(timeout_s) for a in actors]
+    async def start_all():
+        return await asyncio.gather(*[unit.start(timeout_s) for unit in units], return_exceptions=True)
+
     urls = []
-    for name, ref in zip(names, refs):
-        try:
-            urls.append(ray.get(ref))
-        except ray.exceptions.RayError as e:
-            raise ComponentDied(f"{name} failed to start: {e}") from None
+    for name, url in zip(names, asyncio.run(start_all())):
+        if isinstance(url, ray.exceptions.RayError):
+            raise ComponentDied(f"{name} failed to start: {url}") from None
+        if isinstance(url, BaseException):
+            raise url
+        urls.append(url)
     return urls
 
 
@@ -306,10 +356,14 @@ def stop_fleet(fleet: SGLangFleet) -> None:
     """Stop the router and every server (each through its own process group), then the actors."""
     import ray
 
-    actors = ([fleet.router_actor] if fleet.router_actor is not None else []) + [s.actor for s in fleet.servers]
-    try:
-        ray.get([a.stop.remote() for a in actors], timeout=60)
-    except (ray.exceptions.RayError, TimeoutError) as e:  # an actor already gone took its server with it
-        log.debug("fleet stop: %s", e)
+    first = ([fleet.router_actor] if fleet.router_actor is not None else []) + [s.unit.actors[0] for s in fleet.servers]
+    rest = [a for s in fleet.servers for a in s.unit.actors[1:]]
+    # node rank 0 first: its shutdown stops the schedulers of an engine's other nodes
+    for group in (first, rest):
+        try:
+            ray.get([a.stop.remote() for a in group], timeout=60)
+        except (ray.exceptions.RayError, TimeoutError) as e:  # an actor already gone took its server with it
+            log.debug("fleet stop: %s", e)
+    actors = first + rest
     for actor in actors:
         ray.kill(actor)

@@ -21,6 +21,7 @@ from ray.util.placement_group import placement_group, placement_group_table, rem
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from megarl.config import RunConfig
+from megarl.config_rollout import engine_nodes
 from megarl.driver_loop import run_async
 from megarl.errors import ComponentDied
 from megarl.runtime.base import Runtime, hosted_retrieval_key
@@ -169,7 +170,8 @@ class RayRuntime(Runtime):
                                                   ("retrieval server", self.retrieval_actor)) if a is not None]
         parts += [("sandbox services", f"sandbox service {i}", a) for i, a in enumerate(self.sandbox_actors)]
         if self.fleet is not None:
-            parts += [("rollout engines", f"rollout {s.name}", s.actor) for s in self.fleet.servers]
+            parts += [("rollout engines", f"rollout {s.name}" + (f" (node rank {n})" if n else ""), a)
+                      for s in self.fleet.servers for n, a in enumerate(s.unit.actors)]
             if self.fleet.router_actor is not None:
                 parts.append(("sglang-router", "sglang-router", self.fleet.router_actor))
         refs = [a.__ray_call__.remote(lambda _: ray.util.get_node_ip_address()) for _, _, a in parts]
@@ -263,7 +265,8 @@ class RayRuntime(Runtime):
 def placement_bundles(cfg: RunConfig) -> tuple[list[dict], list[list[int]]]:
     """(placement-group bundles, bundle indices of each engine). Bundles: one per train rank,
     the engines' own (the embedded engine actor; fleet servers unless colocated, one per GPU
-    of each engine), and a last one for the retrieval server, reward actor and router."""
+    of each engine, or on the CPU one per node it spans), and a last one for the retrieval
+    server, reward actor and router."""
     world, gpus = cfg.train_world_size(), cfg.cluster.gpus_per_node > 0
     device = {"CPU": 1} | ({"GPU": 1} if gpus else {})
     engines, tp = cfg.num_rollout_engines(), cfg.rollout.tensor_parallel_size
@@ -272,7 +275,7 @@ def placement_bundles(cfg: RunConfig) -> tuple[list[dict], list[list[int]]]:
     elif gpus and cfg.rollout.mode == "colocated":  # on the train ranks' GPUs
         engine_bundles = [[e * tp + j for j in range(tp)] for e in range(engines)]
     else:
-        per_engine = tp if gpus else 1
+        per_engine = tp if gpus else engine_nodes(cfg)
         engine_bundles = [[world + e * per_engine + j for j in range(per_engine)] for e in range(engines)]
     own = sum(1 for b in engine_bundles for i in b if i >= world)
     return [device] * (world + own) + [{"CPU": 1}], engine_bundles

@@ -194,11 +194,11 @@ def ipc_plan(places: Sequence[RankPlace], servers: Iterable[Any]) -> tuple[dict[
             raise RuntimeError(f"sync.transport=ipc: engine {server.name} has {server.tp} TP ranks but "
                                f"{len(server.gpus)} known GPUs; CUDA IPC needs engines on GPUs (rollout.mode=colocated)")
         tp_ranks = []
-        for i, gpu in enumerate(server.gpus):
-            rank = on_gpu.get((server.node, gpu))
+        for i, (node, gpu) in enumerate(zip(server.rank_nodes, server.gpus)):
+            rank = on_gpu.get((node, gpu))
             if rank is None:
                 raise RuntimeError(f"sync.transport=ipc: TP rank {i} of engine {server.name} runs on GPU {gpu} of "
-                                   f"node {server.node}, where no train rank runs; a CUDA IPC handle opens only on "
+                                   f"node {node}, where no train rank runs; a CUDA IPC handle opens only on "
                                    "the GPU it was made on. Put the engines on the train GPUs (rollout.mode="
                                    "colocated) or use sync.transport=nccl or disk")
             tp_ranks.append(rank)

@@ -93,8 +93,9 @@ class EngineServer(Protocol):
     name: str
     url: str
     tp: int  # GPUs (tensor-parallel ranks) of the engine
-    node: str  # address of the node it runs on
-    gpus: Sequence[str]  # the node's GPUs of its TP ranks, in TP order (empty without GPUs)
+    node: str  # address of the node of its node rank 0 (the one that serves its API)
+    gpus: Sequence[str]  # the GPU of each TP rank on that rank's node, in TP order (empty without GPUs)
+    rank_nodes: Sequence[str]  # the node of each TP rank (several for an engine across nodes)
 
 
 class EngineServers(Protocol):

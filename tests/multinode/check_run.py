@@ -2,9 +2,10 @@
 FINISHED) with train/reward_mean at steps 1..N (with --at-least: at steps 1..M, M >= N; a run
 stopped mid-step may have logged the step it did not save) and, when finished, val/acc; and
 (with --nodes) the parts of the run placed on every one of those node addresses (the driver's
-"megarl placement:" line in the job's output).
+"megarl placement:" line in the job's output); with --at-most NAME=X, metric NAME at most X at every step.
 
     python tests/multinode/check_run.py TRACKING_URI JOB_OUTPUT --steps N [--at-least] [--status S] [--nodes A,B]
+        [--at-most NAME=X]
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ def main() -> None:
     parser.add_argument("--at-least", action="store_true")
     parser.add_argument("--status", default="FINISHED")
     parser.add_argument("--nodes", default="")
+    parser.add_argument("--at-most", default="")
     args = parser.parse_args()
     client = MlflowClient(tracking_uri=args.tracking_uri)
     runs = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
@@ -36,6 +38,11 @@ def main() -> None:
     assert steps == list(range(1, last + 1)), steps
     if args.status == "FINISHED":
         assert client.get_metric_history(run.info.run_id, "val/acc"), "no val/acc"
+    if args.at_most:
+        name, bound = args.at_most.split("=")
+        values = [m.value for m in client.get_metric_history(run.info.run_id, name)]
+        assert values and max(values) <= float(bound), f"{name}: {values}, above {bound}"
+        print(f"test-multinode: {name} at each step: {values} (at most {bound})")
     placement = re.findall(r"megarl placement: (.*)", open(args.job_output, errors="replace").read())
     assert placement, "the job's output has no 'megarl placement:' line"
     for node in filter(None, args.nodes.split(",")):

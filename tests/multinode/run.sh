@@ -13,6 +13,9 @@
 #      bit for bit on the weights of the same run in one process with the embedded engine (the
 #      fleet's per-request seeds make a rollout independent of the engine that serves it; the
 #      fleet on one node ends on those weights too, tests/test_fleet_train.py);
+#   1b. one SGLang engine (SGLang 0.5.23's own server, `make sglang-env`) across the two nodes: TP 2,
+#      one TP rank on each (--nnodes 2), launched as one unit, the weights through disk to both
+#      ranks: the trainer's log-probs of the engine's samples match the engine's at every step;
 #   2. the megatron backend with two ranks (DP = 2) on two nodes, torch.distributed over gloo
 #      between the nodes' addresses, ending bit for bit on the weights of the same run on one node;
 #   3. the same at PP = 2: one pipeline stage on each node;
@@ -20,18 +23,18 @@
 #      time naming the parts lost on node2, no Ray process is left, the newest checkpoint is whole;
 #      the same command again resumes from it, and `scancel` once it has saved a step leaves no Ray
 #      process on either node, a whole checkpoint and the MLflow run (the same one) KILLED.
-# MULTINODE_RUNS (default "fleet pp2 faults") picks the parts; KEEP_CLUSTER_DIR=1 keeps the
+# MULTINODE_RUNS (default "fleet sglang2n pp2 faults") picks the parts; KEEP_CLUSTER_DIR=1 keeps the
 # job outputs and logs. Part 2 is not in the default (it adds two jobs, about 3.5 minutes of CI):
 # part 3 crosses the nodes with collectives too (the gradient norm over the model-parallel group,
 # the tied embedding's gradient between the first and last stage); what part 2 adds is the
-# data-parallel reduce-scatter and all-gather between nodes: MULTINODE_RUNS="fleet dp2 pp2 faults".
+# data-parallel reduce-scatter and all-gather between nodes: MULTINODE_RUNS="fleet sglang2n dp2 pp2 faults".
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 REPO=$PWD
 PY=${MEGARL_PYTHON:-$REPO/.venv/bin/python}
 NODES=${MULTINODE_NODES:-2}
-# which parts to run (fewer while working on one; all: fleet dp2 pp2 faults)
-RUNS=" ${MULTINODE_RUNS:-fleet pp2 faults} "
+# which parts to run (fewer while working on one; all: fleet sglang2n dp2 pp2 faults)
+RUNS=" ${MULTINODE_RUNS:-fleet sglang2n pp2 faults} "
 wants() { [[ $RUNS == *" $1 "* ]]; }
 source tests/multinode/cluster.sh
 
@@ -116,6 +119,27 @@ megatron_across_nodes() {
     "$PY" tests/multinode/check_run.py "sqlite:///$WORK/${name}_two.db" "$WORK/${name}_two.out" --steps 2
     "$PY" tests/multinode/same_weights.py "$WORK/${name}_one/hf" "$WORK/${name}_two/hf" "$WORK/data/model"
 }
+
+# --- 1b. one SGLang engine across the two nodes -------------------------------------------------
+# SGLang 0.5.23's own server (the venv of `make sglang-env`), TP 2 with one TP rank on each node
+# (--nnodes 2 --node-rank 0|1 --dist-init-addr on node rank 0's address), launched by Ray as one
+# unit; the weights through disk after each step. Each rank holds half of every sharded tensor, so
+# the engine samples the trainer's policy only if both ranks loaded the new weights: the
+# trainer's log-probs of the sampled tokens match the engine's at every step (float32 on both
+# sides: under 1e-3 on average; stale weights on one rank give about 0.1 and more).
+SGLANG_PY=${MEGARL_SGLANG_PYTHON:-$REPO/.venv-sglang/bin/python}
+if wants sglang2n; then
+[[ -x $SGLANG_PY ]] || { echo "test-multinode: no SGLang environment at $SGLANG_PY: build it with make sglang-env" >&2; exit 1; }
+run sglang2n 2 rollout.engine=sglang rollout.sglang.server=sglang "rollout.sglang.python=$SGLANG_PY" \
+    rollout.num_engines=1 rollout.tensor_parallel_size=2 rollout.nodes_per_engine=2 sync.transport=disk "${SPREAD[@]}"
+placed=$(grep -a "megarl placement:" "$WORK/sglang2n.out")
+[[ $placed =~ "rollout engines on "([0-9.]+)", "([0-9.]+) ]] \
+    || { echo "test-multinode: sglang2n: the engine's two node ranks are not on two nodes: $placed" >&2; exit 1; }
+grep -q -- "--node-rank 1 --dist-init-addr" "$WORK/sglang2n/logs/engine0-node1.log" \
+    || { echo "test-multinode: sglang2n: node rank 1 was not started as one" >&2; exit 1; }
+"$PY" tests/multinode/check_run.py "sqlite:///$WORK/sglang2n.db" "$WORK/sglang2n.out" --steps 2 \
+    --nodes "$(node_addr 1),$(node_addr 2)" --at-most rollout/logprob_mismatch=1e-3
+fi
 
 # --- 2. two ranks (DP = 2) on two nodes, gloo between the nodes' addresses
 wants dp2 && megatron_across_nodes dp2 actor.parallel.data_parallel_size=2
