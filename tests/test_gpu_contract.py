@@ -368,7 +368,7 @@ def test_an_engine_gpu_without_a_train_rank_is_refused_by_name():
     layout = Layout(tp=1, dp=2, pp=1)
 
     class Server:
-        name, url, tp, node, gpus = "engine1", "http://x", 2, "node0", ("1", "5")
+        name, url, tp, node, gpus, rank_nodes = "engine1", "http://x", 2, "node0", ("1", "5"), ("node0",) * 2
     with pytest.raises(RuntimeError, match=r"TP rank 1 of engine engine1 runs on GPU 5 of node node0, where no train"):
         ipc_plan(layout.places(["0", "1"]), [Server])
 
@@ -377,10 +377,11 @@ def test_ipc_plan_pairs_each_tp_rank_with_the_train_rank_on_its_gpu():
     layout = Layout(tp=2, dp=1, pp=2)  # ranks 0, 1: stage 0; 2, 3: stage 1
 
     class Engine0:
-        name, url, tp, node, gpus = "engine0", "http://a", 2, "node0", ("2", "3")
+        name, url, tp, node, gpus, rank_nodes = "engine0", "http://a", 2, "node0", ("2", "3"), ("node0",) * 2
 
     class Engine1:
-        name, url, tp, node, gpus = "engine1", "http://b", 2, "node0", ("1", "0")  # TP 0 on GPU 1
+        # TP 0 on GPU 1
+        name, url, tp, node, gpus, rank_nodes = "engine1", "http://b", 2, "node0", ("1", "0"), ("node0",) * 2
     leads, makers = ipc_plan(layout.places(["0", "1", "2", "3"]), [Engine0, Engine1])
     assert leads == {0: [], 1: [("http://b", [1, 0])], 2: [("http://a", [2, 3])], 3: []}
     assert makers == {0, 1, 2, 3}

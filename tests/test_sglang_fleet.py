@@ -118,7 +118,7 @@ def test_the_key_is_in_no_log_and_on_no_command_line(fleet_setup):
     assert all("=== megarl: start 1 of" in text and key not in text for text in logs.values())
     ray_logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"
     assert [p for p in ray_logs.rglob("*") if p.is_file() and key.encode() in p.read_bytes()] == []
-    for actor in [s.actor for s in fleet.servers] + [fleet.router_actor]:
+    for actor in [s.unit.actors[0] for s in fleet.servers] + [fleet.router_actor]:
         pid = ray.get(actor.pid.remote())
         assert key.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
 
@@ -147,7 +147,7 @@ LONG = 900  # tokens per request: generation lasts seconds, so the kill lands mi
 def kill_during_generation(fleet, victim, prompts, seed0):
     """Generate while engine `victim`'s server is killed (SIGKILL) half a second in; the
     generation must still be running then (checked)."""
-    pid = ray.get(victim.actor.pid.remote())
+    pid = ray.get(victim.unit.actors[0].pid.remote())
     done, mid_flight, busy = threading.Event(), [], []
 
     def kill():
@@ -180,7 +180,7 @@ def test_a_killed_engine_is_restarted_and_its_requests_resent(fleet_setup, route
     else:  # the victim had requests in flight: they failed and were sent again
         assert busy > 0 and fleet.metrics()["rollout/resent_requests"] >= 1
     assert fleet.metrics()["rollout/engine_restarts"] == 1
-    assert ray.get(victim.actor.alive.remote()) and ray.get(victim.actor.pid.remote()) != pid
+    assert ray.get(victim.unit.actors[0].alive.remote()) and ray.get(victim.unit.actors[0].pid.remote()) != pid
     assert_matches(model, prompts[:4], generate_all(fleet, prompts[:4]))  # the restarted engine serves again
     if not router:
         asyncio.run(fleet.close())
@@ -197,7 +197,7 @@ def test_a_frozen_engine_is_found_by_the_progress_deadline_restarted_and_its_req
     prompts = PROMPTS * 2
     expected = generate_all(direct, prompts, max_new_tokens=LONG, seed0=700)
     victim = direct.servers[0]
-    pid = ray.get(victim.actor.pid.remote())
+    pid = ray.get(victim.unit.actors[0].pid.remote())
     timer = threading.Timer(0.5, lambda: os.killpg(pid, signal.SIGSTOP))
     timer.start()
     started = time.monotonic()
@@ -205,7 +205,7 @@ def test_a_frozen_engine_is_found_by_the_progress_deadline_restarted_and_its_req
     timer.join()
     assert [o.token_ids for o in outs] == [o.token_ids for o in expected]  # nothing lost, nothing changed
     assert direct.metrics()["rollout/resent_requests"] >= 1 and direct.metrics()["rollout/engine_restarts"] == 1
-    assert ray.get(victim.actor.pid.remote()) != pid
+    assert ray.get(victim.unit.actors[0].pid.remote()) != pid
     assert time.monotonic() - started < 120  # not request_timeout_s (3600 s)
     asyncio.run(direct.close())
 
@@ -361,11 +361,11 @@ def test_an_engine_past_its_restart_budget_stops_the_run(fleet_setup):
     settings = type(cfg.rollout.sglang)(**{**cfg.rollout.sglang.__dict__, "max_restarts": 0,
                                            "max_request_retries": 1, "router": False})
     strict = SGLangFleet([(s.name, s.actor, s.url, s.tp) for s in fleet.servers[:1]], settings, api_key=fleet.api_key)
-    os.killpg(ray.get(fleet.servers[0].actor.pid.remote()), signal.SIGKILL)
+    os.killpg(ray.get(fleet.servers[0].unit.actors[0].pid.remote()), signal.SIGKILL)
     with pytest.raises(ComponentDied, match="engine0 .* failed again after 0 restarts"):
         generate_all(strict, PROMPTS[:1])
     asyncio.run(strict.close())
-    ray.get(fleet.servers[0].actor.restart.remote(60))  # leave the shared fleet whole
+    ray.get(fleet.servers[0].unit.actors[0].restart.remote(60))  # leave the shared fleet whole
 
 
 def test_an_engine_restarted_mid_rollout_without_weights_to_reload_stops_the_run(fleet_setup):
@@ -377,10 +377,10 @@ def test_an_engine_restarted_mid_rollout_without_weights_to_reload_stops_the_run
     direct = SGLangFleet([(s.name, s.actor, s.url, s.tp) for s in fleet.servers[:1]], settings, api_key=fleet.api_key)
     asyncio.run(direct.begin_weight_update())  # a sync whose weights came over a process group
     asyncio.run(direct.end_weight_update())
-    os.killpg(ray.get(fleet.servers[0].actor.pid.remote()), signal.SIGKILL)
+    os.killpg(ray.get(fleet.servers[0].unit.actors[0].pid.remote()), signal.SIGKILL)
     with pytest.raises(ComponentDied, match="engine0 .* restarted mid-rollout and holds the checkpoint's weights"):
         generate_all(direct, PROMPTS[:1])
-    os.killpg(ray.get(fleet.servers[0].actor.pid.remote()), signal.SIGKILL)
+    os.killpg(ray.get(fleet.servers[0].unit.actors[0].pid.remote()), signal.SIGKILL)
     asyncio.run(direct.check_engines())  # the health pass of the next sync restarts it without complaint
     assert direct.metrics()["rollout/engine_restarts"] == 2
     asyncio.run(direct.close())
@@ -394,7 +394,7 @@ def test_an_engine_that_dies_during_a_sync_is_restarted_and_gets_the_new_weights
     new = tiny_model("qwen2", vocab_size=model.config.vocab_size, seed=11, eos_token_id=None)
     restarts = fleet.metrics()["rollout/engine_restarts"]
     asyncio.run(fleet.begin_weight_update())
-    os.killpg(ray.get(fleet.servers[1].actor.pid.remote()), signal.SIGKILL)
+    os.killpg(ray.get(fleet.servers[1].unit.actors[0].pid.remote()), signal.SIGKILL)
     asyncio.run(fleet.update_weights(group_tensors(hf_tensors(new), 20_000), version=12))
     asyncio.run(fleet.end_weight_update())
     assert fleet.metrics()["rollout/engine_restarts"] == restarts + 1

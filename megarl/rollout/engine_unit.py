@@ -66,9 +66,10 @@ class EngineUnit:
             await self._all("stop")
 
     async def restart(self, timeout_s: float) -> str:
-        if self.nodes > 1:
-            dead = [i for i, ok in enumerate(await self._all("alive")) if not ok]
-            log.warning("engine of %d nodes: restarting all of them (node ranks %s were gone)", self.nodes, dead)
+        if self.nodes == 1:
+            return await self.actors[0].restart.remote(timeout_s)
+        dead = [i for i, ok in enumerate(await self._all("alive")) if not ok]
+        log.warning("engine of %d nodes: restarting all of them (node ranks %s were gone)", self.nodes, dead)
         await self.stop()
         return await self.start(timeout_s)
 
