@@ -98,6 +98,9 @@ def test_the_ranks_start_together_and_meet_at_rank_0s_address(unit):
     assert len(meet) == 1 and meet.pop().startswith("127.0.0.1:")
     assert [a[a.index("--node-rank") + 1] for a in args] == ["0", "1"]
     assert all(a[a.index("--nnodes") + 1] == "2" for a in args)
+    # where the other nodes reach each rank (SGLang's queue between nodes): its own address
+    assert all(f"SGLANG_HOST_IP={p.host}".encode() in Path(f"/proc/{p.pid()}/environ").read_bytes().split(b"\0")
+               for p in processes)
     assert asyncio.run(engine.alive()) and not asyncio.run(engine.gone_within(0.1))
 
 

@@ -167,6 +167,10 @@ class ServerProcess:
             env.pop(ENGINE_KEY_ENV, None)  # the server's own key, or none
             if self.api_key:
                 env[ENGINE_KEY_ENV] = self.api_key
+            if self.launch_args and "SGLANG_HOST_IP" not in self.env:
+                # the address an engine's other nodes reach this rank at (SGLang's broadcast queue
+                # between nodes); else SGLang guesses it from a route to the internet or the hostname
+                env["SGLANG_HOST_IP"] = self.address()
             self.process = subprocess.Popen([*argv, "--host", self.host, "--port", str(self.port)],
                                             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                             start_new_session=True, preexec_fn=_die_with_parent, env=env)
@@ -204,11 +208,15 @@ class ServerProcess:
         self.stop()
         return self.start(timeout_s)
 
+    def address(self) -> str:
+        """This server's address as other nodes reach it: its bind address, or its node's where
+        it binds to every interface."""
+        return self.host if self.host not in ("0.0.0.0", "::") else _node_address()
+
     def meeting_address(self) -> str:
         """host:port where the node ranks of an engine meet (SGLang --dist-init-addr): a port free
-        now on this server's address (its node's, where it binds them all)."""
-        host = self.host if self.host not in ("0.0.0.0", "::") else _node_address()
-        return f"{host}:{free_port(host)}"
+        now on this server's address."""
+        return f"{self.address()}:{free_port(self.address())}"
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -281,19 +289,23 @@ def launch_fleet(cfg: RunConfig, placement_group, engine_bundles: list[list[int]
     server_actor = ray.remote(ServerProcess)
     argv = server_command(cfg, colocated)
     units, entries = [], []
+    spread = _nodes_in_turn() if not gpus and engine_nodes(cfg) > 1 else None
     for e, bundles in enumerate(engine_bundles):
-        actors = []
+        actors, rank_nodes = [], []
         ranks = node_ranks(e, bundles, devices, engine_nodes(cfg), gpus)
         for n, rank_bundles in enumerate(ranks):
             engine_gpus = [g for i in rank_bundles for g in devices[i][1]]  # TP rank i runs on the i-th
             env = {"CUDA_VISIBLE_DEVICES": ",".join(engine_gpus)} if gpus else cpu_server_env(len(ranks))
             name = f"engine{e}" if len(ranks) == 1 else f"engine{e}-node{n}"
+            where, node = place(rank_bundles[0]), devices[rank_bundles[0]][0]
+            if spread:  # a CPU engine's ranks on different nodes, as far as there are nodes
+                node, where = spread[(e * len(ranks) + n) % len(spread)]
             actors.append(server_actor.options(num_cpus=0, num_gpus=(0.2 if colocated else 1) if gpus else 0,
-                                               scheduling_strategy=place(rank_bundles[0])).remote(
+                                               scheduling_strategy=where).remote(
                 argv, name, host=host, log_dir=log_dir, env=env, api_key=api_key))
+            rank_nodes += [devices[i][0] for i in rank_bundles] if gpus else [node]
         units.append(EngineUnit(actors))
-        rank_nodes = [devices[i][0] for i in bundles] if gpus else [devices[b[0]][0] for b in ranks]
-        entries.append((f"engine{e}", units[-1], cfg.rollout.tensor_parallel_size, devices[bundles[0]][0],
+        entries.append((f"engine{e}", units[-1], cfg.rollout.tensor_parallel_size, rank_nodes[0],
                         [g for i in bundles for g in devices[i][1]], rank_nodes))
     urls = _start_all(units, [f"rollout engine {e}" for e in range(len(units))], s.startup_timeout_s)
     router = None
@@ -325,6 +337,17 @@ def node_ranks(engine: int, bundles: Sequence[int], devices: Mapping[int, tuple[
                            "(rollout.tensor_parallel_size, rollout.nodes_per_engine; cluster.placement_strategy=PACK "
                            "keeps a node's GPUs together)")
     return ranks
+
+
+def _nodes_in_turn() -> list[tuple[str, object]]:
+    """(address, scheduling strategy) of each alive Ray node, by address. On the CPU a server
+    reserves no core (its bundle is bookkeeping), so the node ranks of an engine are pinned to
+    nodes in turn: bundles of one CPU each may share a node, where SGLang's ranks would not."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    alive = sorted((n["NodeManagerAddress"], n["NodeID"]) for n in ray.nodes() if n["Alive"])
+    return [(address, NodeAffinitySchedulingStrategy(node_id, soft=False)) for address, node_id in alive]
 
 
 def cpu_server_env(nodes: int) -> dict[str, str]:

@@ -23,14 +23,17 @@ _cluster_log() { echo "[cluster $(date +%H:%M:%S)] $*" >&2; }
 node_ns() { echo "$CLUSTER_ID-n$1"; }
 node_addr() { echo "$CLUSTER_NET.$1"; }
 
-# run CMD on node K: in its network namespace, with its hostname and its /etc/hosts (each call
-# enters a UTS and a mount namespace of its own, given the node's name and hosts file; the
-# processes started there keep them). Not `ip netns exec`: it remounts /sys, and slurmd needs
-# the cgroup filesystem under it.
+# run CMD on node K: in its network namespace, with its hostname, its /etc/hosts and shared
+# memory of its own (each call enters a UTS, an IPC and a mount namespace of its own, given the
+# node's name, hosts file and an empty /dev/shm; the processes started there keep them: slurmd's
+# jobs share its node's). Nodes share no /dev/shm, as real ones do not: a program that tells its
+# peers on the same node by a shared-memory segment they can open (SGLang does) must see the
+# other node as another. Not `ip netns exec`: it remounts /sys, and slurmd needs the cgroup
+# filesystem under it.
 on_node() {
     local k=$1; shift
-    nsenter --net="/run/netns/$(node_ns "$k")" unshare --uts --mount --propagation private -- \
-        sh -c 'mount --bind "$1" /etc/hosts && hostname "$0" && shift && exec "$@"' \
+    nsenter --net="/run/netns/$(node_ns "$k")" unshare --uts --ipc --mount --propagation private -- \
+        sh -c 'mount --bind "$1" /etc/hosts && mount -t tmpfs -o mode=1777 tmpfs /dev/shm && hostname "$0" && shift && exec "$@"' \
         "node$k" "$CLUSTER_DIR/hosts" "$@"
 }
 

@@ -26,33 +26,25 @@ from megarl.rollout.engine_unit import EngineUnit
 from megarl.rollout.sglang_launch import ServerProcess, cpu_server_env, free_port, server_command
 from megarl.weights.buckets import group_tensors, hf_tensors
 from in_this_process import InThisProcess
-from test_server import KEY, model_with, served_is
-from tiny_models import tiny_tokenizer
+from test_server import KEY, model_with, saved_model, served_is
 
 pytestmark = pytest.mark.sglang
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory, sglang_env):
-    from megarl.config import SGLangConfig, load_config
+    from megarl.config import SGLangConfig
     from megarl.rollout.sglang import SGLangFleet
 
     root = tmp_path_factory.mktemp("sglang2n")
-    tok = tiny_tokenizer()
-    model = model_with(len(tok), seed=0)
-    model.save_pretrained(root / "model")
-    tok.save_pretrained(root / "model")
-    cfg = load_config(None, [f"model.path={root / 'model'}", "model.dtype=float32", "rollout.engine=sglang",
-                             "cluster.launcher=ray", "cluster.gpus_per_node=0", f"rollout.sglang.python={sglang_env}",
-                             "rollout.sglang.max_total_tokens=8192", "rollout.max_concurrency=16", "trainer.seed=7",
-                             "rollout.tensor_parallel_size=2", "rollout.nodes_per_engine=2"])
+    model, vocab, cfg = saved_model(root, sglang_env, "rollout.tensor_parallel_size=2", "rollout.nodes_per_engine=2")
     processes = [ServerProcess(server_command(cfg, colocated=False), f"engine0-node{n}", log_dir=str(root),
                                api_key=KEY, env=cpu_server_env(2)) for n in range(2)]
     unit = EngineUnit([InThisProcess(p) for p in processes])
     url = asyncio.run(unit.start(300))
     fleet = SGLangFleet([("engine0", unit, url, 2)], SGLangConfig(router=False, startup_timeout_s=300),
                         weight_dir=str(root), api_key=KEY)
-    yield fleet, processes, model, len(tok)
+    yield fleet, processes, model, vocab
     asyncio.run(unit.stop())
 
 

@@ -44,23 +44,31 @@ def model_with(vocab_size: int, seed: int):
     return tiny_model("qwen2", vocab_size=vocab_size, seed=seed, eos_token_id=None)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, sglang_env):
+def saved_model(root: Path, sglang_env: str, *overrides: str):
+    """(the tiny model of seed 0, its vocabulary size, the run config of a CPU server of it) with
+    the model and tokenizer saved in root/model."""
     from megarl.config import load_config
 
-    root = tmp_path_factory.mktemp("sglang")
     tok = tiny_tokenizer()
     model = model_with(len(tok), seed=0)
     model.save_pretrained(root / "model")
     tok.save_pretrained(root / "model")
     cfg = load_config(None, [f"model.path={root / 'model'}", "model.dtype=float32", "rollout.engine=sglang",
                              "cluster.launcher=ray", "cluster.gpus_per_node=0", f"rollout.sglang.python={sglang_env}",
-                             "rollout.sglang.max_total_tokens=8192", "rollout.max_concurrency=16", "trainer.seed=7"])
+                             "rollout.sglang.max_total_tokens=8192", "rollout.max_concurrency=16", "trainer.seed=7",
+                             *overrides])
+    return model, len(tok), cfg
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, sglang_env):
+    root = tmp_path_factory.mktemp("sglang")
+    model, vocab, cfg = saved_model(root, sglang_env)
     process = ServerProcess(server_command(cfg, colocated=False), "sglang0", log_dir=str(root), api_key=KEY,
                             env=dict(CPU_SERVER_ENV))
     process.start(timeout_s=300)
     client = HTTPEngine(process.url, api_key=KEY, weight_dir=str(root))
-    yield SimpleNamespace(process=process, client=client, model=model, vocab=len(tok), root=root)
+    yield SimpleNamespace(process=process, client=client, model=model, vocab=vocab, root=root)
     process.stop()
 
 
