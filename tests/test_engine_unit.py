@@ -82,8 +82,8 @@ def cmdline(process: ServerProcess) -> list[str]:
 
 @pytest.fixture
 def unit(tmp_path):
-    processes = [ServerProcess([sys.executable, "-c", HEALTH_ONLY], f"engine0-node{n}", log_dir=str(tmp_path))
-                 for n in range(2)]
+    processes = [ServerProcess([sys.executable, "-c", HEALTH_ONLY], f"engine0-node{n}", log_dir=str(tmp_path),
+                               health_route=None if n else "/health") for n in range(2)]  # as launch_fleet does
     yield EngineUnit([InThisProcess(p) for p in processes]), processes
     for p in processes:
         p.stop()
@@ -102,6 +102,19 @@ def test_the_ranks_start_together_and_meet_at_rank_0s_address(unit):
     assert all(f"SGLANG_HOST_IP={p.host}".encode() in Path(f"/proc/{p.pid()}/environ").read_bytes().split(b"\0")
                for p in processes)
     assert asyncio.run(engine.alive()) and not asyncio.run(engine.gone_within(0.1))
+
+
+def test_a_rank_that_exits_while_the_engine_starts_fails_the_start_with_its_log(tmp_path):
+    slow = "import time; time.sleep(2)\n" + HEALTH_ONLY  # rank 0 answers after rank 1 has exited
+    processes = [ServerProcess([sys.executable, "-c", slow], "engine0-node0", log_dir=str(tmp_path)),
+                 ServerProcess([sys.executable, "-c", "print('rank 1 gave up'); raise SystemExit(3)"],
+                               "engine0-node1", log_dir=str(tmp_path), health_route=None)]
+    try:
+        with pytest.raises(RuntimeError, match=r"node ranks \[1\] .* exited while it started(.|\n)*rank 1 gave up"):
+            asyncio.run(EngineUnit([InThisProcess(p) for p in processes]).start(30))
+    finally:
+        for p in processes:
+            p.stop()
 
 
 def test_one_dead_rank_is_a_dead_engine_restarted_whole(unit):

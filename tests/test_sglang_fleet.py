@@ -125,7 +125,7 @@ def test_the_key_is_in_no_log_and_on_no_command_line(fleet_setup):
 
 def test_without_router_requests_spread_over_engines(fleet_setup):
     fleet, model, cfg, _ = fleet_setup
-    direct = SGLangFleet([(s.name, s.actor, s.url, s.tp) for s in fleet.servers], cfg.rollout.sglang,
+    direct = SGLangFleet([(s.name, s.unit, s.url, s.tp) for s in fleet.servers], cfg.rollout.sglang,
                          api_key=fleet.api_key)
     seen = []
     for s in direct.servers:  # count what each engine's client is asked
@@ -167,7 +167,7 @@ def kill_during_generation(fleet, victim, prompts, seed0):
 def test_a_killed_engine_is_restarted_and_its_requests_resent(fleet_setup, router):
     fleet, model, cfg, _ = fleet_setup
     if not router:  # megarl routes and re-sends itself
-        fleet = SGLangFleet([(s.name, s.actor, s.url, s.tp) for s in fleet.servers], cfg.rollout.sglang,
+        fleet = SGLangFleet([(s.name, s.unit, s.url, s.tp) for s in fleet.servers], cfg.rollout.sglang,
                             api_key=fleet.api_key)
     prompts = PROMPTS * 3
     expected = generate_all(fleet, prompts, max_new_tokens=LONG, seed0=500)
@@ -192,7 +192,7 @@ def test_a_frozen_engine_is_found_by_the_progress_deadline_restarted_and_its_req
     # and they are re-sent after the restart (megarl routes them itself here)
     fleet, model, cfg, _ = fleet_setup
     liveness = replace(cfg.cluster.liveness, progress_timeout_s=2.0)
-    direct = SGLangFleet([(s.name, s.actor, s.url, s.tp) for s in fleet.servers],
+    direct = SGLangFleet([(s.name, s.unit, s.url, s.tp) for s in fleet.servers],
                          replace(cfg.rollout.sglang, health_timeout_s=3.0), liveness=liveness, api_key=fleet.api_key)
     prompts = PROMPTS * 2
     expected = generate_all(direct, prompts, max_new_tokens=LONG, seed0=700)
@@ -360,7 +360,7 @@ def test_an_engine_past_its_restart_budget_stops_the_run(fleet_setup):
     fleet, _, cfg, _ = fleet_setup
     settings = type(cfg.rollout.sglang)(**{**cfg.rollout.sglang.__dict__, "max_restarts": 0,
                                            "max_request_retries": 1, "router": False})
-    strict = SGLangFleet([(s.name, s.actor, s.url, s.tp) for s in fleet.servers[:1]], settings, api_key=fleet.api_key)
+    strict = SGLangFleet([(s.name, s.unit, s.url, s.tp) for s in fleet.servers[:1]], settings, api_key=fleet.api_key)
     os.killpg(ray.get(fleet.servers[0].unit.actors[0].pid.remote()), signal.SIGKILL)
     with pytest.raises(ComponentDied, match="engine0 .* failed again after 0 restarts"):
         generate_all(strict, PROMPTS[:1])
@@ -374,7 +374,7 @@ def test_an_engine_restarted_mid_rollout_without_weights_to_reload_stops_the_run
     A restart in the health pass before a sync is fine (the sync brings it the weights)."""
     fleet, _, cfg, _ = fleet_setup
     settings = replace(cfg.rollout.sglang, max_request_retries=1, router=False)
-    direct = SGLangFleet([(s.name, s.actor, s.url, s.tp) for s in fleet.servers[:1]], settings, api_key=fleet.api_key)
+    direct = SGLangFleet([(s.name, s.unit, s.url, s.tp) for s in fleet.servers[:1]], settings, api_key=fleet.api_key)
     asyncio.run(direct.begin_weight_update())  # a sync whose weights came over a process group
     asyncio.run(direct.end_weight_update())
     os.killpg(ray.get(fleet.servers[0].unit.actors[0].pid.remote()), signal.SIGKILL)

@@ -44,10 +44,18 @@ class EngineUnit:
         return list(await asyncio.gather(*[getattr(a, method).remote(*args) for a in self.actors]))
 
     async def start(self, timeout_s: float) -> str:
-        """Start every rank at once (they wait for each other to meet); node rank 0's URL."""
+        """Start every rank at once (they wait for each other to meet); node rank 0's URL once it
+        answers, which SGLang's API does only when every rank has joined. The other ranks are
+        started without a health check of their own (their ServerProcess has none) and must
+        still run then."""
         meet = await self.actors[0].meeting_address.remote() if self.nodes > 1 else ""
         urls = await asyncio.gather(*[a.start.remote(timeout_s, rank_args(self.nodes, i, meet))
                                       for i, a in enumerate(self.actors)])
+        gone = [i for i, ok in enumerate(await self._all("alive")) if not ok]
+        if gone:
+            tails = await asyncio.gather(*[self.actors[i].log_tail.remote() for i in gone])
+            raise RuntimeError(f"node ranks {gone} of an engine over {self.nodes} nodes exited while it started; "
+                               + "; ".join(f"the end of node rank {i}'s log:\n{t}" for i, t in zip(gone, tails)))
         return urls[0]
 
     async def alive(self) -> bool:

@@ -44,7 +44,7 @@ class _ServerHandle:
 
     def __init__(self, name: str, actor, url: str, tp: int, settings: SGLangConfig, node: str = "",
                  gpus: Sequence[str] = (), rank_nodes: Sequence[str] | None = None, *, api_key: str | None = None):
-        self.name, self.actor, self.url, self.tp, self.node, self.gpus = name, actor, url, tp, node, tuple(gpus)
+        self.name, self.url, self.tp, self.node, self.gpus = name, url, tp, node, tuple(gpus)
         self.rank_nodes = tuple(rank_nodes) if rank_nodes is not None else (node,) * len(self.gpus)
         self.unit = actor if isinstance(actor, EngineUnit) else EngineUnit([actor])
         self.client = HTTPEngine(url, timeout_s=settings.request_timeout_s, api_key=api_key)
@@ -69,8 +69,8 @@ class SGLangFleet:
     `EngineServers` the weight transports feed (megarl.weights.transport).
 
     `engines`: (name, EngineUnit or ServerActor handle, url, tp[, node address[, GPU ids[, node of
-    each TP rank]]]) per engine, already started; `router`: the router's ServerActor and URL, or None. `weight_dir`: storage every
-    engine can read, for `update_weights` from this process and for reloading a restarted
+    each TP rank]]]) per engine, already started; `router`: the router's ServerActor and URL, or
+    None. `weight_dir`: storage every engine can read, for `update_weights` from this process and for reloading a restarted
     engine. `api_key`: the key the servers and the router were started with; every request
     of the fleet, and of the transports' senders, carries it.
     """

@@ -3,9 +3,9 @@
 Each engine is a server process (`python -m sglang.launch_server`, or megarl's embedded
 engine behind the same API with `rollout.sglang.server=embedded`) kept by a `ServerProcess`
 (a Ray actor, `ServerActor`) on the GPUs of its placement-group bundles; an engine across
-nodes is one such process per node, kept together as an `EngineUnit` (megarl.rollout.engine_unit).
-The router, when on, is one more process. Start-up waits for the health check with a timeout and fails with the tail of the
-server's log. The servers and the router require one API key for the run (`fleet_api_key`),
+nodes is one such process per node, kept together as an `EngineUnit`
+(megarl.rollout.engine_unit). The router, when on, is one more process. Start-up waits for the
+health check with a timeout and fails with the tail of the server's log. The servers and the router require one API key for the run (`fleet_api_key`),
 handed to each process in its environment, never on its command line (SGLang and the router
 read it through megarl.rollout.with_api_key). Main entry points: `launch_fleet`, `stop_fleet`,
 `ServerProcess`, `server_command`, `router_command`.
@@ -127,14 +127,14 @@ def _die_with_parent() -> None:
 
 class ServerProcess:
     """One server process: launched with --host / --port appended, its output in a log file,
-    ready once `health_route` answers 200. Restarts keep the address, so the router's worker
+    ready once `health_route` answers 200 (with None, once launched). Restarts keep the address, so the router's worker
     list stays valid. Stopped through its own process group only (nothing is killed by name).
     host None = this node's address (multi-node runs). `api_key`: the server's key, in its
     environment as $MEGARL_ENGINE_API_KEY (never in its argv or the log).
     In Ray it runs as `ServerActor` on the node (and GPUs) of its bundle."""
 
     def __init__(self, argv: Sequence[str], name: str, *, host: str | None = "127.0.0.1", port: int = 0,
-                 log_dir: str | None = None, env: dict[str, str] | None = None, health_route: str = "/health",
+                 log_dir: str | None = None, env: dict[str, str] | None = None, health_route: str | None = "/health",
                  api_key: str | None = None):
         self.argv, self.name, self.health_route, self.api_key = list(argv), name, health_route, api_key
         self.host = host or _node_address()
@@ -174,6 +174,8 @@ class ServerProcess:
             self.process = subprocess.Popen([*argv, "--host", self.host, "--port", str(self.port)],
                                             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                             start_new_session=True, preexec_fn=_die_with_parent, env=env)
+        if self.health_route is None:  # nothing of its own to ask: started once launched
+            return self.url
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             code = self.process.poll()
@@ -288,11 +290,11 @@ def launch_fleet(cfg: RunConfig, placement_group, engine_bundles: list[list[int]
                for bundles in engine_bundles for i in bundles}
     server_actor = ray.remote(ServerProcess)
     argv = server_command(cfg, colocated)
-    units, entries = [], []
-    spread = _nodes_in_turn() if not gpus and engine_nodes(cfg) > 1 else None
+    units, entries, nodes = [], [], engine_nodes(cfg)
+    spread = _nodes_in_turn() if not gpus and nodes > 1 else None
     for e, bundles in enumerate(engine_bundles):
         actors, rank_nodes = [], []
-        ranks = node_ranks(e, bundles, devices, engine_nodes(cfg), gpus)
+        ranks = node_ranks(e, bundles, devices, nodes, gpus)
         for n, rank_bundles in enumerate(ranks):
             engine_gpus = [g for i in rank_bundles for g in devices[i][1]]  # TP rank i runs on the i-th
             env = {"CUDA_VISIBLE_DEVICES": ",".join(engine_gpus)} if gpus else cpu_server_env(len(ranks))
@@ -300,9 +302,12 @@ def launch_fleet(cfg: RunConfig, placement_group, engine_bundles: list[list[int]
             where, node = place(rank_bundles[0]), devices[rank_bundles[0]][0]
             if spread:  # a CPU engine's ranks on different nodes, as far as there are nodes
                 node, where = spread[(e * len(ranks) + n) % len(spread)]
+            # node rank n > 0 is ready when node rank 0 is (SGLang's API waits for every rank);
+            # the health server SGLang gives it may lose its port to the rank's own sockets
             actors.append(server_actor.options(num_cpus=0, num_gpus=(0.2 if colocated else 1) if gpus else 0,
                                                scheduling_strategy=where).remote(
-                argv, name, host=host, log_dir=log_dir, env=env, api_key=api_key))
+                argv, name, host=host, log_dir=log_dir, env=env, api_key=api_key,
+                health_route=None if n else "/health"))
             rank_nodes += [devices[i][0] for i in rank_bundles] if gpus else [node]
         units.append(EngineUnit(actors))
         entries.append((f"engine{e}", units[-1], cfg.rollout.tensor_parallel_size, rank_nodes[0],
@@ -317,7 +322,7 @@ def launch_fleet(cfg: RunConfig, placement_group, engine_bundles: list[list[int]
                          for (name, unit, tp, node, engine_gpus, rank_nodes), url in zip(entries, urls)], s,
                         router=router, weight_dir=weight_dir, liveness=cfg.cluster.liveness, api_key=api_key)
     log.info("rollout fleet: %d %s engines (TP %d on %d node(s) each) at %s%s", len(urls), s.server,
-             cfg.rollout.tensor_parallel_size, engine_nodes(cfg), urls, f", router at {router[1]}" if router else "")
+             cfg.rollout.tensor_parallel_size, nodes, urls, f", router at {router[1]}" if router else "")
     return fleet
 
 

@@ -33,7 +33,8 @@ node_addr() { echo "$CLUSTER_NET.$1"; }
 on_node() {
     local k=$1; shift
     nsenter --net="/run/netns/$(node_ns "$k")" unshare --uts --ipc --mount --propagation private -- \
-        sh -c 'mount --bind "$1" /etc/hosts && mount -t tmpfs -o mode=1777 tmpfs /dev/shm && hostname "$0" && shift && exec "$@"' \
+        sh -c 'mount --bind "$1" /etc/hosts && mount -t tmpfs -o mode=1777 tmpfs /dev/shm &&
+               hostname "$0" && shift && exec "$@"' \
         "node$k" "$CLUSTER_DIR/hosts" "$@"
 }
 

@@ -136,7 +136,8 @@ megatron_across_nodes() {
 # ranks holding half of every sharded tensor.
 SGLANG_PY=${MEGARL_SGLANG_PYTHON:-$REPO/.venv-sglang/bin/python}
 if wants sglang2n; then
-[[ -x $SGLANG_PY ]] || { echo "test-multinode: no SGLang environment at $SGLANG_PY: build it with make sglang-env" >&2; exit 1; }
+[[ -x $SGLANG_PY ]] \
+    || { echo "test-multinode: no SGLang environment at $SGLANG_PY: build it with make sglang-env" >&2; exit 1; }
 run sglang2n 2 rollout.engine=sglang rollout.sglang.server=sglang "rollout.sglang.python=$SGLANG_PY" \
     rollout.num_engines=1 rollout.tensor_parallel_size=2 rollout.nodes_per_engine=2 sync.transport=disk "${SPREAD[@]}"
 placed=$(grep -a "megarl placement:" "$WORK/sglang2n.out")
