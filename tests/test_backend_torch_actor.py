@@ -11,6 +11,7 @@ import torch
 
 from megarl.backends.batch import TrainBatch
 from megarl.backends.torch.actor import TorchActor, build_optimizer
+from megarl.backends.torch.logprobs import token_log_probs
 from megarl.config import AlgorithmConfig, OptimConfig
 from megarl.rollout.engine import SamplingParams
 from megarl.rollout.local import LocalEngine
@@ -55,6 +56,34 @@ def test_log_probs_match_the_engine_like_with_like():
     mask = batch.loss_mask.bool()
     torch.testing.assert_close(log_probs[mask], batch.rollout_log_probs[mask], atol=1e-5, rtol=0)
     assert (entropy[mask] > 0).all()
+
+
+def test_log_probs_of_the_wanted_columns_only():
+    """With the loss mask as `wanted`, the LM head sees the columns from the first wanted one on,
+    and the log-probs and entropy there are those of each row's own forward pass, one softmax at a
+    time; the entropy carries a gradient only when asked to."""
+    model = tiny_model("qwen2")
+    prompts, responses = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14]], [[20, 21, 22], [23, 24]]
+    batch = TrainBatch.from_sequences(prompts, responses, [[1, 0, 1], [1, 1]])
+    seen = []
+    hook = model.lm_head.register_forward_hook(lambda mod, args, out: seen.append(out.shape[1]))
+    log_probs, entropy = token_log_probs(model, batch.input_ids, batch.attention_mask, 0.7, True,
+                                         wanted=batch.loss_mask)
+    hook.remove()
+    assert seen == [batch.input_ids.shape[1] - 4 + 1]  # the first response token is column 4
+    assert not entropy.requires_grad and log_probs.requires_grad
+    for row, (p, r) in enumerate(zip(prompts, responses)):
+        ids = torch.tensor([p + r])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0].float() / 0.7
+        for t in range(len(p), len(p) + len(r)):
+            want = torch.log_softmax(logits[t - 1], -1)
+            torch.testing.assert_close(log_probs[row, t].detach(), want[ids[0, t]], atol=1e-5, rtol=0)
+            torch.testing.assert_close(entropy[row, t], -(want.exp() * want).sum(), atol=1e-5, rtol=0)
+    assert (log_probs[:, :4] == 0).all()
+    _, entropy = token_log_probs(model, batch.input_ids, batch.attention_mask, 0.7, True,
+                                 wanted=batch.loss_mask, entropy_grad=True)
+    assert entropy.requires_grad
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])

@@ -79,7 +79,8 @@ class TorchActor:
         model = model or self.model
         with replayed_routing(model, self._replayed(batch) if model is self.model else None):
             return token_log_probs(model, batch.input_ids.to(self.device), batch.attention_mask.to(self.device),
-                                   self.temperature, with_entropy, router_logits)
+                                   self.temperature, with_entropy, router_logits, wanted=batch.loss_mask,
+                                   entropy_grad=bool(self.algo.entropy_coeff))
 
     def _replayed(self, batch: TrainBatch) -> list[torch.Tensor] | None:
         """Each MoE layer's replayed experts for `batch`'s tokens (routing replay), or None."""

@@ -7,27 +7,57 @@ Main entry point: `token_log_probs`.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from megarl.algo import entropy_from_logits
 
 
 def token_log_probs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                    temperature: float = 1.0, with_entropy: bool = False, router_logits: list | None = None):
+                    temperature: float = 1.0, with_entropy: bool = False, router_logits: list | None = None,
+                    wanted: torch.Tensor | None = None, entropy_grad: bool = False):
     """(log_probs, entropy or None), each (B, L): entry t is for token t given tokens < t;
     entry 0 (no context) is 0. Right padding is harmless: causal attention never lets a
     real token see the padding after it. A mixture of experts appends each MoE layer's router
-    logits (B * L, experts) to `router_logits` when one is given."""
+    logits (B * L, experts) to `router_logits` when one is given.
+
+    `wanted` (B, L), e.g. the loss mask: only these entries are needed. The LM head and the
+    softmax then run from the first wanted column on (the prompts' columns before it are 0),
+    as TRL's `logits_to_keep` does; at a 150k vocabulary the logits are most of a step's
+    activations. The entropy is a metric and carries no gradient unless `entropy_grad`
+    (an entropy bonus in the loss)."""
+    first = _first_column(wanted) if _keeps_logits(model) else 1
     kw = {"output_router_logits": True} if router_logits is not None else {}
+    if first > 1:
+        kw["logits_to_keep"] = input_ids.shape[1] - first + 1
     out = model(input_ids=input_ids, attention_mask=attention_mask, **kw)
     if router_logits is not None:
         router_logits.extend(out.router_logits or ())
-    logits = out.logits[:, :-1].float()
+    logits = out.logits[:, :-1].float()  # column j: the next token's logits after column first - 1 + j
     if temperature != 1.0:
         logits = logits / temperature
-    log_probs = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-    zero = torch.zeros_like(log_probs[:, :1])
-    log_probs = torch.cat([zero, log_probs], dim=1)
+    log_probs = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, first:, None]).squeeze(-1)
+    skipped = torch.zeros_like(log_probs[:, :1]).expand(-1, first)
+    log_probs = torch.cat([skipped, log_probs], dim=1)
     if not with_entropy:
         return log_probs, None
-    return log_probs, torch.cat([zero, entropy_from_logits(logits)], dim=1)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy = entropy_from_logits(logits)
+    return log_probs, torch.cat([skipped, entropy], dim=1)
+
+
+def _first_column(wanted: torch.Tensor | None) -> int:
+    """The first column (at least 1) any row wants, or 1 when `wanted` is None or empty."""
+    if wanted is None:
+        return 1
+    columns = wanted.any(dim=0).nonzero()
+    return max(1, int(columns[0])) if len(columns) else 1
+
+
+def _keeps_logits(model: torch.nn.Module) -> bool:
+    """Whether the model's forward takes HF's `logits_to_keep` (current causal LMs do)."""
+    try:
+        return "logits_to_keep" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
