@@ -7,7 +7,7 @@ training loop calls in order. Main entry points: `reward_requests`, `shape_overl
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -15,6 +15,7 @@ from megarl.algo import (compute_gae_advantages, compute_grpo_advantages, comput
                          compute_reinforce_plus_plus_baseline_advantages, compute_rloo_advantages, kl_penalty,
                          overlong_penalty, scores_to_token_rewards)
 from megarl.backends.batch import TrainBatch
+from megarl.backends.packed import PackedBatch
 from megarl.config import AlgorithmConfig
 from megarl.data.prompts import PromptRecord
 from megarl.reward import RewardRequest
@@ -50,35 +51,48 @@ def shape_overlong(scores: list[float], lengths: list[int], max_response_length:
             for s, n in zip(scores, lengths)]
 
 
-def to_train_batch(samples: list[Sample], pad_id: int, routed_experts: bool = False) -> TrainBatch:
-    """The samples' rows; with `routed_experts` (routing replay) the engines' routing too."""
+def to_train_batch(samples: list[Sample], routed_experts: bool = False) -> PackedBatch:
+    """The samples' rows, packed; with `routed_experts` (routing replay) the engines' routing too."""
     t = [s.trajectory for s in samples]
-    return TrainBatch.from_sequences([x.prompt_ids for x in t], [x.response_ids for x in t], [x.loss_mask for x in t],
-                                     pad_id=pad_id, rollout_log_probs=[x.rollout_log_probs for x in t],
-                                     routed_experts=[x.routing() for x in t] if routed_experts else None)
+    return PackedBatch.from_sequences([x.prompt_ids for x in t], [x.response_ids for x in t], [x.loss_mask for x in t],
+                                      rollout_log_probs=[x.rollout_log_probs for x in t],
+                                      routed_experts=[x.routing() for x in t] if routed_experts else None)
 
 
-def compute_advantages(batch: TrainBatch, scores: list[float], groups: list[int], algo: AlgorithmConfig,
+def compute_advantages(batch: PackedBatch, scores: list[float], groups: list[int], algo: AlgorithmConfig,
                        ref_log_probs: torch.Tensor | None = None,
                        old_log_probs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-    """(advantages, returns, metrics), each tensor (B, L) aligned with the batch, zero off the loss mask.
+    """(advantages, returns, metrics), each tensor (N,) aligned with the packed batch's tokens,
+    zero off the loss mask.
 
-    Outcome estimators (grpo, rloo) broadcast one value per sequence over its loss tokens;
-    token estimators (reinforce_plus_plus, gae) see the score on the last loss token, minus a
-    per-token KL penalty when algorithm.use_kl_in_reward.
+    Outcome estimators (grpo, rloo) broadcast one value per sequence over its loss tokens
+    (returns are the advantages, the same tensor); token estimators (reinforce_plus_plus, gae)
+    see the score on the last loss token, minus a per-token KL penalty when
+    algorithm.use_kl_in_reward, and run on the rows padded.
     """
-    mask = batch.loss_mask.float()
     scores_t = torch.tensor(scores, dtype=torch.float32)
     groups_t = torch.tensor(groups)
-    metrics: dict[str, float] = {}
     estimator = algo.adv_estimator
     if estimator in ("grpo", "rloo"):
         if estimator == "grpo":
             per_seq = compute_grpo_advantages(scores_t, groups_t, norm_by_std=algo.norm_adv_by_std)
         else:
             per_seq = compute_rloo_advantages(scores_t, groups_t)
-        advantages = per_seq[:, None] * mask
-        return advantages, advantages.clone(), metrics
+        advantages = per_seq.repeat_interleave(batch.lengths).masked_fill_(~batch.loss_mask, 0.0)
+        return advantages, advantages, {}
+    padded = replace(batch.only("values"), routed_experts=None, ref_log_probs=ref_log_probs,
+                     old_log_probs=old_log_probs).padded()
+    advantages, returns, metrics = _token_advantages(padded, scores_t, groups_t, algo)
+    return batch.pack(advantages), batch.pack(returns), metrics
+
+
+def _token_advantages(batch: TrainBatch, scores_t: torch.Tensor, groups_t: torch.Tensor,
+                      algo: AlgorithmConfig) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """The token estimators on (B, L) rows."""
+    mask = batch.loss_mask.float()
+    ref_log_probs, old_log_probs = batch.ref_log_probs, batch.old_log_probs
+    metrics: dict[str, float] = {}
+    estimator = algo.adv_estimator
     if estimator == "reinforce_plus_plus_baseline":
         advantages, returns = compute_reinforce_plus_plus_baseline_advantages(scores_t, groups_t, batch.loss_mask)
         return advantages, returns, metrics

@@ -23,7 +23,7 @@ from tqdm import tqdm
 from megarl import checkpoint
 from megarl.algo import InformativeGroupBuffer, masked_mean
 from megarl.async_rollouts import SyncRollouts, start_rollouts
-from megarl.backends.batch import TrainBatch
+from megarl.backends.packed import PackedBatch
 from megarl.backends.epochs import shuffled
 from megarl.components import Components, build_components
 from megarl.config import RunConfig, TrackingConfig, TrainWorkerConfig, save_config
@@ -160,47 +160,62 @@ def train_step(c: Components, step: int, rollouts: SyncRollouts | None = None) -
     c.last_samples = samples
     metrics.update(c.engine_metrics())
     metrics.update(staleness_metrics(samples, step))
-    batch = to_train_batch(samples, pad_id=c.tokenizer.pad_token_id or 0, routed_experts=cfg.actor.moe_routing_replay)
-    scores = [s.score for s in samples]
-    groups = [s.group for s in samples]
-    if cfg.algorithm.old_log_probs == "engine":  # the sampling policy's own numbers, no forward pass
-        old_log_probs = batch.rollout_log_probs
-    else:
-        with _timer(metrics, "old_log_prob"):
-            old_log_probs, _ = c.worker.compute_log_prob(batch)
-        mask = batch.loss_mask.bool()
-        metrics["rollout/logprob_mismatch"] = float((old_log_probs - batch.rollout_log_probs).abs()[mask].mean())
-    ref = c.worker.compute_ref_log_prob(batch) if c.worker.has_reference else None
-    if cfg.critic.enable:
-        with _timer(metrics, "values"):
-            batch = batch.with_fields(values=c.worker.compute_values(batch))
-    advantages, returns, adv_metrics = compute_advantages(batch, scores, groups, cfg.algorithm, ref, old_log_probs)
-    batch = batch.with_fields(old_log_probs=old_log_probs, ref_log_probs=ref, advantages=advantages, returns=returns)
-    metrics.update({f"train/{k}": v for k, v in adv_metrics.items()})
+    batch = experience(c, samples, metrics)
     if cfg.critic.enable:
         with _timer(metrics, "update_critic"):
-            metrics.update({f"critic/{k}": v for k, v in c.worker.update_critic(update_order(batch, cfg.critic, cfg,
-                                                                                            step)).items()})
+            critic_batch = update_order(batch.only("values", "returns"), cfg.critic, cfg, step)
+            metrics.update({f"critic/{k}": v for k, v in c.worker.update_critic(critic_batch).items()})
     with _timer(metrics, "update_actor"):
-        actor_metrics = c.worker.update_actor(update_order(batch, cfg.actor, cfg, step))
+        actor_metrics = c.worker.update_actor(update_order(batch.only(*actor_fields(cfg.algorithm)), cfg.actor, cfg,
+                                                           step))
     metrics.update({f"actor/{k}": v for k, v in actor_metrics.items()})
     with _timer(metrics, "sync_weights"):
         rollouts.sync_weights(step + 1)
     metrics.update(c.runtime.sleep_metrics())
-    metrics["actor/advantage_mean"] = float(masked_mean(advantages, batch.loss_mask))
+    metrics["actor/advantage_mean"] = float(masked_mean(batch.advantages, batch.loss_mask))
     trainer_s = sum(metrics.get(f"timing/{k}_s", 0.0) for k in TRAINER_PHASES)
     wall_s, engine_s = rollouts.clock.lap()
-    tokens = int(batch.attention_mask.sum())
+    tokens = batch.num_tokens
     metrics.update({"perf/tokens_per_s": tokens / max(wall_s, 1e-9), "perf/step_s": wall_s,
                     "perf/trainer_busy_fraction": min(trainer_s / max(wall_s, 1e-9), 1.0),
                     "perf/engine_busy_fraction": min(engine_s / max(wall_s, 1e-9), 1.0)})
     return metrics
 
 
+def experience(c: Components, samples: list[Sample], metrics: dict) -> PackedBatch:
+    """The step's scored samples as the batch the updates take: rows, old and reference
+    log-probs, values, advantages and returns (the driver's data path of docs/architecture.md;
+    tools/bench/scale.py runs it at a recipe's size)."""
+    cfg = c.cfg
+    batch = to_train_batch(samples, routed_experts=cfg.actor.moe_routing_replay)
+    scores = [s.score for s in samples]
+    groups = [s.group for s in samples]
+    if cfg.algorithm.old_log_probs == "engine":  # the sampling policy's own numbers, no forward pass
+        old_log_probs = batch.rollout_log_probs
+    else:
+        with _timer(metrics, "old_log_prob"):
+            old_log_probs, _ = c.worker.compute_log_prob(batch.only())
+        mask = batch.loss_mask
+        metrics["rollout/logprob_mismatch"] = float((old_log_probs - batch.rollout_log_probs).abs()[mask].mean())
+    ref = c.worker.compute_ref_log_prob(batch.only()) if c.worker.has_reference else None
+    if cfg.critic.enable:
+        with _timer(metrics, "values"):
+            batch = batch.with_fields(values=c.worker.compute_values(batch.only()))
+    advantages, returns, adv_metrics = compute_advantages(batch, scores, groups, cfg.algorithm, ref, old_log_probs)
+    metrics.update({f"train/{k}": v for k, v in adv_metrics.items()})
+    return batch.with_fields(old_log_probs=old_log_probs, ref_log_probs=ref, advantages=advantages, returns=returns)
+
+
+def actor_fields(algo) -> tuple[str, ...]:
+    """The per-token fields the actor's loss reads (megarl.backends.loss): the rest is not sent."""
+    return ("old_log_probs", "advantages", *(("rollout_log_probs",) if algo.tis_cap else ()),
+            *(("ref_log_probs",) if algo.use_kl_loss else ()))
+
+
 TRAINER_PHASES = ("old_log_prob", "values", "update_critic", "update_actor", "sync_weights")
 
 
-def update_order(batch: TrainBatch, worker: TrainWorkerConfig, cfg: RunConfig, step: int) -> TrainBatch:
+def update_order(batch: PackedBatch, worker: TrainWorkerConfig, cfg: RunConfig, step: int) -> PackedBatch:
     """The batch in the order `worker`'s update cuts it into mini-batches (shuffle_mini_batches)."""
     return shuffled(batch, cfg.trainer.seed, step) if worker.shuffle_mini_batches else batch
 
@@ -256,6 +271,12 @@ def rollout(c: Components, records, n: int, seed_base: int, group_base: int,
         log.warning("%d of %d searches failed (the model saw 'Search failed: ...')", failed,
                     sum(t.num_searches for t in trajectories))
     samples = [Sample(records[i // n], group_base + i // n, t) for i, t in enumerate(trajectories)]
+    return samples, score_samples(c, samples, validation)
+
+
+def score_samples(c: Components, samples: list[Sample], validation: bool = False) -> int:
+    """Each sample's score and acc from the reward (plus overlong shaping, not in validation);
+    returns the reward calls that failed or timed out."""
     with c.reward_lock:  # validation may score while the asynchronous producer does
         results, stats = c.reward_pool.compute(reward_requests(samples, c.tokenizer))
     scores = [r.score for r in results]
@@ -264,11 +285,11 @@ def rollout(c: Components, records, n: int, seed_base: int, group_base: int,
         log.warning("%d rewards were NaN/inf (first: request %d); scored 0", len(bad), bad[0])
         scores = [x if math.isfinite(x) else 0.0 for x in scores]
     if not validation:
-        scores = shape_overlong(scores, [len(t.response_ids) for t in trajectories], c.cfg.rollout.max_response_length,
-                                c.cfg.algorithm)
+        scores = shape_overlong(scores, [len(s.trajectory.response_ids) for s in samples],
+                                c.cfg.rollout.max_response_length, c.cfg.algorithm)
     for sample, result, score in zip(samples, results, scores):
         sample.score, sample.acc = score, bool(result.acc)
-    return samples, stats.num_timeouts + stats.num_errors + len(bad)
+    return stats.num_timeouts + stats.num_errors + len(bad)
 
 
 def validate(c: Components) -> dict[str, float]:

@@ -177,3 +177,21 @@ def sleep_phase(hf_dir: str, overrides: list[str], first, second, sleep: bool):
         nonzero = sum(int(torch.count_nonzero(g)) for g in drop if g is not None)
     update(second)
     return freed, left, differ, nonzero, w.compute_log_prob(second)[0]
+
+
+def shares_or_whole(hf_dir: str, overrides: list[str], batch, shares: bool):
+    """Log-probs of the packed `batch`, an actor update on it, and its log-probs after: sent whole
+    to every rank, or (`shares`) each data-parallel rank sent only its share (megarl.backends.packed),
+    as the Ray proxy sends it. Returns (log-probs before of the rows this rank computed, after,
+    the update's metrics)."""
+    from megarl.backends.packed import forward_shares, update_shares
+
+    w = worker(hf_dir, overrides)
+    dp_rank, dp_size = w.data_parallel()
+    if shares:
+        before = w.compute_log_prob(forward_shares(batch, dp_size)[dp_rank])[0]
+        metrics = w.update_actor(update_shares(batch, dp_size, w.mini["actor"])[dp_rank])
+    else:
+        before = w.compute_log_prob(batch)[0]
+        metrics = w.update_actor(batch)
+    return before, w.compute_log_prob(batch)[0], metrics

@@ -39,19 +39,25 @@ def test_reward_requests_carry_the_decoded_response():
 
 
 def test_train_batch_and_grpo_advantages_on_tokens():
-    batch = to_train_batch(SAMPLES, pad_id=0)
-    assert batch.input_ids.tolist()[0] == [5, 6, 7, 8, 9] and batch.input_ids.tolist()[1] == [5, 6, 10, 0, 0]
-    assert batch.loss_mask.tolist()[3] == [0, 1, 1, 0, 1] and batch.loss_mask.tolist()[1] == [0, 0, 1, 0, 0]
-    assert batch.rollout_log_probs[0].tolist() == [0, 0, -0.5, 0, -0.5]
+    batch = to_train_batch(SAMPLES)  # packed: the rows end to end
+    assert batch.lengths.tolist() == [5, 3, 3, 5]
+    assert batch.input_ids.tolist() == [5, 6, 7, 8, 9, 5, 6, 10, 11, 12, 13, 11, 14, 15, 16, 17]
+    assert batch.input_ids.dtype == torch.int32 and batch.loss_mask.dtype == torch.bool
+    assert batch.loss_mask.tolist() == [bool(m) for m in [0, 0, 1, 0, 1, 0, 0, 1, 0, 1, 1, 0, 1, 1, 0, 1]]
+    assert batch.rollout_log_probs[:5].tolist() == [0, 0, -0.5, 0, -0.5]
+    rows = batch.padded()  # as a worker takes them
+    assert rows.input_ids.tolist()[0] == [5, 6, 7, 8, 9] and rows.input_ids.tolist()[1] == [5, 6, 10, 0, 0]
+    assert rows.loss_mask.tolist()[3] == [0, 1, 1, 0, 1] and rows.loss_mask.tolist()[1] == [0, 0, 1, 0, 0]
     adv, returns, _ = compute_advantages(batch, [1.0, 0.0, 0.0, 0.0], [0, 0, 1, 1], AlgorithmConfig())
     # group 0 = {1, 0}: mean 0.5, sample std 0.7071 -> ±0.7071; group 1 constant -> 0
     a = 0.5 / (2 ** 0.5 / 2 + 1e-6)
-    expected = torch.tensor([[0, 0, a, 0, a], [0, 0, -a, 0, 0], [0] * 5, [0] * 5], dtype=torch.float32)
+    expected = torch.tensor([0, 0, a, 0, a, 0, 0, -a] + [0] * 8, dtype=torch.float32)
     torch.testing.assert_close(adv, expected)
+    torch.testing.assert_close(returns, expected)
 
 
 def test_gae_needs_values_and_kl_in_reward_needs_log_probs():
-    batch = to_train_batch(SAMPLES, pad_id=0)
+    batch = to_train_batch(SAMPLES)
     with pytest.raises(ValueError, match="values"):
         compute_advantages(batch, [1, 0, 0, 0], [0, 0, 1, 1], AlgorithmConfig(adv_estimator="gae"))
     with pytest.raises(ValueError, match="reference"):
@@ -61,9 +67,10 @@ def test_gae_needs_values_and_kl_in_reward_needs_log_probs():
 
 def test_gae_with_zero_values_and_unit_discount_is_the_score_on_every_loss_token():
     # V = 0, γ = λ = 1: A_t = sum of future rewards = the score, on every loss token; then whitened
-    batch = to_train_batch(SAMPLES, pad_id=0)
-    batch = batch.with_fields(values=torch.zeros(batch.input_ids.shape))
+    batch = to_train_batch(SAMPLES)
+    batch = batch.with_fields(values=torch.zeros(batch.num_tokens))
     scores = [1.0, 0.0, 2.0, 0.0]
     _, returns, _ = compute_advantages(batch, scores, [0, 0, 1, 1], AlgorithmConfig(adv_estimator="gae"))
-    expected = batch.loss_mask.float() * torch.tensor(scores)[:, None]
-    torch.testing.assert_close(returns, expected)
+    expected = [m * scores[row] for row, t in enumerate(s.trajectory for s in SAMPLES)
+                for m in [0] * len(t.prompt_ids) + t.loss_mask]
+    torch.testing.assert_close(returns, torch.tensor(expected, dtype=torch.float32))

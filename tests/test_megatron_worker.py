@@ -8,7 +8,7 @@ import torch
 
 from megarl.backends.megatron.forward import plan_micro_batches
 from megarl.backends.torch.logprobs import token_log_probs
-from megatron_cases import checkpoint_phase, critic_update
+from megatron_cases import checkpoint_phase, critic_update, shares_or_whole
 from megatron_dist import run_distributed
 from test_megatron_numerics import a_batch
 from tiny_models import tiny_hf_model
@@ -180,3 +180,40 @@ def test_checkpoint_resumes_on_another_layout_and_converts_to_hf(tmp_path, famil
     with torch.no_grad():
         hf_log_probs, _ = token_log_probs(converted, second.input_ids, second.attention_mask)
     torch.testing.assert_close(hf_log_probs[real], saved[0][real], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("parallel", [DP2, TP2])
+def test_a_rank_sent_its_share_updates_as_one_sent_the_batch(tmp_path, parallel):
+    """The Ray proxy sends each data-parallel rank only its rows (update_shares, forward_shares):
+    the log-probs and the update equal those of every rank sent the whole batch. With TP 2 there
+    is one data-parallel rank, whose share is the batch."""
+    from megarl.backends.packed import PackedBatch
+
+    model = tiny_hf_model("qwen2")
+    model.save_pretrained(tmp_path)
+    first, second = update_batch(model, 1), update_batch(model, 2)
+    rows = TrainBatchCat(first, second)  # 8 rows: two mini-batches of 4 (rollout.n=2 x 2 prompts)
+    batch = PackedBatch.from_rows(rows)
+    whole = run_distributed(2, shares_or_whole, str(tmp_path), parallel, batch, False)
+    shared = run_distributed(2, shares_or_whole, str(tmp_path), parallel, batch, True)
+    real = batch.loss_mask.clone()
+    real[batch.starts()] = False  # position 0 of each row has no log-prob
+    dp = 2 if parallel == DP2 else 1
+    cut = int(batch.lengths[: len(batch) // dp].sum())  # rank 0's rows of the forward share, when DP is 2
+    torch.testing.assert_close(shared[0][0], whole[0][0][:cut] if dp == 2 else whole[0][0], rtol=0, atol=1e-6)
+    if dp == 2:
+        torch.testing.assert_close(shared[1][0], whole[1][0][cut:], rtol=0, atol=1e-6)
+    assert (whole[0][1] - whole[0][0])[real].abs().max() > 1e-3  # the update moved the log-probs
+    torch.testing.assert_close(shared[0][1][real], whole[0][1][real], rtol=0, atol=1e-6)
+    for rank in (0, 1):  # the loss is normalised by the whole mini-batch's tokens on every rank
+        assert shared[rank][2] == pytest.approx(whole[rank][2], rel=1e-6), rank
+
+
+def TrainBatchCat(a, b):
+    """Two TrainBatches' rows, padded to the longer."""
+    from megarl.backends.batch import TrainBatch
+
+    width = max(a.input_ids.shape[1], b.input_ids.shape[1])
+    pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[1])) if t is not None else None  # noqa: E731
+    return TrainBatch(**{f: (torch.cat([pad(getattr(a, f)), pad(getattr(b, f))]) if getattr(a, f) is not None else None)
+                         for f in ("input_ids", "attention_mask", "loss_mask", "old_log_probs", "advantages")})

@@ -111,15 +111,19 @@ class RaggedRows:
 
 def _routing_rows(routed: list[torch.Tensor | None], prompts: list[list[int]],
                   responses: list[list[int]]) -> RaggedRows:
+    check_routing(routed, [len(p) + len(r) for p, r in zip(prompts, responses)])
+    return RaggedRows(tuple(r.to(torch.int16) for r in routed))
+
+
+def check_routing(routed: list[torch.Tensor | None], lengths: list[int]) -> None:
+    """Every row has the engine's routing, one width, for each of its positions but the last."""
     widths = {r.shape[-1] for r in routed if r is not None}
     if len(widths) != 1 or any(r is None for r in routed):
         missing = [i for i, r in enumerate(routed) if r is None]
         raise ValueError(f"routed experts missing for rows {missing[:8]} (or of widths {sorted(widths)}): "
                          "routing replay needs the engine's routing of every sample (SGLang: started with "
                          "--enable-return-routed-experts, which megarl adds with actor.moe_routing_replay)")
-    for row, (p, r, experts) in enumerate(zip(prompts, responses, routed)):
-        n = len(p) + len(r)
+    for row, (experts, n) in enumerate(zip(routed, lengths)):
         if experts.shape[0] != n - 1:
             raise ValueError(f"row {row}: routed experts for {experts.shape[0]} positions, expected {n - 1} "
                              "(every token but the last)")
-    return RaggedRows(tuple(r.to(torch.int16) for r in routed))

@@ -46,10 +46,12 @@ def frozen(what: str, seconds: float) -> ComponentDied:
                          "lost (cluster.liveness.timeout_s)")
 
 
-def gather_watched(refs: list, actors: list, names: Callable[[int], str], liveness: Liveness) -> list:
-    """Every call's result, in order; ref i is served by actors[i], named names(i). The first
-    failure raises ComponentDied naming its actor (with several calls, the others are left
-    to be stopped); a pending call whose actor misses a ping raises ComponentDied too."""
+def gather_watched(refs: list, actors: list, names: Callable[[int], str], liveness: Liveness,
+                   keep: list[int] | None = None) -> list:
+    """Every call's result, in order (`keep`: only those refs' results, the others awaited but
+    not fetched); ref i is served by actors[i], named names(i). The first failure raises
+    ComponentDied naming its actor (with several calls, the others are left to be stopped); a
+    pending call whose actor misses a ping raises ComponentDied too."""
     pending = list(refs)
     while pending:
         ready, pending = ray.wait(pending, num_returns=1, timeout=liveness.interval_s)
@@ -67,7 +69,7 @@ def gather_watched(refs: list, actors: list, names: Callable[[int], str], livene
             if len(refs) == 1:
                 raise  # the actor's own exception (Ray's error is also an instance of it)
             raise ComponentDied(f"{names(i)} failed (the others are stopped):\n{e}") from None
-    return ray.get(refs)
+    return ray.get(refs if keep is None else [refs[i] for i in keep])
 
 
 def ping_all(actors: list, names: list[str], liveness: Liveness) -> None:

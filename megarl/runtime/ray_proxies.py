@@ -16,7 +16,7 @@ from pathlib import Path
 import ray
 import torch
 
-from megarl.backends.batch import TrainBatch
+from megarl.backends.packed import DataShare, PackedBatch, forward_shares, update_shares
 from megarl.driver_loop import run_async
 from megarl.reward.scoring import RewardRequest, RewardResult
 from megarl.reward.pool import RewardStats
@@ -38,41 +38,78 @@ class _Ranks:
     def __init__(self, actors: list, liveness: Liveness):
         self.actors, self.liveness = actors, liveness
 
-    def gather(self, refs: list, ranks: list[int] | None = None) -> list:
-        """Each ref's result; refs[i] is served by rank ranks[i] (all ranks in order by default)."""
+    def gather(self, refs: list, ranks: list[int] | None = None, keep: list[int] | None = None) -> list:
+        """Each ref's result (`keep`: of those refs only); refs[i] is served by rank ranks[i] (all
+        ranks in order by default)."""
         ranks = list(range(len(self.actors))) if ranks is None else ranks
-        return gather_watched(refs, [self.actors[r] for r in ranks], lambda i: rank_name(ranks[i]), self.liveness)
+        return gather_watched(refs, [self.actors[r] for r in ranks], lambda i: rank_name(ranks[i]), self.liveness,
+                              keep)
 
 
 class RemoteTrainWorker(_Ranks):
     """A `TrainWorker` whose ranks are actors: each method is a blocking call into every rank
-    (they run in lockstep); the answer is rank 0's."""
+    (they run in lockstep); the answer is rank 0's.
+
+    A packed batch (megarl.backends.packed) is not sent whole to every rank: each data-parallel
+    rank's share is put in Ray's object store once and read by the ranks of that share (its
+    TP / PP / CP peers). For an update the share is a contiguous part of every mini-batch of
+    `mini_rows[part]` rows, as the Megatron backend trains on; for a forward pass a run of
+    consecutive rows, whose results come back from one rank of each share and nowhere else."""
 
     is_export_source = False  # the driver sends nothing: the rank actors do
     pipeline_stage = 0
 
-    def __init__(self, actors: list, has_reference: bool, liveness: Liveness):
+    def __init__(self, actors: list, has_reference: bool, liveness: Liveness,
+                 mini_rows: Mapping[str, int] | None = None):
         super().__init__(actors, liveness)
-        self.has_reference = has_reference
+        self.has_reference, self.mini_rows = has_reference, dict(mini_rows or {})
+        self._layout: list[tuple[int, int]] | None = None
 
     def _on_every_rank(self, method: str, *args):
         args = tuple(ray.put(a) for a in args) if len(self.actors) > 1 else args  # one copy for all ranks
-        return self.gather([a.run.remote(method, *args) for a in self.actors])[0]
+        return self.gather([a.run.remote(method, *args) for a in self.actors], keep=[0])[0]
 
-    def compute_log_prob(self, batch: TrainBatch, with_entropy: bool = False):
-        return self._on_every_rank("compute_log_prob", batch, with_entropy)
+    def data_layout(self) -> list[tuple[int, int]]:
+        """(data-parallel rank, data-parallel size) of each rank, asked once."""
+        if self._layout is None:
+            self._layout = self.gather([a.run.remote("data_parallel") for a in self.actors])
+        return self._layout
 
-    def compute_ref_log_prob(self, batch: TrainBatch) -> torch.Tensor:
-        return self._on_every_rank("compute_ref_log_prob", batch)
+    def _shared(self, method: str, shares: list[DataShare], *rest, answers: list[int]) -> list:
+        refs = [ray.put(s) for s in shares]
+        calls = [a.run.remote(method, refs[dp], *rest) for a, (dp, _) in zip(self.actors, self.data_layout())]
+        return self.gather(calls, keep=answers)
 
-    def compute_values(self, batch: TrainBatch) -> torch.Tensor:
-        return self._on_every_rank("compute_values", batch)
+    def _forward(self, method: str, batch, *rest):
+        if len(self.actors) == 1 or not isinstance(batch, PackedBatch):
+            return self._on_every_rank(method, batch, *rest)
+        size = self.data_layout()[0][1]
+        first = [self.data_layout().index((dp, size)) for dp in range(size)]  # one rank of each share answers
+        parts = self._shared(method, forward_shares(batch, size), *rest, answers=first)
+        if isinstance(parts[0], tuple):
+            return tuple(None if p[0] is None else torch.cat(list(p)) for p in zip(*parts))
+        return torch.cat(parts)
 
-    def update_actor(self, batch: TrainBatch) -> dict[str, float]:
-        return self._on_every_rank("update_actor", batch)
+    def _update(self, method: str, part: str, batch):
+        if len(self.actors) == 1 or not isinstance(batch, PackedBatch) or part not in self.mini_rows:
+            return self._on_every_rank(method, batch)
+        size = self.data_layout()[0][1]
+        return self._shared(method, update_shares(batch, size, self.mini_rows[part]), answers=[0])[0]
 
-    def update_critic(self, batch: TrainBatch) -> dict[str, float]:
-        return self._on_every_rank("update_critic", batch)
+    def compute_log_prob(self, batch: PackedBatch, with_entropy: bool = False):
+        return self._forward("compute_log_prob", batch, with_entropy)
+
+    def compute_ref_log_prob(self, batch: PackedBatch) -> torch.Tensor:
+        return self._forward("compute_ref_log_prob", batch)
+
+    def compute_values(self, batch: PackedBatch) -> torch.Tensor:
+        return self._forward("compute_values", batch)
+
+    def update_actor(self, batch: PackedBatch) -> dict[str, float]:
+        return self._update("update_actor", "actor", batch)
+
+    def update_critic(self, batch: PackedBatch) -> dict[str, float]:
+        return self._update("update_critic", "critic", batch)
 
     def sleep(self) -> float:
         return max(self.gather([a.run.remote("sleep") for a in self.actors]))  # the slowest rank's

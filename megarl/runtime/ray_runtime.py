@@ -105,7 +105,8 @@ class RayRuntime(Runtime):
                           cfg.trainer.async_rollout.enable and cfg.rollout.engine != "sglang")
         has_reference = self.ranks.gather([a.setup.remote(cfg, total_steps, r, world, master, sharing[r])
                                            for r, a in enumerate(self.worker_actors)])[0]
-        self.worker = RemoteTrainWorker(self.worker_actors, has_reference, liveness)
+        self.worker = RemoteTrainWorker(self.worker_actors, has_reference, liveness, mini_rows={
+            "actor": cfg.actor.ppo_mini_batch_size * cfg.rollout.n, "critic": cfg.critic.ppo_mini_batch_size * cfg.rollout.n})
         if self.colocated and cfg.trainer_sleeps():
             # asleep before the engines start: SGLang sizes its KV cache from the memory free then
             self._sleep_trainer()

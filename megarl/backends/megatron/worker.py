@@ -25,6 +25,7 @@ import torch
 
 from megarl.backends.batch import TrainBatch
 from megarl.backends.epochs import run_epochs
+from megarl.backends.packed import DataShare, PackedBatch, as_rows
 from megarl.backends.megatron.optim_state import load_optimizer_state, model_key, sharded_state
 from megarl.backends.megatron.routing import install_replay
 from megarl.backends.offload import HostOffloaded
@@ -81,6 +82,9 @@ def micro_batching(worker: TrainWorkerConfig, impl: str) -> dict:
         packing = None
     return {"micro_batch_size": worker.ppo_micro_batch_size, "max_tokens": worker.max_tokens_per_gpu,
             "packing": packing}
+
+
+Batch = TrainBatch | PackedBatch | DataShare  # a DataShare: this data-parallel rank's rows only
 
 
 @dataclass
@@ -174,11 +178,28 @@ class MegatronTrainWorker:
 
         return parallel_state.get_pipeline_model_parallel_rank()
 
+    def data_parallel(self) -> tuple[int, int]:
+        """(this rank's data-parallel rank, the data-parallel size): which share of a batch it takes."""
+        return self._dp()
+
+    def _share(self, share: DataShare) -> DataShare:
+        if (share.dp_rank, share.dp_size) != self._dp():
+            raise ValueError(f"a share for data-parallel rank {share.dp_rank} of {share.dp_size} was sent to rank "
+                             f"{self._dp()[0]} of {self._dp()[1]}")
+        return share
+
     # -- forward passes ----------------------------------------------------------------------
-    def _over_data_parallel(self, batch: TrainBatch, fn) -> list[torch.Tensor]:
-        """fn(this DP rank's rows) -> tensors (rows, L); the rows of every DP rank gathered."""
+    def _over_data_parallel(self, batch: Batch, fn) -> list[torch.Tensor]:
+        """fn(this DP rank's rows) -> tensors (rows, L); the rows of every DP rank gathered, in
+        the batch's layout. A `DataShare` is this rank's rows already: its results only."""
         from megatron.core import parallel_state
 
+        rows, back = as_rows(self._share(batch) if isinstance(batch, DataShare) else batch)
+        if isinstance(batch, DataShare):
+            return [back(t.cpu()) for t in fn(rows)]
+        return [back(t) for t in self._gathered(rows, fn, parallel_state)]
+
+    def _gathered(self, batch: TrainBatch, fn, parallel_state) -> list[torch.Tensor]:
         rank, size = self._dp()
         if size == 1:
             return [t.cpu() for t in fn(batch)]
@@ -193,7 +214,7 @@ class MegatronTrainWorker:
             out.append(torch.cat([p[: bounds[r + 1] - bounds[r]] for r, p in enumerate(parts)]).cpu())
         return out
 
-    def _log_probs(self, chunks, batch: TrainBatch, with_entropy: bool):
+    def _log_probs(self, chunks, batch: Batch, with_entropy: bool):
         from megarl.backends.megatron.actor import forward_log_probs
 
         def fn(rows):
@@ -207,16 +228,16 @@ class MegatronTrainWorker:
             out = self._over_data_parallel(batch, fn)
         return out[0], (out[1] if with_entropy else None)
 
-    def compute_log_prob(self, batch: TrainBatch, with_entropy: bool = False):
+    def compute_log_prob(self, batch: Batch, with_entropy: bool = False):
         return self._log_probs(self.actor.chunks, batch, with_entropy)
 
-    def compute_ref_log_prob(self, batch: TrainBatch) -> torch.Tensor:
+    def compute_ref_log_prob(self, batch: Batch) -> torch.Tensor:
         if self.reference is None:
             raise RuntimeError("no reference model: turn on algorithm.use_kl_loss or use_kl_in_reward")
         with self.reference_weights.on_device() if self.reference_weights else nullcontext():
             return self._log_probs(self.reference, batch, False)[0]
 
-    def compute_values(self, batch: TrainBatch) -> torch.Tensor:
+    def compute_values(self, batch: Batch) -> torch.Tensor:
         from megarl.backends.megatron.critic import forward_values
 
         if self.critic is None:
@@ -228,14 +249,18 @@ class MegatronTrainWorker:
                 self.critic.chunks, rows, **self.critic.batching)])[0]
 
     # -- updates --------------------------------------------------------------------------------
-    def _update(self, part: _Part, name: str, batch: TrainBatch, step_fn) -> dict[str, float]:
-        """PPO epochs of mini-batches; each DP rank steps on its contiguous share of every mini-batch."""
+    def _update(self, part: _Part, name: str, batch: Batch, step_fn) -> dict[str, float]:
+        """PPO epochs of mini-batches; each DP rank steps on its contiguous share of every mini-batch
+        (a `DataShare`: the share it was sent, with the whole mini-batches' sizes)."""
         rank, size = self._dp()
         if self.mini[name] % size:
             raise ValueError(f"{name}: a mini-batch of {self.mini[name]} samples does not split over "
                              f"{size} data-parallel ranks")
         for chunk in part.model:
             chunk.train()
+        if isinstance(batch, DataShare):
+            return self._update_share(part, self._share(batch), step_fn)
+        batch = as_rows(batch)[0]
 
         def one_step(mini: TrainBatch) -> dict[str, float]:
             counts = {"num_tokens": int(mini.loss_mask.sum()), "num_seqs": len(mini),
@@ -248,24 +273,40 @@ class MegatronTrainWorker:
 
         return run_epochs(batch, self.mini[name], part.cfg.ppo_epochs, one_step)
 
-    def update_actor(self, batch: TrainBatch) -> dict[str, float]:
+    def _update_share(self, part: _Part, share: DataShare, step_fn) -> dict[str, float]:
+        sums: dict[str, float] = {}
+        steps = 0
+        for _ in range(part.cfg.ppo_epochs):
+            for rows, counts in share.mini_batches():
+                counts["norm_length"] = self.cfg.rollout.max_response_length
+                metrics = step_fn(rows.padded(), counts, part.lr(self.total_steps))
+                if not metrics.get("skipped_steps"):
+                    part.steps += 1
+                for key, value in metrics.items():
+                    sums[key] = sums.get(key, 0.0) + value
+                steps += 1
+        return {key: value / max(steps, 1) for key, value in sums.items()}
+
+    def update_actor(self, batch: Batch) -> dict[str, float]:
         from megarl.backends.megatron.actor import actor_step
 
-        if batch.old_log_probs is None or batch.advantages is None:
+        fields = batch.batch if isinstance(batch, DataShare) else batch
+        if fields.old_log_probs is None or fields.advantages is None:
             raise ValueError("update_actor needs batch.old_log_probs and batch.advantages")
-        if self.cfg.algorithm.use_kl_loss and batch.ref_log_probs is None:
+        if self.cfg.algorithm.use_kl_loss and fields.ref_log_probs is None:
             raise ValueError("algorithm.use_kl_loss needs batch.ref_log_probs")
         return self._update(self.actor, "actor", batch, lambda rows, counts, lr: actor_step(
             self.actor.model, self.actor.optimizer, self.spec.vocab_size, rows, **self.actor.batching,
             algo=self.cfg.algorithm, counts=counts, lr=lr, weight_decay=self.cfg.actor.optim.weight_decay,
             temperature=self.temperature))
 
-    def update_critic(self, batch: TrainBatch) -> dict[str, float]:
+    def update_critic(self, batch: Batch) -> dict[str, float]:
         from megarl.backends.megatron.critic import critic_step
 
         if self.critic is None:
             raise RuntimeError("no critic: set critic.enable=true")
-        if batch.values is None or batch.returns is None:
+        fields = batch.batch if isinstance(batch, DataShare) else batch
+        if fields.values is None or fields.returns is None:
             raise ValueError("update_critic needs batch.values and batch.returns")
         c = self.cfg.critic
         return self._update(self.critic, "critic", batch, lambda rows, counts, lr: critic_step(

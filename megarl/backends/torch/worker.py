@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_model, save_model
 
 from megarl.backends.batch import TrainBatch
+from megarl.backends.packed import DataShare, PackedBatch, as_rows
 from megarl.backends.offload import HostOffloaded
 from megarl.backends.rng import rng_state, set_rng_state
 from megarl.backends.sleep import TrainerSleep, trained_tensors
@@ -25,6 +26,9 @@ from megarl.backends.torch.critic import TorchCritic
 from megarl.checkpoint import unreadable
 from megarl.config import RunConfig
 from megarl.weights.buckets import group_tensors, hf_tensors, weight_checksums
+
+
+Batch = TrainBatch | PackedBatch | DataShare  # a share comes only with its whole batch: one rank
 
 
 class TorchTrainWorker:
@@ -69,27 +73,35 @@ class TorchTrainWorker:
         self.actor.model.save_pretrained(directory, safe_serialization=True)
         return str(directory)
 
-    def compute_log_prob(self, batch: TrainBatch, with_entropy: bool = False):
-        return self.actor.compute_log_prob(batch, with_entropy)
+    def data_parallel(self) -> tuple[int, int]:
+        """(this rank's data-parallel rank, the data-parallel size): one rank holds everything."""
+        return 0, 1
 
-    def compute_ref_log_prob(self, batch: TrainBatch) -> torch.Tensor:
+    def compute_log_prob(self, batch: Batch, with_entropy: bool = False):
+        rows, back = as_rows(batch)
+        log_probs, entropy = self.actor.compute_log_prob(rows, with_entropy)
+        return back(log_probs), (back(entropy) if entropy is not None else None)
+
+    def compute_ref_log_prob(self, batch: Batch) -> torch.Tensor:
         if self.reference is None:
             raise RuntimeError("no reference model: turn on algorithm.use_kl_loss or use_kl_in_reward")
+        rows, back = as_rows(batch)
         with self.reference_weights.on_device() if self.reference_weights else nullcontext():
-            return self.actor.compute_log_prob(batch, model=self.reference)[0]
+            return back(self.actor.compute_log_prob(rows, model=self.reference)[0])
 
-    def compute_values(self, batch: TrainBatch) -> torch.Tensor:
+    def compute_values(self, batch: Batch) -> torch.Tensor:
         if self.critic is None:
             raise RuntimeError("no critic: set critic.enable=true")
-        return self.critic.compute_values(batch)
+        rows, back = as_rows(batch)
+        return back(self.critic.compute_values(rows))
 
-    def update_actor(self, batch: TrainBatch) -> dict[str, float]:
-        return self.actor.update_actor(batch)
+    def update_actor(self, batch: Batch) -> dict[str, float]:
+        return self.actor.update_actor(as_rows(batch)[0])
 
-    def update_critic(self, batch: TrainBatch) -> dict[str, float]:
+    def update_critic(self, batch: Batch) -> dict[str, float]:
         if self.critic is None:
             raise RuntimeError("no critic: set critic.enable=true")
-        return self.critic.update_critic(batch)
+        return self.critic.update_critic(as_rows(batch)[0])
 
     def sleep(self) -> float:
         """Weights, optimizer states and the reference off the device (megarl.backends.sleep)."""

@@ -1,0 +1,228 @@
+"""The step's batch as the driver holds it and sends it: rows end to end, no padding.
+
+A step at a recipe's size is thousands of rows of very different lengths (DAPO's responses run
+from a few hundred tokens to 20,480). Padded to the longest row, as a worker's `TrainBatch` is,
+its per-token tensors would hold several times the tokens. `PackedBatch` keeps each per-token
+field as one 1-D tensor over every row's tokens (ids int32, loss mask bool, float fields
+float32) and each row's length; a worker pads only the rows it works on (`padded`).
+
+`DataShare` is what one data-parallel rank is sent: its rows, and for an update the sizes of the
+whole mini-batches its loss is normalised by (`update_shares`, `forward_shares`). A rank is sent
+its share, not the batch.
+Main entry points: `PackedBatch.from_sequences`, `update_shares`, `forward_shares`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
+from itertools import chain, repeat
+
+import numpy as np
+import torch
+
+from megarl.backends.batch import PER_TOKEN_FIELDS, RaggedRows, TrainBatch, check_routing
+
+
+@dataclass
+class PackedBatch:
+    lengths: torch.Tensor  # (B,) int64: each row's tokens (prompt + response)
+    input_ids: torch.Tensor  # (N,) int32: the rows end to end, N = lengths.sum()
+    loss_mask: torch.Tensor  # (N,) bool: the sampled response tokens
+    old_log_probs: torch.Tensor | None = None  # (N,) float32 each, aligned with input_ids
+    ref_log_probs: torch.Tensor | None = None
+    rollout_log_probs: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    routed_experts: torch.Tensor | None = None  # (N - B, width) int16: each row's positions but its last
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.numel()
+
+    @classmethod
+    def from_sequences(cls, prompts: list[list[int]], responses: list[list[int]], response_masks: list[list[int]],
+                       rollout_log_probs: list[list[float]] | None = None,
+                       routed_experts: list[torch.Tensor | None] | None = None) -> PackedBatch:
+        """Rows prompt + response; `routed_experts[row]`: (prompt + response - 1, width), the
+        experts of every token but the last. The same checks as `TrainBatch.from_sequences`."""
+        if not (len(prompts) == len(responses) == len(response_masks)):
+            raise ValueError(f"{len(prompts)} prompts, {len(responses)} responses, {len(response_masks)} masks")
+        for row, (p, r, m) in enumerate(zip(prompts, responses, response_masks)):
+            if len(m) != len(r):
+                raise ValueError(f"row {row}: response of {len(r)} tokens but a mask of {len(m)}")
+            if not p:
+                raise ValueError(f"row {row}: empty prompt (the first response token needs a context)")
+        lengths = torch.tensor([len(p) + len(r) for p, r in zip(prompts, responses)], dtype=torch.long)
+        n = int(lengths.sum())
+
+        def flat(parts, dtype) -> torch.Tensor:  # no list of every token in between
+            return torch.from_numpy(np.fromiter(chain.from_iterable(parts), dtype=dtype, count=n))
+
+        ids = flat((chain(p, r) for p, r in zip(prompts, responses)), np.int32)
+        mask = flat((chain(repeat(0, len(p)), m) for p, m in zip(prompts, response_masks)), np.bool_)
+        rollout = (flat((chain(repeat(0.0, len(p)), lp) for p, lp in zip(prompts, rollout_log_probs)), np.float32)
+                   if rollout_log_probs is not None else None)
+        routed = _routing(routed_experts, lengths) if routed_experts is not None else None
+        return cls(lengths, ids, mask, rollout_log_probs=rollout, routed_experts=routed)
+
+    @classmethod
+    def from_rows(cls, batch: TrainBatch) -> PackedBatch:
+        """A worker's right-padded rows packed (the inverse of `padded`)."""
+        real = batch.attention_mask.bool()
+        per_token = {f: getattr(batch, f)[real].float() for f in PER_TOKEN_FIELDS if getattr(batch, f) is not None}
+        routed = torch.cat(batch.routed_experts.rows) if batch.routed_experts is not None else None
+        return cls(real.sum(1), batch.input_ids[real].to(torch.int32), batch.loss_mask[real].bool(),
+                   routed_experts=routed, **per_token)
+
+    def starts(self) -> torch.Tensor:
+        """(B,) where each row's tokens begin."""
+        return torch.cumsum(self.lengths, 0) - self.lengths
+
+    def select(self, index: torch.Tensor | slice | list[int]) -> PackedBatch:
+        """The rows at `index`, in its order (a slice of consecutive rows shares the storage)."""
+        starts = self.starts()
+        if isinstance(index, slice) and index.step in (None, 1):
+            rows = range(len(self))[index]
+            if not rows:
+                return self._rows_of(torch.zeros(0, dtype=torch.long), [], [])
+            lo, hi = int(starts[rows.start]), int(starts[rows.stop - 1] + self.lengths[rows.stop - 1])
+            return self._rows_of(self.lengths[index], [slice(lo, hi)], [slice(lo - rows.start, hi - rows.stop)])
+        rows = torch.arange(len(self))[index] if isinstance(index, slice) else torch.as_tensor(index).flatten()
+        tokens = [slice(int(starts[i]), int(starts[i] + self.lengths[i])) for i in rows.tolist()]
+        routed = [slice(s.start - i, s.stop - i - 1) for s, i in zip(tokens, rows.tolist())]
+        return self._rows_of(self.lengths[rows], tokens, routed)
+
+    def _rows_of(self, lengths: torch.Tensor, tokens: list[slice], routed: list[slice]) -> PackedBatch:
+        def take(t: torch.Tensor | None, parts: list[slice]) -> torch.Tensor | None:
+            if t is None:
+                return None
+            return t[parts[0]] if len(parts) == 1 else torch.cat([t[s] for s in parts]) if parts else t[:0]
+
+        return replace(self, lengths=lengths, routed_experts=take(self.routed_experts, routed),
+                       **{f: take(getattr(self, f), tokens) for f in ("input_ids", "loss_mask", *PER_TOKEN_FIELDS)})
+
+    def only(self, *keep: str) -> PackedBatch:
+        """The batch with the float fields not named in `keep` left out (what a call does not read
+        is not sent)."""
+        return replace(self, **{f: None for f in PER_TOKEN_FIELDS if f not in keep})
+
+    def with_fields(self, **values: torch.Tensor) -> PackedBatch:
+        unknown = set(values) - set(PER_TOKEN_FIELDS)
+        if unknown:
+            raise KeyError(f"unknown PackedBatch fields {sorted(unknown)}; valid: {PER_TOKEN_FIELDS}")
+        return replace(self, **values)
+
+    def _positions(self, width: int) -> torch.Tensor:
+        return torch.arange(width)[None, :] < self.lengths[:, None]
+
+    def padded(self, pad_id: int = 0) -> TrainBatch:
+        """The rows as a worker takes them: right-padded to the longest (megarl.backends.batch)."""
+        width = int(self.lengths.max()) if len(self) else 0
+        real = self._positions(width)
+
+        def pad(t: torch.Tensor | None, dtype: torch.dtype, fill=0) -> torch.Tensor | None:
+            if t is None:
+                return None
+            out = torch.full(real.shape, fill, dtype=dtype)
+            out[real] = t.to(dtype)
+            return out
+
+        routed = None
+        if self.routed_experts is not None:
+            routed = RaggedRows(tuple(torch.split(self.routed_experts, (self.lengths - 1).tolist())))
+        return TrainBatch(pad(self.input_ids, torch.long, pad_id), real.long(), pad(self.loss_mask, torch.long),
+                          routed_experts=routed,
+                          **{f: pad(getattr(self, f), torch.float32) for f in PER_TOKEN_FIELDS})
+
+    def pack(self, padded: torch.Tensor) -> torch.Tensor:
+        """(B, L, ...) aligned with `padded()` (L at least the longest row) -> (N, ...)."""
+        return padded[:, : int(self.lengths.max())][self._positions(int(self.lengths.max()))]
+
+    def compact(self) -> PackedBatch:
+        """The batch with each field in storage of its own size: a view of a larger batch would
+        otherwise be pickled (sent to a rank) with all of that batch's storage."""
+        def own(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None or t.untyped_storage().nbytes() == t.numel() * t.element_size():
+                return t
+            return t.clone()
+
+        return replace(self, **{f.name: own(getattr(self, f.name)) for f in fields(self)})
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for f in fields(self) if (t := getattr(self, f.name)) is not None)
+
+
+def _routing(routed: list[torch.Tensor | None], lengths: torch.Tensor) -> torch.Tensor:
+    check_routing(routed, lengths.tolist())
+    return torch.cat([r.to(torch.int16) for r in routed])
+
+
+@dataclass
+class DataShare:
+    """The rows data-parallel rank `dp_rank` of `dp_size` works on. For an update, `minis` holds,
+    mini-batch after mini-batch, how many of `batch`'s rows belong to it and the whole
+    mini-batch's loss tokens and rows (every rank normalises its loss by the whole mini-batch);
+    for a forward pass (log-probs, values) `minis` is empty and the results are the share's rows."""
+
+    batch: PackedBatch
+    dp_rank: int
+    dp_size: int
+    minis: tuple[tuple[int, int, int], ...] = ()  # (rows here, loss tokens of the mini-batch, its rows)
+
+    def mini_batches(self):
+        """(rows of this rank as a PackedBatch, {"num_tokens", "num_seqs"} of the whole mini-batch)."""
+        start = 0
+        for rows, tokens, seqs in self.minis:
+            yield self.batch.select(slice(start, start + rows)), {"num_tokens": tokens, "num_seqs": seqs}
+            start += rows
+
+
+def update_shares(batch: PackedBatch, dp_size: int, mini_rows: int) -> list[DataShare]:
+    """Each DP rank's share of an update: a contiguous 1/dp_size of every mini-batch of
+    `mini_rows` rows (the last may be shorter; rows past a multiple of dp_size in it are left
+    out, as the Megatron backend always did)."""
+    parts: list[list[slice]] = [[] for _ in range(dp_size)]
+    minis: list[list[tuple[int, int, int]]] = [[] for _ in range(dp_size)]
+    mask_per_row = (np.add.reduceat(batch.loss_mask.numpy(), batch.starts().numpy(), dtype=np.int64)
+                    if len(batch) else np.zeros(0, dtype=np.int64))
+    for start in range(0, len(batch), mini_rows):
+        rows = min(mini_rows, len(batch) - start)
+        tokens = int(mask_per_row[start: start + rows].sum())
+        share = rows // dp_size
+        for r in range(dp_size):
+            parts[r].append(slice(start + r * share, start + (r + 1) * share))
+            minis[r].append((share, tokens, rows))
+    return [DataShare(_concat_rows(batch, parts[r]).compact(), r, dp_size, tuple(minis[r])) for r in range(dp_size)]
+
+
+def forward_shares(batch: PackedBatch, dp_size: int) -> list[DataShare]:
+    """Each DP rank's consecutive rows for a forward pass; their results, concatenated in rank
+    order, are the batch's."""
+    bounds = [len(batch) * r // dp_size for r in range(dp_size + 1)]
+    return [DataShare(batch.select(slice(bounds[r], bounds[r + 1])).compact(), r, dp_size) for r in range(dp_size)]
+
+
+def _concat_rows(batch: PackedBatch, parts: list[slice]) -> PackedBatch:
+    """The rows of `parts` (runs of consecutive rows), one slice of each field per run."""
+    parts = [s for s in parts if s.stop > s.start]
+    starts = batch.starts().tolist()
+    ends = [start + n for start, n in zip(starts, batch.lengths.tolist())]
+    tokens = [slice(starts[s.start], ends[s.stop - 1]) for s in parts]
+    routed = [slice(starts[s.start] - s.start, ends[s.stop - 1] - s.stop) for s in parts]
+    lengths = torch.cat([batch.lengths[s] for s in parts]) if parts else batch.lengths[:0]
+    return batch._rows_of(lengths, tokens, routed)
+
+
+def as_rows(batch: TrainBatch | PackedBatch | DataShare) -> tuple[TrainBatch, Callable[[torch.Tensor], torch.Tensor]]:
+    """What a worker computes on: (the rows padded, a function that turns a (B, L) result back
+    into the caller's layout: packed for a packed batch or a share, as is for a TrainBatch)."""
+    if isinstance(batch, DataShare):
+        batch = batch.batch
+    if isinstance(batch, PackedBatch):
+        return batch.padded(), batch.pack
+    return batch, lambda t: t
