@@ -35,10 +35,21 @@ class Sample:
 
 def reward_requests(samples: list[Sample], tokenizer) -> list[RewardRequest]:
     """Score the whole response text (model turns and observations, as Search-R1 does)."""
-    return [RewardRequest(s.record.data_source, tokenizer.decode(s.trajectory.response_ids, skip_special_tokens=True),
-                          s.record.ground_truth, s.record.extra_info, group_id=s.group,
+    texts = decode_all(tokenizer, [s.trajectory.response_ids for s in samples])
+    return [RewardRequest(s.record.data_source, text, s.record.ground_truth, s.record.extra_info, group_id=s.group,
                           response_length=len(s.trajectory.response_ids))
-            for s in samples]
+            for s, text in zip(samples, texts)]
+
+
+def decode_all(tokenizer, rows: list) -> list[str]:
+    """Each row's text as `tokenizer.decode(row, skip_special_tokens=True)` gives it. A fast
+    tokenizer without HF's clean-up of spaces (Qwen's) decodes them in one call to its Rust
+    backend, on every core and 7x faster on one than a decode a row: a step at a recipe's size is
+    100 million tokens. Others decode row by row, as HF does."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return [tokenizer.decode(row, skip_special_tokens=True) for row in rows]
+    return backend.decode_batch(rows, skip_special_tokens=True)
 
 
 def shape_overlong(scores: list[float], lengths: list[int], max_response_length: int, algo: AlgorithmConfig) -> list[float]:

@@ -18,6 +18,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
 
 from megarl import checkpoint
@@ -223,9 +224,12 @@ def update_order(batch: PackedBatch, worker: TrainWorkerConfig, cfg: RunConfig, 
 def staleness_metrics(samples: list[Sample], step: int) -> dict[str, float]:
     """How many weight versions the trained tokens lag behind the weights they are trained
     from (version `step`), and the generations that went on after a weight sync."""
-    lags = [step - v for s in samples for v, m in zip(s.trajectory.token_versions, s.trajectory.loss_mask) if m]
-    return {"rollout/staleness_mean": sum(lags) / max(len(lags), 1), "rollout/staleness_max": max(lags, default=0),
-            "rollout/stale_samples": sum(any(v != step for v in s.trajectory.token_versions) for s in samples),
+    lags = [step - np.asarray(t.token_versions, np.int64)[np.asarray(t.loss_mask, np.bool_)]
+            for t in (s.trajectory for s in samples)]
+    count = sum(len(x) for x in lags)
+    return {"rollout/staleness_mean": float(sum(x.sum() for x in lags)) / max(count, 1),
+            "rollout/staleness_max": int(max((x.max() for x in lags if len(x)), default=0)),
+            "rollout/stale_samples": sum(bool((np.asarray(s.trajectory.token_versions) != step).any()) for s in samples),
             "rollout/partial_continued": sum(s.trajectory.num_continued for s in samples)}
 
 

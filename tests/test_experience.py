@@ -1,5 +1,7 @@
 """Rollouts -> training batch: overlong shaping, batch layout, advantages broadcast onto tokens."""
 
+import copy
+
 import pytest
 import torch
 
@@ -74,3 +76,20 @@ def test_gae_with_zero_values_and_unit_discount_is_the_score_on_every_loss_token
     expected = [m * scores[row] for row, t in enumerate(s.trajectory for s in SAMPLES)
                 for m in [0] * len(t.prompt_ids) + t.loss_mask]
     torch.testing.assert_close(returns, torch.tensor(expected, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("clean_up", [False, True])
+def test_all_rows_decoded_at_once_as_one_at_a_time(clean_up):
+    """decode_all (one call to the fast tokenizer's backend, or row by row where HF would clean up
+    spaces) gives tokenizer.decode's text: special tokens dropped, characters split across tokens
+    as HF shows them."""
+    from megarl.experience import decode_all
+    from megarl.rollout.agent import TokenRow
+
+    tok = copy.deepcopy(TOK)
+    tok.clean_up_tokenization_spaces = clean_up
+    texts = ["<answer> x </answer> 東京 , don 't", "a .", ""]
+    rows = [TokenRow("i", tok.encode(t, add_special_tokens=False) + [tok.eos_token_id]) for t in texts]
+    rows.append(TokenRow("i", tok.encode("東", add_special_tokens=False)[:1]))  # half a character
+    want = [tok.decode(list(r), skip_special_tokens=True) for r in rows]
+    assert decode_all(tok, rows) == want

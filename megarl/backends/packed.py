@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
-from itertools import chain, repeat
 
 import numpy as np
 import torch
@@ -58,15 +57,17 @@ class PackedBatch:
             if not p:
                 raise ValueError(f"row {row}: empty prompt (the first response token needs a context)")
         lengths = torch.tensor([len(p) + len(r) for p, r in zip(prompts, responses)], dtype=torch.long)
-        n = int(lengths.sum())
 
-        def flat(parts, dtype) -> torch.Tensor:  # no list of every token in between
-            return torch.from_numpy(np.fromiter(chain.from_iterable(parts), dtype=dtype, count=n))
+        def flat(prompt_part, response_parts, dtype) -> torch.Tensor:  # typed arrays are read as they are
+            pieces = [x for p, r in zip(prompts, response_parts) for x in (prompt_part(p, dtype), np.asarray(r, dtype))]
+            return torch.from_numpy(np.concatenate(pieces) if pieces else np.zeros(0, dtype))
 
-        ids = flat((chain(p, r) for p, r in zip(prompts, responses)), np.int32)
-        mask = flat((chain(repeat(0, len(p)), m) for p, m in zip(prompts, response_masks)), np.bool_)
-        rollout = (flat((chain(repeat(0.0, len(p)), lp) for p, lp in zip(prompts, rollout_log_probs)), np.float32)
-                   if rollout_log_probs is not None else None)
+        def zeros(p, dtype):
+            return np.zeros(len(p), dtype)
+
+        ids = flat(lambda p, dtype: np.asarray(p, dtype), responses, np.int32)
+        mask = flat(zeros, response_masks, np.bool_)
+        rollout = flat(zeros, rollout_log_probs, np.float32) if rollout_log_probs is not None else None
         routed = _routing(routed_experts, lengths) if routed_experts is not None else None
         return cls(lengths, ids, mask, rollout_log_probs=rollout, routed_experts=routed)
 

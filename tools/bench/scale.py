@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import math
 import os
 import sys
 import threading
@@ -36,6 +35,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import psutil
 import ray
 import torch
@@ -48,7 +48,7 @@ from megarl.data.prompts import PromptRecord
 from megarl.data.tokenizer import train_bpe_tokenizer
 from megarl.experience import Sample
 from megarl.reward.pool import RewardPool
-from megarl.rollout.agent import Trajectory
+from megarl.rollout.agent import TokenRow, Trajectory
 from megarl.runtime.ray_proxies import RemoteTrainWorker
 from megarl.train import actor_fields, experience, score_samples, update_order
 from megarl.versions import installed_versions
@@ -161,30 +161,30 @@ class Driver:
     reward_lock: threading.Lock
 
 
-def synthetic_samples(args, cfg: RunConfig, tokenizer, gen: torch.Generator, batch_index: int) -> list[Sample]:
-    """One generation batch: `prompts` groups of n trajectories, as engines would return them."""
+def synthetic_samples(args, cfg: RunConfig, tokenizer, gen: np.random.Generator, batch_index: int) -> list[Sample]:
+    """One generation batch: `prompts` groups of n trajectories, as the agent loop leaves them."""
     n, cap = cfg.rollout.n, cfg.rollout.max_response_length
     vocab = tokenizer.vocab_size
     right, wrong = tokenizer.encode("\nAnswer: 7"), tokenizer.encode("\nAnswer: 3")
     samples = []
     for g in range(args.prompts):
-        prompt = torch.randint(5, vocab, (args.prompt_length,), generator=gen).tolist()
+        prompt = gen.integers(5, vocab, args.prompt_length).tolist()
         record = PromptRecord(prompt, "math_dapo", "7", {}, index=g)
-        p_right = 1.0 if torch.rand((), generator=gen) < args.solved_fraction else 0.5
+        p_right = 1.0 if gen.random() < args.solved_fraction else 0.5
         for _ in range(n):
-            length = min(cap, max(len(right), int(math.exp(math.log(args.median_response) + args.sigma *
-                                                               float(torch.randn((), generator=gen))))))
-            tail = right if float(torch.rand((), generator=gen)) < p_right else wrong
-            ids = torch.randint(5, vocab, (length - len(tail),), generator=gen).tolist() + tail
-            t = Trajectory(prompt)
-            routed = (torch.randint(0, 128, (len(prompt) + length - 1, ROUTING_WIDTH), generator=gen,
-                                    dtype=torch.int16) if args.variant == "moe30b" else None)
-            t.extend(ids, torch.empty(length).uniform_(-3, 0, generator=gen).tolist(), routed=routed)
+            length = min(cap, max(len(right), int(np.exp(np.log(args.median_response) + args.sigma * gen.normal()))))
+            tail = right if gen.random() < p_right else wrong
+            ids = np.concatenate([gen.integers(5, vocab, length - len(tail)), tail]).astype(np.int32)
+            routed = ([torch.from_numpy(gen.integers(0, 128, (len(prompt) + length - 1, ROUTING_WIDTH), dtype=np.int16))]
+                      if args.variant == "moe30b" else [])
+            t = Trajectory(prompt, response_ids=TokenRow("i", ids.tobytes()), loss_mask=TokenRow("b", b"\x01" * length),
+                           rollout_log_probs=TokenRow("f", gen.uniform(-3, 0, length).astype(np.float32).tobytes()),
+                           token_versions=TokenRow("i", bytes(4 * length)), num_turns=1, routed_experts=routed)
             samples.append(Sample(record, batch_index * 1_000_000 + g, t))
     return samples
 
 
-def one_step(args, d: Driver, gen: torch.Generator, step: int) -> dict:
+def one_step(args, d: Driver, gen: np.random.Generator, step: int) -> dict:
     cfg = d.cfg
     gc.collect()
     before = Peak().rss()
@@ -286,7 +286,7 @@ def main() -> int:
     with RewardPool(cfg.reward, num_workers=2) as pool:
         d = Driver(cfg, tokenizer, pool, RemoteTrainWorker(actors, False, cfg.cluster.liveness, {
             "actor": cfg.actor.ppo_mini_batch_size * cfg.rollout.n}), threading.Lock())
-        gen = torch.Generator().manual_seed(args.seed)
+        gen = np.random.default_rng(args.seed)
         results = []
         for step in range(args.steps):
             r = one_step(args, d, gen, step)
