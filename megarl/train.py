@@ -233,21 +233,25 @@ def staleness_metrics(samples: list[Sample], step: int) -> dict[str, float]:
             "rollout/partial_continued": sum(s.trajectory.num_continued for s in samples)}
 
 
-def collect_samples(c: Components, step: int, metrics: dict) -> list[Sample]:
-    """Generation batches until train_batch_size informative groups (DAPO dynamic sampling)."""
+def collect_samples(c: Components, step: int, metrics: dict, generate=None) -> list[Sample]:
+    """Generation batches until train_batch_size informative groups (DAPO dynamic sampling).
+    `generate`: `rollout` unless given (tools/bench/scale.py gives synthetic trajectories). Of the
+    samples a batch generated only the kept are held on to (a recipe's batch of 24,576 samples is
+    tens of GB), the rest tallied for the metrics."""
     cfg = c.cfg
     ds = cfg.algorithm.dynamic_sampling
     gen_size = cfg.data.gen_batch_size if ds.enable and cfg.data.gen_batch_size else cfg.data.train_batch_size
     keeper = InformativeGroupBuffer(cfg.data.train_batch_size, ds.max_num_gen_batches)
-    generated: list[Sample] = []
+    tally: dict[str, float] = dict.fromkeys(TALLIED, 0.0)
     batch_index = 0
     while True:
         indices = c.prompt_order.take(gen_size)
-        samples, failures = rollout(c, [c.train_records[i] for i in indices], cfg.rollout.n,
-                                    seed_base=(cfg.trainer.seed * 1_000_003 + step * 1009 + batch_index) * 10_000,
-                                    group_base=(step * 1000 + batch_index) * 100_000)
+        samples, failures = (generate or rollout)(
+            c, [c.train_records[i] for i in indices], cfg.rollout.n,
+            seed_base=(cfg.trainer.seed * 1_000_003 + step * 1009 + batch_index) * 10_000,
+            group_base=(step * 1000 + batch_index) * 100_000)
         metrics["reward/failures"] = metrics.get("reward/failures", 0) + failures
-        generated += samples
+        _tally(samples, tally)
         batch_index += 1
         if not ds.enable:
             kept = samples
@@ -257,7 +261,7 @@ def collect_samples(c: Components, step: int, metrics: dict) -> list[Sample]:
         if keeper.is_full:
             kept = keeper.take()
             break
-    _rollout_metrics(generated, kept, batch_index, metrics)
+    _rollout_metrics(tally, kept, batch_index, metrics)
     return kept
 
 
@@ -309,18 +313,31 @@ def validate(c: Components) -> dict[str, float]:
             "val/search_calls_mean": sum(s.trajectory.num_searches for s in samples) / len(samples)}
 
 
-def _rollout_metrics(generated: list[Sample], kept: list[Sample], gen_batches: int, metrics: dict) -> None:
-    t = [s.trajectory for s in generated]
+TALLIED = ("samples", "acc", "response_tokens", "searches", "valid_actions", "turns", "failed_searches")
+
+
+def _tally(samples: list[Sample], tally: dict[str, float]) -> None:
+    """Add a generation batch's counts to `tally` (the step's metrics over every sample generated)."""
+    t = [s.trajectory for s in samples]
+    for key, value in (("samples", len(t)), ("acc", sum(s.acc for s in samples)),
+                       ("response_tokens", sum(len(x.response_ids) for x in t)),
+                       ("searches", sum(x.num_searches for x in t)), ("valid_actions", sum(x.num_valid_actions for x in t)),
+                       ("turns", sum(x.num_turns for x in t)), ("failed_searches", sum(x.num_failed_searches for x in t))):
+        tally[key] += value
+
+
+def _rollout_metrics(tally: dict[str, float], kept: list[Sample], gen_batches: int, metrics: dict) -> None:
+    n = tally["samples"]
     metrics.update({
         "train/reward_mean": sum(s.score for s in kept) / len(kept),
-        "train/acc": sum(s.acc for s in generated) / len(generated),
-        "train/response_length_mean": sum(len(x.response_ids) for x in t) / len(t),
+        "train/acc": tally["acc"] / n,
+        "train/response_length_mean": tally["response_tokens"] / n,
         "train/kept_groups": len({s.group for s in kept}),
         "train/gen_batches": gen_batches,
-        "rollout/search_calls_mean": sum(x.num_searches for x in t) / len(t),
-        "rollout/valid_action_rate": sum(x.num_valid_actions for x in t) / max(sum(x.num_turns for x in t), 1),
-        "rollout/failed_searches": sum(x.num_failed_searches for x in t),
-        "rollout/turns_mean": sum(x.num_turns for x in t) / len(t),
+        "rollout/search_calls_mean": tally["searches"] / n,
+        "rollout/valid_action_rate": tally["valid_actions"] / max(tally["turns"], 1),
+        "rollout/failed_searches": int(tally["failed_searches"]),
+        "rollout/turns_mean": tally["turns"] / n,
     })
 
 

@@ -14,7 +14,7 @@ Main entry points: `PackedBatch.from_sequences`, `update_shares`, `forward_share
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields, replace
 
 import numpy as np
@@ -187,6 +187,12 @@ def update_shares(batch: PackedBatch, dp_size: int, mini_rows: int) -> list[Data
     """Each DP rank's share of an update: a contiguous 1/dp_size of every mini-batch of
     `mini_rows` rows (the last may be shorter; rows past a multiple of dp_size in it are left
     out, as the Megatron backend always did)."""
+    return list(iter_update_shares(batch, dp_size, mini_rows))
+
+
+def iter_update_shares(batch: PackedBatch, dp_size: int, mini_rows: int) -> Iterator[DataShare]:
+    """`update_shares` one at a time: each is built when asked for (a caller that sends each on
+    holds one share at a time, not a second copy of the batch)."""
     parts: list[list[slice]] = [[] for _ in range(dp_size)]
     minis: list[list[tuple[int, int, int]]] = [[] for _ in range(dp_size)]
     mask_per_row = (np.add.reduceat(batch.loss_mask.numpy(), batch.starts().numpy(), dtype=np.int64)
@@ -198,14 +204,21 @@ def update_shares(batch: PackedBatch, dp_size: int, mini_rows: int) -> list[Data
         for r in range(dp_size):
             parts[r].append(slice(start + r * share, start + (r + 1) * share))
             minis[r].append((share, tokens, rows))
-    return [DataShare(_concat_rows(batch, parts[r]).compact(), r, dp_size, tuple(minis[r])) for r in range(dp_size)]
+    for r in range(dp_size):
+        yield DataShare(_concat_rows(batch, parts[r]).compact(), r, dp_size, tuple(minis[r]))
 
 
 def forward_shares(batch: PackedBatch, dp_size: int) -> list[DataShare]:
     """Each DP rank's consecutive rows for a forward pass; their results, concatenated in rank
     order, are the batch's."""
+    return list(iter_forward_shares(batch, dp_size))
+
+
+def iter_forward_shares(batch: PackedBatch, dp_size: int) -> Iterator[DataShare]:
+    """`forward_shares` one at a time."""
     bounds = [len(batch) * r // dp_size for r in range(dp_size + 1)]
-    return [DataShare(batch.select(slice(bounds[r], bounds[r + 1])).compact(), r, dp_size) for r in range(dp_size)]
+    for r in range(dp_size):
+        yield DataShare(batch.select(slice(bounds[r], bounds[r + 1])).compact(), r, dp_size)
 
 
 def _concat_rows(batch: PackedBatch, parts: list[slice]) -> PackedBatch:

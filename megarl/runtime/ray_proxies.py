@@ -16,7 +16,7 @@ from pathlib import Path
 import ray
 import torch
 
-from megarl.backends.packed import DataShare, PackedBatch, forward_shares, update_shares
+from megarl.backends.packed import DataShare, PackedBatch, iter_forward_shares, iter_update_shares
 from megarl.driver_loop import run_async
 from megarl.reward.scoring import RewardRequest, RewardResult
 from megarl.reward.pool import RewardStats
@@ -75,8 +75,8 @@ class RemoteTrainWorker(_Ranks):
             self._layout = self.gather([a.run.remote("data_parallel") for a in self.actors])
         return self._layout
 
-    def _shared(self, method: str, shares: list[DataShare], *rest, answers: list[int]) -> list:
-        refs = [ray.put(s) for s in shares]
+    def _shared(self, method: str, shares: Iterable[DataShare], *rest, answers: list[int]) -> list:
+        refs = [ray.put(s) for s in shares]  # built one at a time, each dropped once in the object store
         calls = [a.run.remote(method, refs[dp], *rest) for a, (dp, _) in zip(self.actors, self.data_layout())]
         return self.gather(calls, keep=answers)
 
@@ -85,7 +85,7 @@ class RemoteTrainWorker(_Ranks):
             return self._on_every_rank(method, batch, *rest)
         size = self.data_layout()[0][1]
         first = [self.data_layout().index((dp, size)) for dp in range(size)]  # one rank of each share answers
-        parts = self._shared(method, forward_shares(batch, size), *rest, answers=first)
+        parts = self._shared(method, iter_forward_shares(batch, size), *rest, answers=first)
         if isinstance(parts[0], tuple):
             return tuple(None if p[0] is None else torch.cat(list(p)) for p in zip(*parts))
         return torch.cat(parts)
@@ -94,7 +94,7 @@ class RemoteTrainWorker(_Ranks):
         if len(self.actors) == 1 or not isinstance(batch, PackedBatch) or part not in self.mini_rows:
             return self._on_every_rank(method, batch)
         size = self.data_layout()[0][1]
-        return self._shared(method, update_shares(batch, size, self.mini_rows[part]), answers=[0])[0]
+        return self._shared(method, iter_update_shares(batch, size, self.mini_rows[part]), answers=[0])[0]
 
     def compute_log_prob(self, batch: PackedBatch, with_entropy: bool = False):
         return self._forward("compute_log_prob", batch, with_entropy)

@@ -41,7 +41,6 @@ import ray
 import torch
 
 
-from megarl.algo import InformativeGroupBuffer
 from megarl.config import RunConfig
 from megarl.config_loader import load_config
 from megarl.data.prompts import PromptRecord
@@ -50,7 +49,7 @@ from megarl.experience import Sample
 from megarl.reward.pool import RewardPool
 from megarl.rollout.agent import TokenRow, Trajectory
 from megarl.runtime.ray_proxies import RemoteTrainWorker
-from megarl.train import actor_fields, experience, score_samples, update_order
+from megarl.train import actor_fields, collect_samples, experience, score_samples, update_order
 from megarl.versions import installed_versions
 
 RECIPES = {"dapo32b": ("examples/dapo/dapo_qwen2.5_32b.yaml", "Qwen2.5-32B", 8, (8, 2, 4)),
@@ -63,6 +62,13 @@ class Peak:
 
     def __init__(self, every_s: float = 0.01):
         self.proc, self.every_s, self.peak, self._stop = psutil.Process(), every_s, 0, threading.Event()
+        self.phases: dict[str, int] = {}  # phase -> the largest size while it ran
+        self._phase_peak = 0
+
+    def phase(self, name: str) -> None:
+        """The phase that ended now: remember the largest size since the previous one ended."""
+        self.phases[name] = max(self._phase_peak, self.rss())
+        self._phase_peak = self.rss()
 
     def rss(self) -> int:
         return self.proc.memory_info().rss
@@ -75,7 +81,8 @@ class Peak:
 
     def _run(self):
         while not self._stop.wait(self.every_s):
-            self.peak = max(self.peak, self.rss())
+            now = self.rss()
+            self.peak, self._phase_peak = max(self.peak, now), max(self._phase_peak, now)
 
     def __exit__(self, *exc):
         self._stop.set()
@@ -150,6 +157,18 @@ def expected_shares(batch, method: str, dp_size: int, mini_rows: int, per_token:
                                               for i in part)) for part in rows]
 
 
+class PromptOrder:
+    """The records in turn (what megarl.data's sampler gives the loop)."""
+
+    def __init__(self, size: int):
+        self.size, self.next = size, 0
+
+    def take(self, n: int) -> list[int]:
+        out = [(self.next + i) % self.size for i in range(n)]
+        self.next += n
+        return out
+
+
 @dataclass
 class Driver:
     """What megarl.train's functions read of `Components` on this path."""
@@ -159,65 +178,71 @@ class Driver:
     reward_pool: RewardPool
     worker: RemoteTrainWorker
     reward_lock: threading.Lock
+    train_records: list[PromptRecord]
+    prompt_order: PromptOrder
 
 
-def synthetic_samples(args, cfg: RunConfig, tokenizer, gen: np.random.Generator, batch_index: int) -> list[Sample]:
-    """One generation batch: `prompts` groups of n trajectories, as the agent loop leaves them."""
-    n, cap = cfg.rollout.n, cfg.rollout.max_response_length
-    vocab = tokenizer.vocab_size
+def synthetic_samples(args, cfg: RunConfig, tokenizer, gen: np.random.Generator, records: list[PromptRecord],
+                      group_base: int) -> list[Sample]:
+    """One generation batch: n trajectories of each record, as the agent loop leaves them."""
+    cap = cfg.rollout.max_response_length
     right, wrong = tokenizer.encode("\nAnswer: 7"), tokenizer.encode("\nAnswer: 3")
     samples = []
-    for g in range(args.prompts):
-        prompt = gen.integers(5, vocab, args.prompt_length).tolist()
-        record = PromptRecord(prompt, "math_dapo", "7", {}, index=g)
+    for g, record in enumerate(records):
         p_right = 1.0 if gen.random() < args.solved_fraction else 0.5
-        for _ in range(n):
+        for _ in range(cfg.rollout.n):
             length = min(cap, max(len(right), int(np.exp(np.log(args.median_response) + args.sigma * gen.normal()))))
             tail = right if gen.random() < p_right else wrong
-            ids = np.concatenate([gen.integers(5, vocab, length - len(tail)), tail]).astype(np.int32)
-            routed = ([torch.from_numpy(gen.integers(0, 128, (len(prompt) + length - 1, ROUTING_WIDTH), dtype=np.int16))]
+            ids = np.concatenate([gen.integers(5, tokenizer.vocab_size, length - len(tail)), tail]).astype(np.int32)
+            positions = len(record.prompt_ids) + length - 1
+            routed = ([torch.from_numpy(gen.integers(0, 128, (positions, ROUTING_WIDTH), dtype=np.int16))]
                       if args.variant == "moe30b" else [])
-            t = Trajectory(prompt, response_ids=TokenRow("i", ids.tobytes()), loss_mask=TokenRow("b", b"\x01" * length),
+            t = Trajectory(record.prompt_ids, response_ids=TokenRow("i", ids.tobytes()),
+                           loss_mask=TokenRow("b", b"\x01" * length),
                            rollout_log_probs=TokenRow("f", gen.uniform(-3, 0, length).astype(np.float32).tobytes()),
                            token_versions=TokenRow("i", bytes(4 * length)), num_turns=1, routed_experts=routed)
-            samples.append(Sample(record, batch_index * 1_000_000 + g, t))
+            samples.append(Sample(record, group_base + g, t))
     return samples
 
 
 def one_step(args, d: Driver, gen: np.random.Generator, step: int) -> dict:
+    """megarl.train's collect_samples (the engines' part synthetic, not timed), experience and
+    the actor update's transfer."""
     cfg = d.cfg
     gc.collect()
     before = Peak().rss()
-    generated: list[Sample] = []
-    keeper = InformativeGroupBuffer(args.prompts, cfg.algorithm.dynamic_sampling.max_num_gen_batches)
-    driver_s = 0.0
-    with Peak() as peak:
-        batch_index = 0
-        while not keeper.is_full:
-            samples = synthetic_samples(args, cfg, d.tokenizer, gen, batch_index)  # the engines' part: not timed
-            generated += samples
-            batch_index += 1
-            start = time.perf_counter()
-            score_samples(d, samples)
-            keeper.add(samples, [s.group for s in samples], [float(s.acc) for s in samples])
-            driver_s += time.perf_counter() - start
+    engines = {"s": 0.0, "raw": 0, "generated": 0}
+
+    def generate(c, records, n, seed_base, group_base, validation=False):
         start = time.perf_counter()
-        kept = keeper.take()
+        samples = synthetic_samples(args, cfg, d.tokenizer, gen, records, group_base)
+        engines["s"] += time.perf_counter() - start
+        engines["raw"] += sum(raw_bytes(s.trajectory) for s in samples)
+        engines["generated"] += len(samples)
+        return samples, score_samples(c, samples)
+
+    with Peak() as peak:
+        start = time.perf_counter()
         metrics: dict = {}
+        kept = collect_samples(d, step, metrics, generate)
+        peak.phase("generate and score")
         batch = experience(d, kept, metrics)
+        peak.phase("batch, old log-probs, advantages")
         ordered = update_order(batch.only(*actor_fields(cfg.algorithm)), cfg.actor, cfg, step)
         d.worker.update_actor(ordered)
-        driver_s += time.perf_counter() - start
-    raw = sum(raw_bytes(s.trajectory) for s in generated)
+        peak.phase("update's shares")
+        driver_s = time.perf_counter() - start - engines["s"]
+    raw = engines["raw"]
     tokens = sum(len(s.trajectory.prompt_ids) + len(s.trajectory.response_ids) for s in kept)
     responses = [len(s.trajectory.response_ids) for s in kept]
     width = ROUTING_WIDTH if cfg.actor.moe_routing_replay else 0
     mini = cfg.actor.ppo_mini_batch_size * cfg.rollout.n
     expected = {"compute_log_prob": expected_shares(batch, "compute_log_prob", args.dp, mini, 5, width),
                 "update_actor": expected_shares(ordered, "update_actor", args.dp, mini, 13, width)}
-    return {"driver_s": driver_s, "peak": peak.peak - before, "raw": raw, "gen_batches": batch_index,
+    print("  peak by phase: " + ", ".join(f"{k} +{(v - before) / 2**30:.2f} GiB" for k, v in peak.phases.items()))
+    return {"driver_s": driver_s, "peak": peak.peak - before, "raw": raw, "gen_batches": int(metrics["train/gen_batches"]),
             "expected": expected,
-            "kept": len(kept), "generated": len(generated), "tokens": tokens,
+            "kept": len(kept), "generated": engines["generated"], "tokens": tokens,
             "mean_response": sum(responses) / len(responses), "max_response": max(responses)}
 
 
@@ -265,7 +290,7 @@ def main() -> int:
     args = p.parse_args()
     print(installed_versions(), flush=True)
     path, model, nodes, layout = RECIPES[args.variant]
-    overrides = [f"data.train_batch_size={args.prompts}", f"data.gen_batch_size={args.prompts}",
+    overrides = [f"data.train_batch_size={args.prompts}", f"data.gen_batch_size={3 * args.prompts}",  # as the recipe's
                  "reward.num_workers=2"]
     if args.variant == "moe30b":
         overrides.append("actor.moe_routing_replay=true")
@@ -273,7 +298,8 @@ def main() -> int:
     dp = layout[2]
     if args.ranks % dp:
         raise SystemExit(f"--ranks {args.ranks}: give a multiple of the recipe's {dp} data-parallel ranks")
-    print(f"recipe {path}: {args.prompts} prompts x {cfg.rollout.n}, responses log-normal (median "
+    print(f"recipe {path}: {args.prompts} prompts x {cfg.rollout.n} (generated {cfg.data.gen_batch_size} at a time, "
+          f"dynamic sampling), responses log-normal (median "
           f"{args.median_response}, sigma {args.sigma}) capped at {cfg.rollout.max_response_length}; {args.ranks} rank "
           f"actors over {dp} data-parallel ranks", flush=True)
     tokenizer = train_bpe_tokenizer([f"Answer: {i} what is {i} plus {i}" for i in range(2000)], 1000)
@@ -284,9 +310,12 @@ def main() -> int:
               for r in range(args.ranks)]
     ray.get([a.ping.remote() for a in actors])
     with RewardPool(cfg.reward, num_workers=2) as pool:
-        d = Driver(cfg, tokenizer, pool, RemoteTrainWorker(actors, False, cfg.cluster.liveness, {
-            "actor": cfg.actor.ppo_mini_batch_size * cfg.rollout.n}), threading.Lock())
         gen = np.random.default_rng(args.seed)
+        records = [PromptRecord(gen.integers(5, tokenizer.vocab_size, args.prompt_length).tolist(), "math_dapo", "7",
+                                {}, index=i) for i in range(4 * args.prompts)]
+        d = Driver(cfg, tokenizer, pool, RemoteTrainWorker(actors, False, cfg.cluster.liveness, {
+            "actor": cfg.actor.ppo_mini_batch_size * cfg.rollout.n}), threading.Lock(), records,
+            PromptOrder(len(records)))
         results = []
         for step in range(args.steps):
             r = one_step(args, d, gen, step)
