@@ -39,6 +39,18 @@ class PackedBatch:
     def __len__(self) -> int:
         return len(self.lengths)
 
+    def __getstate__(self) -> dict:
+        """Pickled as numpy arrays: Ray then copies each into its object store once, out of band,
+        where a torch tensor is first written into a bytes object by torch's own pickling; and a
+        share that views rows of a larger batch carries its rows only, where a tensor view is
+        pickled with all of its storage."""
+        return {f.name: (t.numpy() if isinstance(t := getattr(self, f.name), torch.Tensor) else t) for f in fields(self)}
+
+    def __setstate__(self, state: dict) -> None:
+        for name, value in state.items():  # Ray's arrays are read-only views of its object store
+            setattr(self, name, value if value is None else torch.from_numpy(
+                value if value.flags.writeable else value.copy()))
+
     @property
     def num_tokens(self) -> int:
         return self.input_ids.numel()
@@ -144,16 +156,6 @@ class PackedBatch:
         """(B, L, ...) aligned with `padded()` (L at least the longest row) -> (N, ...)."""
         return padded[:, : int(self.lengths.max())][self._positions(int(self.lengths.max()))]
 
-    def compact(self) -> PackedBatch:
-        """The batch with each field in storage of its own size: a view of a larger batch would
-        otherwise be pickled (sent to a rank) with all of that batch's storage."""
-        def own(t: torch.Tensor | None) -> torch.Tensor | None:
-            if t is None or t.untyped_storage().nbytes() == t.numel() * t.element_size():
-                return t
-            return t.clone()
-
-        return replace(self, **{f.name: own(getattr(self, f.name)) for f in fields(self)})
-
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for f in fields(self) if (t := getattr(self, f.name)) is not None)
 
@@ -205,7 +207,7 @@ def iter_update_shares(batch: PackedBatch, dp_size: int, mini_rows: int) -> Iter
             parts[r].append(slice(start + r * share, start + (r + 1) * share))
             minis[r].append((share, tokens, rows))
     for r in range(dp_size):
-        yield DataShare(_concat_rows(batch, parts[r]).compact(), r, dp_size, tuple(minis[r]))
+        yield DataShare(_concat_rows(batch, parts[r]), r, dp_size, tuple(minis[r]))
 
 
 def forward_shares(batch: PackedBatch, dp_size: int) -> list[DataShare]:
@@ -218,7 +220,7 @@ def iter_forward_shares(batch: PackedBatch, dp_size: int) -> Iterator[DataShare]
     """`forward_shares` one at a time."""
     bounds = [len(batch) * r // dp_size for r in range(dp_size + 1)]
     for r in range(dp_size):
-        yield DataShare(batch.select(slice(bounds[r], bounds[r + 1])).compact(), r, dp_size)
+        yield DataShare(batch.select(slice(bounds[r], bounds[r + 1])), r, dp_size)
 
 
 def _concat_rows(batch: PackedBatch, parts: list[slice]) -> PackedBatch:

@@ -294,6 +294,8 @@ def main() -> int:
                  "reward.num_workers=2"]
     if args.variant == "moe30b":
         overrides.append("actor.moe_routing_replay=true")
+    if args.prompts < 32:  # the recipes' mini-batch: 32 prompts
+        overrides.append(f"actor.ppo_mini_batch_size={args.prompts}")
     cfg = load_config(RunConfig, Path(__file__).resolve().parents[2] / path, overrides)
     dp = layout[2]
     if args.ranks % dp:
