@@ -17,14 +17,23 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from megarl.backends.batch import TrainBatch
+from megarl.backends.packed import DataShare, PackedBatch
+
+
+Batch = TrainBatch | PackedBatch | DataShare
 
 
 @runtime_checkable
 class TrainWorker(Protocol):
     """The actor (policy), its frozen reference and the critic of one run, behind one object.
 
-    Every tensor argument and result is (B, L) in the batch's token layout (megarl.backends.batch),
-    on the CPU: a caller never needs to know how the backend shards the model.
+    A batch is the step's rows packed (`PackedBatch`, megarl.backends.packed: what the driver
+    sends), one data-parallel rank's share of them (`DataShare`: what the Ray proxy sends each
+    rank), or right-padded rows (`TrainBatch`, megarl.backends.batch). A per-token result comes
+    back in the layout it was asked in: (N,) over a packed batch's or share's tokens, (B, L)
+    for padded rows; on the CPU. A caller never needs to know how the backend shards the model.
+    Each backend's rank also answers `data_parallel()` (its data-parallel rank and size: which
+    share the Ray proxy sends it).
     """
 
     @property
@@ -40,20 +49,20 @@ class TrainWorker(Protocol):
     def pipeline_stage(self) -> int:
         """The pipeline stage whose weights this process exports (0 without pipelining)."""
 
-    def compute_log_prob(self, batch: TrainBatch, with_entropy: bool = False
+    def compute_log_prob(self, batch: Batch, with_entropy: bool = False
                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(log-probs of the batch's tokens under the actor, entropies or None)."""
 
-    def compute_ref_log_prob(self, batch: TrainBatch) -> torch.Tensor:
+    def compute_ref_log_prob(self, batch: Batch) -> torch.Tensor:
         """Log-probs under the frozen reference."""
 
-    def compute_values(self, batch: TrainBatch) -> torch.Tensor:
+    def compute_values(self, batch: Batch) -> torch.Tensor:
         """The critic's values of each token."""
 
-    def update_actor(self, batch: TrainBatch) -> dict[str, float]:
+    def update_actor(self, batch: Batch) -> dict[str, float]:
         """ppo_epochs over the batch in mini-batches, one optimizer step each; the metrics."""
 
-    def update_critic(self, batch: TrainBatch) -> dict[str, float]: ...
+    def update_critic(self, batch: Batch) -> dict[str, float]: ...
 
     def sleep(self) -> float:
         """Hand the device memory to the engines: weights, optimizer state and reference to host
