@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # 30-50 s: Ray, a reward pool and 8 rank actors started
 def test_the_bench_runs_a_small_step_and_prints_its_targets_last():
     out = subprocess.run([sys.executable, str(ROOT / "tools" / "bench" / "scale.py"), "--prompts", "4", "--steps", "1",
                           "--median-response", "64"], cwd=ROOT, capture_output=True, text=True, timeout=300)
