@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -229,6 +230,9 @@ def test_a_generation_across_a_weight_sync(server, mode):
     new, version = model_with(server.vocab, seed=20 + old_version), old_version + 1
     params = SamplingParams(max_new_tokens=800, temperature=0.0, ignore_eos=True)
 
+    started = time.monotonic()  # how long the whole generation takes on this machine now
+    asyncio.run(fleet.generate(PROMPT, params))
+    whole_s = time.monotonic() - started
     parts, generate = [], fleet.generate
 
     async def recorded(prompt_ids, p):
@@ -240,7 +244,7 @@ def test_a_generation_across_a_weight_sync(server, mode):
     async def across_a_sync():
         traj = Trajectory(prompt_ids=PROMPT)
         task = asyncio.ensure_future(generate_continued(fleet, None, PROMPT, params, traj))
-        await asyncio.sleep(2.0)  # some tokens on the old weights
+        await asyncio.sleep(whole_s / 4)  # a quarter of the tokens on the old weights (a fixed 2 s was all 800 once)
         if mode == "abort":
             await fleet.abort_requests()
         await fleet.begin_weight_update()
