@@ -10,21 +10,26 @@ mixes the prompts of the step rather than holding a few prompts' whole groups.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from megarl.backends.batch import TrainBatch
 
 
 def run_epochs(batch: TrainBatch, mini_size: int, epochs: int, step: Callable[[TrainBatch], dict]) -> dict[str, float]:
     """`step` on every mini-batch of every epoch; the metrics averaged over the steps."""
+    return mean_metrics(step(batch.select(slice(start, start + mini_size)))
+                        for _ in range(epochs) for start in range(0, len(batch), mini_size))
+
+
+def mean_metrics(steps: Iterable[dict[str, float]]) -> dict[str, float]:
+    """Each metric's mean over the steps (taken as they are iterated)."""
     sums: dict[str, float] = defaultdict(float)
-    steps = 0
-    for _ in range(epochs):
-        for start in range(0, len(batch), mini_size):
-            for key, value in step(batch.select(slice(start, start + mini_size))).items():
-                sums[key] += value
-            steps += 1
-    return {key: value / max(steps, 1) for key, value in sums.items()}
+    count = 0
+    for metrics in steps:
+        for key, value in metrics.items():
+            sums[key] += value
+        count += 1
+    return {key: value / max(count, 1) for key, value in sums.items()}
 
 
 def shuffled(batch: TrainBatch, seed: int, step: int) -> TrainBatch:

@@ -23,8 +23,9 @@ from pathlib import Path
 
 import torch
 
+from megarl.backends.base import Batch
 from megarl.backends.batch import TrainBatch
-from megarl.backends.epochs import run_epochs
+from megarl.backends.epochs import mean_metrics, run_epochs
 from megarl.backends.packed import DataShare, PackedBatch, as_rows
 from megarl.backends.megatron.optim_state import load_optimizer_state, model_key, sharded_state
 from megarl.backends.megatron.routing import install_replay
@@ -82,9 +83,6 @@ def micro_batching(worker: TrainWorkerConfig, impl: str) -> dict:
         packing = None
     return {"micro_batch_size": worker.ppo_micro_batch_size, "max_tokens": worker.max_tokens_per_gpu,
             "packing": packing}
-
-
-Batch = TrainBatch | PackedBatch | DataShare  # a DataShare: this data-parallel rank's rows only
 
 
 @dataclass
@@ -274,18 +272,15 @@ class MegatronTrainWorker:
         return run_epochs(batch, self.mini[name], part.cfg.ppo_epochs, one_step)
 
     def _update_share(self, part: _Part, share: DataShare, step_fn) -> dict[str, float]:
-        sums: dict[str, float] = {}
-        steps = 0
-        for _ in range(part.cfg.ppo_epochs):
-            for rows, counts in share.mini_batches():
-                counts["norm_length"] = self.cfg.rollout.max_response_length
-                metrics = step_fn(rows.padded(), counts, part.lr(self.total_steps))
-                if not metrics.get("skipped_steps"):
-                    part.steps += 1
-                for key, value in metrics.items():
-                    sums[key] = sums.get(key, 0.0) + value
-                steps += 1
-        return {key: value / max(steps, 1) for key, value in sums.items()}
+        def one_step(rows: PackedBatch, counts: dict) -> dict[str, float]:
+            metrics = step_fn(rows.padded(), counts | {"norm_length": self.cfg.rollout.max_response_length},
+                              part.lr(self.total_steps))
+            if not metrics.get("skipped_steps"):
+                part.steps += 1
+            return metrics
+
+        return mean_metrics(one_step(rows, counts) for _ in range(part.cfg.ppo_epochs)
+                            for rows, counts in share.mini_batches())
 
     def update_actor(self, batch: Batch) -> dict[str, float]:
         from megarl.backends.megatron.actor import actor_step

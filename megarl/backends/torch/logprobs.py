@@ -7,6 +7,7 @@ Main entry point: `token_log_probs`.
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -57,7 +58,12 @@ def _first_column(wanted: torch.Tensor | None) -> int:
 
 def _keeps_logits(model: torch.nn.Module) -> bool:
     """Whether the model's forward takes HF's `logits_to_keep` (current causal LMs do)."""
+    return _class_keeps_logits(type(model))
+
+
+@functools.cache
+def _class_keeps_logits(cls: type) -> bool:  # asked once per model class, not at every forward
     try:
-        return "logits_to_keep" in inspect.signature(model.forward).parameters
+        return "logits_to_keep" in inspect.signature(cls.forward).parameters
     except (TypeError, ValueError):
         return False

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_model, save_model
 
-from megarl.backends.batch import TrainBatch
-from megarl.backends.packed import DataShare, PackedBatch, as_rows
+from megarl.backends.base import Batch  # a share comes only with its whole batch here: one rank
+from megarl.backends.packed import as_rows
 from megarl.backends.offload import HostOffloaded
 from megarl.backends.rng import rng_state, set_rng_state
 from megarl.backends.sleep import TrainerSleep, trained_tensors
@@ -26,9 +26,6 @@ from megarl.backends.torch.critic import TorchCritic
 from megarl.checkpoint import unreadable
 from megarl.config import RunConfig
 from megarl.weights.buckets import group_tensors, hf_tensors, weight_checksums
-
-
-Batch = TrainBatch | PackedBatch | DataShare  # a share comes only with its whole batch: one rank
 
 
 class TorchTrainWorker:
