@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse
 from megarl.http_auth import bearer, require_api_key
 from megarl.rollout import sglang_api
 from megarl.rollout.engine import PREEMPTED, GenerationOutput, PauseAroundUpdates, RolloutEngine, SamplingParams
+from megarl.http_transport import PooledTransport
 from megarl.weights import all_transports, disk
 from megarl.weights.buckets import WeightBucket
 from megarl.weights.routes import json_body, result
@@ -191,11 +192,13 @@ class HTTPEngine(PauseAroundUpdates):
     @property
     def _client(self) -> httpx.AsyncClient:
         """This event loop's client: the trainer runs each step's rollouts in a fresh loop
-        (asyncio.run), and an httpx connection belongs to the loop that opened it."""
+        (asyncio.run), and an httpx connection belongs to the loop that opened it. Its
+        connections are aiohttp's pool (megarl.http_transport): thousands of requests
+        in flight at once."""
         loop = id(asyncio.get_running_loop())
         if loop not in self._clients:
             self._clients = {loop: httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout_s,
-                                                     headers=self._headers)}
+                                                     headers=self._headers, transport=PooledTransport())}
         return self._clients[loop]
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationOutput:

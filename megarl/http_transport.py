@@ -1,0 +1,61 @@
+"""httpx requests over aiohttp's connection pool, for clients with thousands of requests in flight.
+
+A rollout fleet sends every trajectory's turn as one long /generate request (a recipe's batch:
+8,000 at once through the router). httpx's own pool (httpcore 1.0) scans all its connections
+and every queued request at each request and answer, which grows with the square of the
+requests in flight: at 8,000 the driver spent all its time there (tools/bench/fleet_scale.py,
+docs/benchmarks.md); and its default limit of 100 connections held the fleet to 100 requests in
+flight. aiohttp's pool takes a free connection of the host in constant time, with no limit.
+Callers keep httpx's API, timeouts and errors: aiohttp's are raised as httpx's (a lost
+connection as httpx.TransportError, which the fleet retries). Main entry point: `PooledTransport`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import httpx
+
+# set by the session per connection: an explicit one would conflict with aiohttp's own
+_OWN_HEADERS = frozenset({"host", "content-length", "connection", "transfer-encoding"})
+# an idle connection is reused for this long only: less than the 5 s after which uvicorn (the
+# retrieval server's, SGLang's) closes one, so a request never goes out on a connection the
+# server is closing (a POST that fails there is not retried by aiohttp)
+KEEPALIVE_S = 4.0
+
+
+class PooledTransport(httpx.AsyncBaseTransport):
+    """An httpx transport over one aiohttp session (made in the event loop of the first request;
+    one transport per event loop, as an httpx client is)."""
+
+    def __init__(self):
+        self._session: aiohttp.ClientSession | None = None
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if self._session is None:
+            # bodies are passed on as they came (httpx decodes them); no limit on connections
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
+            self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        timeout = request.extensions.get("timeout", {})
+        limits = aiohttp.ClientTimeout(total=None, sock_connect=timeout.get("connect"), sock_read=timeout.get("read"))
+        headers = [(k, v) for k, v in request.headers.multi_items() if k.lower() not in _OWN_HEADERS]
+        try:
+            async with self._session.request(request.method, str(request.url), headers=headers,
+                                             data=await request.aread() or None, timeout=limits,
+                                             allow_redirects=False) as answer:
+                body = await answer.read()
+        except asyncio.TimeoutError as e:
+            raise httpx.ReadTimeout(f"no answer within the timeout: {e!r}", request=request) from e
+        except aiohttp.ClientConnectorError as e:
+            raise httpx.ConnectError(str(e), request=request) from e
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError) as e:
+            raise httpx.RemoteProtocolError(str(e) or type(e).__name__, request=request) from e
+        except aiohttp.ClientError as e:
+            raise httpx.NetworkError(str(e) or type(e).__name__, request=request) from e
+        return httpx.Response(answer.status, headers=list(answer.raw_headers), content=body, request=request)
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
