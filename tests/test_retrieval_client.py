@@ -192,3 +192,20 @@ def test_programming_errors_do_raise():
         RetrievalClient("http://127.0.0.1:1", max_retries=-1)
     with pytest.raises(ValueError, match="topk"):
         search(RetrievalClient("http://127.0.0.1:1"), ["q"], topk=0)
+
+
+def test_concurrent_searches_wait_for_a_free_request_and_go_together():
+    # one search per trajectory, many at once: while max_concurrency requests are in flight the
+    # others queue and share the next request (one per topk); a lone search goes at once
+    with BackgroundServer(create_app(EchoRetriever())) as server:
+        client = RetrievalClient(server.url, max_concurrency=1)
+
+        async def many():
+            return await asyncio.gather(*[client.search([f"q{i}"], 1 + (i >= 40)) for i in range(50)])
+
+        results = asyncio.run(many())
+        assert [[d.id for d in r.docs] for (r,) in results] == (
+            [[f"q{i}/0"] for i in range(40)] + [[f"q{i}/0", f"q{i}/1"] for i in range(40, 50)])
+        assert client.stats.requests == 3  # q0 alone; then q1-q39 (topk 1) and q40-q49 (topk 2)
+        assert search(client, ["alone"], 1)[0].docs[0].id == "alone/0"
+        assert client.stats.requests == 4

@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 
 from megarl.http_auth import bearer
+from megarl.http_transport import PooledTransport
 from megarl.retrieval.documents import Document
 from megarl.retrieval.retriever import check_search_args
 
@@ -61,7 +62,8 @@ class RetrievalClient:
     timeout_s: limit of one HTTP request, connecting and reading the whole answer included.
     max_retries: repeats of a failed request; the delay before repeat n is about backoff_s * 2**(n-1)
         (between half and all of it, so that many clients do not retry in step), at most max_backoff_s.
-    batch_size: queries per HTTP request; larger searches are split and sent max_concurrency at a time.
+    batch_size: queries per HTTP request at most; larger searches are split.
+    max_concurrency: requests in flight at once, for all callers together (see `search`).
     api_key: the server's key (megarl retrieval serve --api-key / $MEGARL_RETRIEVAL_API_KEY); None = none.
     """
 
@@ -96,20 +98,57 @@ class RetrievalClient:
         self._headers = bearer(api_key)
         self._http: httpx.AsyncClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._pending: dict[int, list[tuple[str, asyncio.Future]]] = {}  # topk -> queries waiting for a request
+        self._sending: set[asyncio.Task] = set()  # the requests in flight
 
     async def search(self, queries: Sequence[str], topk: int = 3) -> list[SearchResult]:
-        """One SearchResult per query, in order; failures are results with an error, not exceptions."""
+        """One SearchResult per query, in order; failures are results with an error, not exceptions.
+
+        The searches of all callers share the client's `max_concurrency` requests in flight:
+        while they are all taken, new queries wait and go together in the next free one (up to
+        `batch_size` a request). The agent loop searches once per trajectory, thousands at once
+        at a recipe's size; one request each would cost the driver and the server a request's
+        overhead per query (tools/bench/fleet_scale.py), while a lone search still goes at once."""
         check_search_args(queries, topk)
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:  # a fresh event loop (asyncio.run per step): nothing of the last one's
+            self._pending, self._sending = {}, set()
+        waiting = [(query, loop.create_future()) for query in queries]
+        self._pending.setdefault(topk, []).extend(waiting)
+        self._send_what_fits()
+        return list(await asyncio.gather(*[done for _, done in waiting]))
+
+    def _send_what_fits(self) -> None:
+        """Start requests for the queued queries while fewer than max_concurrency are in flight."""
         http = self._client()
-        slots = asyncio.Semaphore(self.max_concurrency)
+        while len(self._sending) < self.max_concurrency:
+            topk = next((k for k, queue in self._pending.items() if any(not d.done() for _, d in queue)), None)
+            if topk is None:
+                return
+            queue = [(q, d) for q, d in self._pending.pop(topk) if not d.done()]  # a cancelled caller's are dropped
+            batch, rest = queue[: self.batch_size], queue[self.batch_size:]
+            if rest:
+                self._pending[topk] = rest
+            task = asyncio.ensure_future(self._answer(http, batch, topk))
+            self._sending.add(task)
+            task.add_done_callback(self._sent)
 
-        async def run(batch: list[str]) -> list[SearchResult]:
-            async with slots:
-                return await self._search_batch(http, batch, topk)
+    def _sent(self, task: asyncio.Task) -> None:
+        self._sending.discard(task)
+        if not task.get_loop().is_closed():
+            self._send_what_fits()
 
-        batches = [list(queries[i : i + self.batch_size]) for i in range(0, len(queries), self.batch_size)]
-        results = await asyncio.gather(*(run(batch) for batch in batches))
-        return [result for batch_results in results for result in batch_results]
+    async def _answer(self, http: httpx.AsyncClient, batch: list[tuple[str, asyncio.Future]], topk: int) -> None:
+        try:
+            results = await self._search_batch(http, [q for q, _ in batch], topk)
+        except BaseException as e:  # cancelled, or a bug: the callers see it, nothing hangs
+            for _, done in batch:
+                if not done.done():
+                    done.set_exception(e if isinstance(e, Exception) else asyncio.CancelledError())
+            raise
+        for (_, done), result in zip(batch, results):
+            if not done.done():
+                done.set_result(result)
 
     async def aclose(self) -> None:
         if self._http is not None:
@@ -127,7 +166,10 @@ class RetrievalClient:
         # asyncio.run() per step gets a fresh one instead of "Event loop is closed" errors.
         loop = asyncio.get_running_loop()
         if self._http is None or self._loop is not loop:
-            self._http = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s), headers=self._headers)
+            # aiohttp's pool under httpx's API: every trajectory's search is a request of its own,
+            # thousands in flight at once (megarl.http_transport)
+            self._http = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s), headers=self._headers,
+                                           transport=PooledTransport())
             self._loop = loop
         return self._http
 
