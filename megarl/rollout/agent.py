@@ -21,6 +21,7 @@ from typing import Protocol
 
 import torch
 
+from megarl.data.tokenizer import rust_backend
 from megarl.rollout.engine import GenerationOutput, RolloutEngine, SamplingParams
 
 SEARCH_OPEN, SEARCH_CLOSE = "<search>", "</search>"
@@ -168,6 +169,19 @@ def format_observation(results) -> str:
     return f"\n\n<information>{body}</information>\n\n"
 
 
+def text_of(tokenizer, ids) -> str:
+    """`tokenizer.decode(ids)`, through its Rust backend where that is the same (rust_backend)."""
+    backend = rust_backend(tokenizer)
+    return tokenizer.decode(ids) if backend is None else backend.decode(ids, skip_special_tokens=False)
+
+
+def ids_of(tokenizer, text: str) -> list[int]:
+    """`tokenizer.encode(text, add_special_tokens=False)`, through its Rust backend where that is the same."""
+    backend = rust_backend(tokenizer)
+    return tokenizer.encode(text, add_special_tokens=False) if backend is None else \
+        backend.encode(text, add_special_tokens=False).ids
+
+
 async def run_trajectory(engine: RolloutEngine, tokenizer, prompt_ids: list[int], settings: AgentSettings,
                          searcher: Searcher | None = None, seed: int | None = None) -> Trajectory:
     """Roll out one trajectory (see the module docstring)."""
@@ -199,7 +213,7 @@ async def run_trajectory(engine: RolloutEngine, tokenizer, prompt_ids: list[int]
         if single_turn:
             traj.finish_reason = "eos" if out.finish_reason == "stop" else "length"
             return traj
-        kind, content = parse_action(tokenizer.decode(out.token_ids))
+        kind, content = parse_action(text_of(tokenizer, out.token_ids))
         if kind == "answer":
             traj.num_valid_actions += 1
             traj.finish_reason = "answer"
@@ -212,10 +226,10 @@ async def run_trajectory(engine: RolloutEngine, tokenizer, prompt_ids: list[int]
             traj.num_searches += 1
             (result,) = await searcher.search([content], topk=settings.topk)
             traj.num_failed_searches += result.error is not None
-            observation = tokenizer.encode(format_observation(result), add_special_tokens=False)
+            observation = ids_of(tokenizer, format_observation(result))
             observation = observation[: settings.max_obs_length]
         else:
-            observation = tokenizer.encode(INVALID_ACTION_MESSAGE, add_special_tokens=False)
+            observation = ids_of(tokenizer, INVALID_ACTION_MESSAGE)
         room = settings.max_response_length - len(traj.response_ids)
         traj.extend(observation[:room], None)
     return traj  # not reached: the last turn always returns
