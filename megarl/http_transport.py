@@ -33,18 +33,26 @@ class PooledTransport(httpx.AsyncBaseTransport):
         self._session: aiohttp.ClientSession | None = None
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        timeout = request.extensions.get("timeout", {})
+        headers = [(k, v) for k, v in request.headers.multi_items() if k.lower() not in _OWN_HEADERS]
+        status, answer_headers, body = await self.send(request.method, str(request.url), headers,
+                                                       await request.aread() or None, timeout.get("connect"),
+                                                       timeout.get("read"), request)
+        return httpx.Response(status, headers=answer_headers, content=body, request=request)
+
+    async def send(self, method: str, url: str, headers, body: bytes | None, connect_s: float | None,
+                   read_s: float | None, request: httpx.Request | None = None) -> tuple[int, list, bytes]:
+        """One request straight on the pool, without httpx's request and response objects (half
+        a /generate call's client time): (status, headers, body); errors as httpx's."""
         if self._session is None:
             # bodies are passed on as they came (httpx decodes them); no limit on connections
             connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
             self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
-        timeout = request.extensions.get("timeout", {})
-        limits = aiohttp.ClientTimeout(total=None, sock_connect=timeout.get("connect"), sock_read=timeout.get("read"))
-        headers = [(k, v) for k, v in request.headers.multi_items() if k.lower() not in _OWN_HEADERS]
+        limits = aiohttp.ClientTimeout(total=None, sock_connect=connect_s, sock_read=read_s)
         try:
-            async with self._session.request(request.method, str(request.url), headers=headers,
-                                             data=await request.aread() or None, timeout=limits,
+            async with self._session.request(method, url, headers=headers, data=body, timeout=limits,
                                              allow_redirects=False) as answer:
-                body = await answer.read()
+                return answer.status, list(answer.raw_headers), await answer.read()
         except asyncio.TimeoutError as e:
             raise httpx.ReadTimeout(f"no answer within the timeout: {e!r}", request=request) from e
         except aiohttp.ClientConnectorError as e:
@@ -53,7 +61,6 @@ class PooledTransport(httpx.AsyncBaseTransport):
             raise httpx.RemoteProtocolError(str(e) or type(e).__name__, request=request) from e
         except aiohttp.ClientError as e:
             raise httpx.NetworkError(str(e) or type(e).__name__, request=request) from e
-        return httpx.Response(answer.status, headers=list(answer.raw_headers), content=body, request=request)
 
     async def aclose(self) -> None:
         if self._session is not None:
