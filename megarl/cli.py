@@ -14,11 +14,13 @@ heavy is imported, with exit status 2.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
+from pathlib import Path
 
-from megarl.checkpoint import CheckpointError
+from megarl.checkpoint import CheckpointError, latest_checkpoint, read_meta
 from megarl.config import ConfigError, RunConfig, load_config
 from megarl.config_loader import dump_config
 from megarl.planner import add_plan_command
@@ -56,10 +58,25 @@ def run_training(cfg: RunConfig) -> int:
         return 1
     except KeyboardInterrupt as e:  # Ctrl-C, or the signal in megarl.termination.Stopped
         signum = getattr(e, "signum", signal.SIGINT)
-        print(f"megarl: stopped by {signal.Signals(signum).name}; the run's processes are stopped and the newest "
-              f"checkpoint is intact: the same command resumes from it", file=sys.stderr)
+        print(f"megarl: stopped by {signal.Signals(signum).name}; the run's processes are stopped; "
+              f"{_resumes_from(cfg.trainer.output_dir)}", file=sys.stderr)
         return 128 + signum  # what a shell reports for a process ended by that signal
     return 0
+
+
+def _resumes_from(output_dir: str) -> str:
+    """Where the same command picks up after a stop: the newest checkpoint (by its complete
+    meta.json, not re-hashed: a 32B checkpoint is read again only on resume), and, inside a slurm
+    job, that a requeue (preemption with --requeue, `scontrol requeue`) resumes by itself."""
+    newest = latest_checkpoint(Path(output_dir) / "checkpoints")
+    if newest is None:
+        where = "no checkpoint was saved yet: the same command starts the run again (the same MLflow run)"
+    else:
+        where = f"the newest checkpoint is step {read_meta(newest)['step']} ({newest}): the same command resumes from it"
+    if os.environ.get("SLURM_JOB_ID"):
+        where += (f"; slurm job {os.environ['SLURM_JOB_ID']}, if requeued (submitted with --requeue and preempted, or "
+                  "scontrol requeue), runs that command again by itself")
+    return where
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,9 +125,28 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+LOG_LEVEL_ENV = "MEGARL_LOG_LEVEL"
+
+
+def _log_level_from_env() -> None:
+    """$MEGARL_LOG_LEVEL (DEBUG, INFO, ...): megarl's own log at that level on stderr, each line
+    with its time (INFO names each phase of a step as it begins). Unset: warnings only."""
+    level = os.environ.get(LOG_LEVEL_ENV, "").strip().upper()
+    if not level:
+        return
+    if level not in logging.getLevelNamesMapping():
+        raise ValueError(f"{LOG_LEVEL_ENV}={os.environ[LOG_LEVEL_ENV]!r}: use DEBUG, INFO, WARNING or ERROR")
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("[megarl %(asctime)s] %(name)s: %(message)s", "%H:%M:%S"))
+    root = logging.getLogger("megarl")
+    root.addHandler(handler)
+    root.setLevel(level)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        _log_level_from_env()
         return args.func(args)
     except ConfigError as e:
         print(f"megarl: {e}", file=sys.stderr)

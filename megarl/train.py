@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import sys
 import tempfile
 import time
@@ -64,7 +65,7 @@ def train(cfg: RunConfig) -> dict[str, float]:
             c.worker.load_checkpoint(resume_from)
             c.prompt_order.load_state_dict(meta["sampler"])
             c.sync_weights(version=step)
-            print(f"megarl: resumed from {resume_from} (step {step})", file=sys.stderr, flush=True)
+            print(f"megarl: resumed from {resume_from} (step {step}){_requeued()}", file=sys.stderr, flush=True)
         else:
             tracker.log_params(params)
             tracker.log_text(dump_config(cfg), "config.yaml")
@@ -104,9 +105,7 @@ def train(cfg: RunConfig) -> dict[str, float]:
         raise
     except ComponentDied as e:
         lost = _lost_parts(c)  # the lost node's other parts, while they can still be asked about
-        if lost:
-            raise ComponentDied(f"{e}\n{lost}") from e
-        raise
+        raise ComponentDied(f"step {step + 1}, {e}" + (f"\n{lost}" if lost else "")) from e
     finally:
         with closing():  # a signal from here on kills the run's processes at once instead
             if rollouts is not None:
@@ -409,6 +408,14 @@ def check_output_dir(out: Path) -> None:
         raise RunInputError(f"trainer.output_dir={out} is not writable ({e.strerror}); {fix}") from None
 
 
+def _requeued() -> str:
+    """", slurm job J restarted N time(s)" when this is a requeued slurm job (SLURM_RESTART_COUNT)."""
+    restarts = os.environ.get("SLURM_RESTART_COUNT", "0")
+    if restarts in ("", "0"):
+        return ""
+    return f", slurm job {os.environ.get('SLURM_JOB_ID', '?')} restarted {restarts} time(s) (requeued)"
+
+
 def _resume_path(cfg: RunConfig, root: Path) -> Path | None:
     mode = cfg.trainer.resume
     if mode == "disable":
@@ -420,9 +427,20 @@ def _resume_path(cfg: RunConfig, root: Path) -> Path | None:
     return path
 
 
+PHASES = {"rollout": "generating the step's samples", "old_log_prob": "computing the old log-probs",
+          "values": "computing the critic's values", "update_critic": "updating the critic",
+          "update_actor": "updating the actor", "sync_weights": "syncing the weights to the engines"}
+
+
 @contextmanager
 def _timer(metrics: dict, phase: str):
+    """Times a phase of the step (timing/PHASE_s), logs its start (at INFO: MEGARL_LOG_LEVEL), and
+    puts it in the message of a part lost during it: the operation the run was in."""
     start = time.perf_counter()
-    yield
+    log.info("%s", PHASES[phase])
+    try:
+        yield
+    except ComponentDied as e:
+        raise ComponentDied(f"while {PHASES[phase]}: {e}") from e
     metrics[f"timing/{phase}_s"] = time.perf_counter() - start
 

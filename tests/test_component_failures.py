@@ -3,6 +3,7 @@ name, in bounded time; so does an engine that answers but produces nothing."""
 
 import asyncio
 import os
+import re
 import signal
 import socket
 import time
@@ -128,9 +129,12 @@ def gone(pid: int) -> bool:
 
 @pytest.mark.parametrize("part, named", [
     ("retrieval", r"retrieval server at http://\S+ \(Ray actor RetrievalActor\) did not answer a health ping within 3 s"),
-    ("engine", r"rollout engine \(Ray actor EngineActor\) did not answer a health ping within 3 s"),
-    ("rank", r"train worker rank 0 \(Ray actor TrainWorkerActor\) did not answer a health ping within 3 s"),
-    ("reward", r"reward workers \(Ray actor RewardActor\) did not answer a health ping within 3 s"),
+    ("engine", r"^while generating the step's samples: rollout engine \(Ray actor EngineActor\) did not answer a "
+               r"health ping within 3 s"),
+    ("rank", r"^while computing the old log-probs: train worker rank 0 \(Ray actor TrainWorkerActor\) on node "
+             rf"{re.escape(socket.gethostname())} \(127\.0\.0\.1\) did not answer a health ping within 3 s"),
+    ("reward", r"^while generating the step's samples: reward workers \(Ray actor RewardActor\) did not answer a "
+               r"health ping within 3 s"),
 ])
 @pytest.mark.slow
 def test_a_frozen_actor_stops_the_run_by_name_and_shutdown_is_bounded(world, tmp_path, part, named):

@@ -120,3 +120,30 @@ def test_a_driver_that_ends_by_itself_gives_its_status_and_ray_is_stopped(tmp_pa
         stop(shell, [])
     assert status == 0
     assert lines(events) == ["ray started", "driver started", "driver exited", "ray stopped"]
+
+
+@pytest.mark.timeout(60)
+def test_a_sigterm_to_the_ray_head_step_reaches_the_driver_now(tmp_path):
+    # a preemption in a partition with a GraceTime: slurm signals every process of the job's steps
+    # (here the head's: the relay and `ray start`), and the batch shell only GraceTime seconds later
+    shell, events = start(tmp_path, run_s=30)
+    tree = []
+    try:
+        deadline = time.monotonic() + 20
+        while "driver started" not in lines(events):
+            assert time.monotonic() < deadline and shell.poll() is None, (tmp_path / "output").read_text()
+            time.sleep(0.05)
+        tree = psutil.Process(shell.pid).children(recursive=True)
+        step = [p for p in tree if "relay-term-to-batch-shell" in " ".join(p.cmdline())]
+        assert len(step) == 1, [p.cmdline() for p in tree]
+        for process in [step[0], *step[0].children(recursive=True)]:
+            process.send_signal(signal.SIGTERM)
+        status = shell.wait(timeout=20)
+    finally:
+        stop(shell, tree)
+    output = (tmp_path / "output").read_text()
+    assert status == 143, output
+    assert sorted(lines(events)) == sorted(["ray started", "driver started", "ray stopped", "driver got SIGTERM",
+                                            "driver exited"])
+    assert at(events, "driver got SIGTERM") - at(events, "driver started") < 5  # now, not at the driver's own end
+    assert "SIGTERM: passing SIGTERM to the command" in output

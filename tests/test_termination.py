@@ -135,6 +135,7 @@ def test_sigterm_mid_step_stops_cleanly_and_the_rerun_resumes_in_the_same_mlflow
         assert run.left(within_s=20) == []
     finally:
         run.stop()
+    assert f"the newest checkpoint is step 1 ({step1}): the same command resumes from it" in run.log()
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_000001"]  # no partial step 2
     verify(step1)
     client, first = only_run(out)

@@ -16,7 +16,9 @@
 # like Ctrl-C: MLflow status, its actors and servers, exit 143), Ray stopped once it has exited,
 # and its status returned. A plain `scancel` or the time limit sends SIGTERM to every process of
 # the job at once (the driver and the Ray steps too), then SIGKILL KillWait seconds later;
-# megarl counts the copy passed on as the same request (docs/slurm.md).
+# megarl counts the copy passed on as the same request (docs/slurm.md). A preemption in a
+# partition with a GraceTime signals the Ray steps first and this shell GraceTime seconds later:
+# the head's step relays its SIGTERM here, so the command stops as Ray does, not after it.
 #
 # Settings (environment): MEGARL_PYTHON (the python with megarl installed; default the
 # repository's .venv, else python3), RAY_PORT (6379), RAY_NUM_CPUS / RAY_NUM_GPUS per node
@@ -28,6 +30,7 @@
 
 _ray_on_slurm_steps=()
 _ray_on_slurm_command=""  # the process id of the command while it runs
+_ray_on_slurm_stopping=""  # set while the Ray steps are being stopped
 
 _ray_on_slurm_log() { echo "[ray_on_slurm $(date +%H:%M:%S)] $*" >&2; }
 
@@ -36,6 +39,7 @@ _ray_on_slurm_log() { echo "[ray_on_slurm $(date +%H:%M:%S)] $*" >&2; }
 # still running after RAY_STOP_TIMEOUT seconds (default 60) get SIGKILL.
 _ray_on_slurm_stop() {
     local pid deadline=$((SECONDS + ${RAY_STOP_TIMEOUT:-60}))
+    _ray_on_slurm_stopping=1  # the head step relays the SIGTERM it is stopped with: not a new request
     for pid in "${_ray_on_slurm_steps[@]}"; do
         kill -TERM "$pid" 2>/dev/null || true
     done
@@ -50,11 +54,13 @@ _ray_on_slurm_stop() {
         wait "$pid" 2>/dev/null || true
     done
     _ray_on_slurm_steps=()
+    _ray_on_slurm_stopping=""
 }
 
 # A signal to this shell: passed on to the command as SIGTERM while it runs (ray_on_slurm then
 # waits for it and stops Ray); before it started, Ray is stopped and the shell exits 128 + signal.
 _ray_on_slurm_signal() {
+    [[ -z "$_ray_on_slurm_stopping" ]] || return 0
     if [[ -n "$_ray_on_slurm_command" ]] && kill -0 "$_ray_on_slurm_command" 2>/dev/null; then
         _ray_on_slurm_log "SIG$1: passing SIGTERM to the command (pid $_ray_on_slurm_command); Ray is stopped once it exits"
         kill -TERM "$_ray_on_slurm_command" 2>/dev/null || true
@@ -100,7 +106,17 @@ ray_on_slurm() {
     trap '_ray_on_slurm_signal TERM' TERM
     trap '_ray_on_slurm_signal INT' INT
     _ray_on_slurm_log "Ray head on $head ($head_ip:$port), ${#nodes[@]} node(s), $cpus CPUs and $gpus GPUs each"
-    srun --overlap --nodes=1 --ntasks=1 -w "$head" \
+    # the head's step relays a SIGTERM to this shell (same node), which passes it to the command:
+    # a preemption with a partition GraceTime signals the job's steps GraceTime seconds before
+    # the batch shell, and Ray, stopping at once, would leave the run without its actors
+    # shellcheck disable=SC2016
+    srun --overlap --nodes=1 --ntasks=1 -w "$head" bash -c '
+        trap "kill -TERM $1 \$ray_pid 2>/dev/null" TERM
+        shift
+        "$@" &
+        ray_pid=$!
+        while kill -0 "$ray_pid" 2>/dev/null; do wait "$ray_pid"; done
+        wait "$ray_pid"' relay-term-to-batch-shell "$$" \
         "$ray" start --head --block --node-ip-address="$head_ip" --port="$port" --num-cpus="$cpus" \
         --num-gpus="$gpus" --temp-dir="$tmp" --include-dashboard=false &
     _ray_on_slurm_steps+=($!)

@@ -6,6 +6,8 @@
 #SBATCH --exclusive
 #SBATCH --time=7-00:00:00
 #SBATCH --signal=B:TERM@300
+#SBATCH --requeue
+#SBATCH --open-mode=append
 #SBATCH --output=%x-%j.out
 #
 # DAPO on Qwen2.5-7B base with the paper's settings (examples/dapo/dapo_qwen2.5_7b.yaml):

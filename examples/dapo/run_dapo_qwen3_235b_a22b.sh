@@ -6,6 +6,8 @@
 #SBATCH --exclusive
 #SBATCH --time=7-00:00:00
 #SBATCH --signal=B:TERM@300
+#SBATCH --requeue
+#SBATCH --open-mode=append
 #SBATCH --output=%x-%j.out
 #
 # DAPO on Qwen3-235B-A22B base (a mixture of experts: 128 experts, 8 per token) with the paper's settings (examples/dapo/dapo_qwen3_235b_a22b.yaml):

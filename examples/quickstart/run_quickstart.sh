@@ -4,6 +4,8 @@
 #SBATCH --ntasks-per-node=1
 #SBATCH --time=01:00:00
 #SBATCH --signal=B:TERM@300
+#SBATCH --requeue
+#SBATCH --open-mode=append
 #SBATCH --output=megarl-quickstart-%j.out
 #
 # The CPU quickstart (Search-R1 + DAPO on a tiny model) as a slurm job on one node, run the

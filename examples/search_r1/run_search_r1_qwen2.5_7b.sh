@@ -6,6 +6,8 @@
 #SBATCH --exclusive
 #SBATCH --time=3-00:00:00
 #SBATCH --signal=B:TERM@300
+#SBATCH --requeue
+#SBATCH --open-mode=append
 #SBATCH --output=%x-%j.out
 #
 # Search-R1 on NQ + HotpotQA with Qwen2.5-7B base (examples/search_r1/search_r1_qwen2.5_7b.yaml):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import ray
 
@@ -47,16 +47,19 @@ def frozen(what: str, seconds: float) -> ComponentDied:
 
 
 def gather_watched(refs: list, actors: list, names: Callable[[int], str], liveness: Liveness,
-                   keep: list[int] | None = None) -> list:
+                   keep: list[int] | None = None, peers: Sequence[tuple[object, str]] = ()) -> list:
     """Every call's result, in order (`keep`: only those refs' results, the others awaited but
     not fetched); ref i is served by actors[i], named names(i). The first failure raises
     ComponentDied naming its actor (with several calls, the others are left to be stopped); a
-    pending call whose actor misses a ping raises ComponentDied too."""
+    pending call whose actor misses a ping raises ComponentDied too, and so does one of `peers`
+    (actor, name): the parts the calls wait on in turn (the engines a weight push sends to: a
+    rank blocked in a collective with a lost engine still answers its own pings)."""
     pending = list(refs)
     while pending:
         ready, pending = ray.wait(pending, num_returns=1, timeout=liveness.interval_s)
         if not ready:
-            ping_all([actors[refs.index(r)] for r in pending], [names(refs.index(r)) for r in pending], liveness)
+            ping_all([actors[refs.index(r)] for r in pending] + [a for a, _ in peers],
+                     [names(refs.index(r)) for r in pending] + [n for _, n in peers], liveness)
             continue
         i = refs.index(ready[0])
         try:
@@ -74,7 +77,7 @@ def gather_watched(refs: list, actors: list, names: Callable[[int], str], livene
 
 def ping_all(actors: list, names: list[str], liveness: Liveness) -> None:
     """Each actor answers a ping within liveness.timeout_s, or ComponentDied names it."""
-    pings = [a.ping.remote() for a in actors]
+    pings = [_ping(a) for a in actors]
     ready, _ = ray.wait(pings, num_returns=len(pings), timeout=liveness.timeout_s)
     for ping, name in zip(pings, names):
         if ping not in ready:
@@ -83,6 +86,15 @@ def ping_all(actors: list, names: list[str], liveness: Liveness) -> None:
             ray.get(ping)
         except ray.exceptions.RayActorError as e:
             raise died(name, e) from e
+
+
+def _ping(actor):
+    """The actor's `ping` (answered on its health thread), or, for an actor without one (a server
+    launcher, idle between its rare calls), a call that only shows its process is reachable."""
+    try:
+        return actor.ping.remote()
+    except AttributeError:
+        return actor.__ray_call__.remote(lambda _: 0)
 
 
 def wait_started(actors: list, names: list[str], liveness: Liveness) -> None:

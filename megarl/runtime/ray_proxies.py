@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import ray
@@ -33,17 +33,23 @@ def rank_name(rank: int) -> str:
 
 
 class _Ranks:
-    """Calls into every rank actor (or some), watched (megarl.runtime.liveness)."""
+    """Calls into every rank actor (or some), watched (megarl.runtime.liveness). `nodes`: where
+    each rank runs ("node NAME (ADDRESS)"), named with it in errors once the runtime knows."""
 
     def __init__(self, actors: list, liveness: Liveness):
         self.actors, self.liveness = actors, liveness
+        self.nodes: dict[int, str] = {}
 
-    def gather(self, refs: list, ranks: list[int] | None = None, keep: list[int] | None = None) -> list:
+    def name(self, rank: int) -> str:
+        return rank_name(rank) + (f" on {self.nodes[rank]}" if rank in self.nodes else "")
+
+    def gather(self, refs: list, ranks: list[int] | None = None, keep: list[int] | None = None,
+               peers: Sequence[tuple[object, str]] = ()) -> list:
         """Each ref's result (`keep`: of those refs only); refs[i] is served by rank ranks[i] (all
-        ranks in order by default)."""
+        ranks in order by default); `peers` watched too (liveness.gather_watched)."""
         ranks = list(range(len(self.actors))) if ranks is None else ranks
-        return gather_watched(refs, [self.actors[r] for r in ranks], lambda i: rank_name(ranks[i]), self.liveness,
-                              keep)
+        return gather_watched(refs, [self.actors[r] for r in ranks], lambda i: self.name(ranks[i]), self.liveness,
+                              keep, peers)
 
 
 class RemoteTrainWorker(_Ranks):
@@ -140,6 +146,7 @@ class RayRanks(_Ranks):
     def __init__(self, actors: list, liveness: Liveness):
         super().__init__(actors, liveness)
         self._places: list[RankPlace] | None = None
+        self.engines: list[tuple[object, str]] = []  # (actor, name) of the engines a push sends to
 
     def places(self) -> list[RankPlace]:
         if self._places is None:
@@ -158,7 +165,8 @@ class RayRanks(_Ranks):
         return wait
 
     def push(self, bucket_bytes: int, version: int, stage: int | None = None) -> int:
-        return sum(self.gather([a.push_weights.remote(bucket_bytes, version, stage) for a in self.actors]))
+        return sum(self.gather([a.push_weights.remote(bucket_bytes, version, stage) for a in self.actors],
+                               peers=self.engines))
 
     def free_cache(self) -> None:
         self.gather([a.free_cache.remote() for a in self.actors])

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
+import threading
 from pathlib import Path
 
 import ray
@@ -64,6 +66,7 @@ class RayRuntime(Runtime):
         self.pg, self.worker_actors, self.engine_actor, self.reward_actor, self.retrieval_actor = None, [], None, None, None
         self.sandbox_actors = []  # reward.sandbox_servers
         self.parts = []  # (kind, name, actor, node address), once all are started
+        self.hostnames: dict[str, str] = {}  # node address -> its hostname
         self.fleet, self.transport, self.engine, self.reward_pool = None, None, None, None
         gpus = cfg.cluster.gpus_per_node > 0
         self.colocated = cfg.rollout.engine == "sglang" and gpus and cfg.rollout.mode == "colocated"
@@ -175,9 +178,16 @@ class RayRuntime(Runtime):
                       for s in self.fleet.servers for n, a in enumerate(s.unit.actors)]
             if self.fleet.router_actor is not None:
                 parts.append(("sglang-router", "sglang-router", self.fleet.router_actor))
-        refs = [a.__ray_call__.remote(lambda _: ray.util.get_node_ip_address()) for _, _, a in parts]
+        refs = [a.__ray_call__.remote(lambda _: (ray.util.get_node_ip_address(), socket.gethostname())) for _, _, a in parts]
         nodes = ray.get(refs, timeout=self.cfg.cluster.liveness.timeout_s)
-        return [(kind, name, actor, node) for (kind, name, actor), node in zip(parts, nodes)]
+        self.hostnames = dict(nodes)
+        located = [(kind, name, actor, node) for (kind, name, actor), (node, _) in zip(parts, nodes)]
+        # named with their node in errors; a push's engines watched while it is pending
+        where = [f"node {self.hostnames[node]} ({node})" for *_, node in located]  # the ranks first
+        self.ranks.nodes = self.worker.nodes = dict(enumerate(where[:len(self.worker_actors)]))
+        self.ranks.engines = [(actor, f"{name} (Ray actor) on {at}") for (kind, name, actor, _), at in zip(located, where)
+                              if kind in ("rollout engine", "rollout engines")]
+        return located
 
     def placement(self) -> str:
         """Which node (address) each kind of part runs on, in one line; the retrieval server with
@@ -204,9 +214,9 @@ class RayRuntime(Runtime):
                     gone.setdefault(node, []).append(name)
         if not gone:
             return ""
-        hosts, alive = {}, set()
+        hosts, alive = dict(self.hostnames), set()
         for n in ray.nodes():
-            hosts[n["NodeManagerAddress"]] = n.get("NodeManagerHostname", "")
+            hosts[n["NodeManagerAddress"]] = n.get("NodeManagerHostname", "") or hosts.get(n["NodeManagerAddress"], "")
             if n["Alive"]:
                 alive.add(n["NodeManagerAddress"])
         return "; ".join(f"gone on node {hosts.get(node) or '?'} ({node}"
@@ -256,11 +266,32 @@ class RayRuntime(Runtime):
         self.sandbox_actors = []
         self.engine = self.reward_pool = self.fleet = None
         if self.pg is not None:
-            remove_placement_group(self.pg)
+            _within(PG_REMOVE_S, "removing the run's placement group", remove_placement_group, self.pg)
             self.pg = None
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False
+
+
+PG_REMOVE_S = 5.0  # Ray frees a job's placement groups when its driver exits: this is only for an early reuse
+
+
+def _within(seconds: float, what: str, call, *args) -> None:
+    """call(*args) on a thread, waited for at most `seconds` (logged when it does not return). A
+    call that waits on Ray's control store (GCS) blocks while that is stopping, as in a
+    preemption, when slurm signals every process of the job at once."""
+    def run() -> None:
+        try:
+            call(*args)
+        except Exception as e:  # noqa: BLE001 -- shutting down: what is left goes with the job
+            log.warning("%s failed: %s: %s", what, type(e).__name__, e)
+
+    worker = threading.Thread(target=run, name=what, daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        log.warning("%s did not finish within %.0f s (Ray's control store is unreachable or stopping); going on",
+                    what, seconds)
 
 
 def placement_bundles(cfg: RunConfig) -> tuple[list[dict], list[list[int]]]:

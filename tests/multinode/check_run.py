@@ -1,11 +1,13 @@
 """Checks one run of tests/multinode/run.sh: its one MLflow run ended with --status (default
 FINISHED) with train/reward_mean at steps 1..N (with --at-least: at steps 1..M, M >= N; a run
-stopped mid-step may have logged the step it did not save) and, when finished, val/acc; and
+stopped mid-step may have logged the step it did not save) and, when finished, val/acc; with
+--order-of CHECKPOINTS --batch B, the newest checkpoint's data order where N steps of B prompts
+from the start leave it (resumes that restarted or skipped prompts leave it elsewhere); and
 (with --nodes) the parts of the run placed on every one of those node addresses (the driver's
 "megarl placement:" line in the job's output); with --at-most NAME=X, metric NAME at most X at every step.
 
     python tests/multinode/check_run.py TRACKING_URI JOB_OUTPUT --steps N [--at-least] [--status S] [--nodes A,B]
-        [--at-most NAME=X]
+        [--at-most NAME=X] [--order-of CHECKPOINTS --batch B]
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import re
 import sys
 
 from mlflow.tracking import MlflowClient
+
+from megarl import checkpoint
 
 
 def main() -> None:
@@ -26,6 +30,8 @@ def main() -> None:
     parser.add_argument("--status", default="FINISHED")
     parser.add_argument("--nodes", default="")
     parser.add_argument("--at-most", default="")
+    parser.add_argument("--order-of", default="")
+    parser.add_argument("--batch", type=int, default=0)
     args = parser.parse_args()
     client = MlflowClient(tracking_uri=args.tracking_uri)
     runs = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
@@ -43,6 +49,15 @@ def main() -> None:
         values = [m.value for m in client.get_metric_history(run.info.run_id, name)]
         assert values and max(values) <= float(bound), f"{name}: {values}, above {bound}"
         print(f"test-multinode: {name} at each step: {values} (at most {bound})")
+    if args.order_of:
+        newest = checkpoint.latest_checkpoint(args.order_of)
+        meta = checkpoint.read_meta(newest)
+        order = meta["sampler"]
+        taken = meta["step"] * args.batch  # prompts taken from the start, none twice, none skipped
+        expected = {"epoch": taken // order["size"], "position": taken % order["size"]}
+        assert {k: order[k] for k in expected} == expected, (newest, order, expected)
+        print(f"test-multinode: {newest.name}'s data order: epoch {order['epoch']}, position {order['position']} of "
+              f"{order['size']}: {meta['step']} steps of {args.batch} prompts from the start")
     placement = re.findall(r"megarl placement: (.*)", open(args.job_output, errors="replace").read())
     assert placement, "the job's output has no 'megarl placement:' line"
     for node in filter(None, args.nodes.split(",")):

@@ -7,7 +7,11 @@
 #                     own slurmd; slurmctld runs on node1, munged serves them all
 #   on_node K CMD...  run CMD on node K (its network, its hostname)
 #   cluster_down      stop every daemon by its pid file and delete the namespaces, by the names
-#                     this shell created (run by the EXIT trap that cluster_up sets)
+#                     this shell created (run by the EXIT trap that cluster_up sets); unmount what
+#                     was mounted under $CLUSTER_DIR
+#   link_down K / link_up K   node K's interface to the others set down / up (its cable pulled)
+#   link_slow K RATE  node K's link both ways at RATE (tc's token bucket, e.g. 4mbit); link_up clears it
+#   small_disk DIR SIZE   a filesystem of SIZE (tmpfs) mounted at DIR, for a disk that fills up
 #
 # Nothing listens outside the namespaces: the bridge lives in a namespace of its own, the root
 # namespace gets no address and no route. Needs root (namespaces, daemons); without root,
@@ -97,7 +101,8 @@ SlurmctldHost=node1($(node_addr 1))
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket=$CLUSTER_DIR/munge.socket
+AuthInfo=socket=$CLUSTER_DIR/munge.socket,cred_expire=10
+SchedulerParameters=sched_interval=2,bf_interval=2
 CredType=cred/munge
 StateSaveLocation=$CLUSTER_DIR/state
 SlurmdSpoolDir=$CLUSTER_DIR/spool-%n
@@ -120,7 +125,13 @@ CONF
         for k in $(seq "$n"); do
             echo "NodeName=node$k NodeHostname=node$k NodeAddr=$(node_addr "$k") CPUs=$cpus RealMemory=$mem_mb State=UNKNOWN"
         done
-        echo "PartitionName=sim Nodes=ALL Default=YES MaxTime=60 State=UP OverSubscribe=YES"
+        # a job in `urgent` preempts those of `sim` it needs the nodes of, as on a shared cluster:
+        # their steps get SIGTERM at once, the batch shell GraceTime seconds later (then SIGKILL
+        # after KillWait), and they are requeued
+        echo "PreemptType=preempt/partition_prio"
+        echo "PreemptMode=REQUEUE"
+        echo "PartitionName=sim Nodes=ALL Default=YES MaxTime=60 State=UP OverSubscribe=YES PriorityTier=1 GraceTime=30"
+        echo "PartitionName=urgent Nodes=ALL MaxTime=60 State=UP PriorityTier=2 PreemptMode=OFF"
     } > "$CLUSTER_DIR/slurm.conf"
     export SLURM_CONF=$CLUSTER_DIR/slurm.conf
     on_node 1 slurmctld -f "$SLURM_CONF"
@@ -130,7 +141,7 @@ CONF
     done
     local idle=0
     for _ in $(seq 60); do
-        idle=$(on_node 1 sinfo -h -N -o %t 2>/dev/null | grep -c idle || true)
+        idle=$(on_node 1 sinfo -h -N -p sim -o %t 2>/dev/null | grep -c idle || true)
         (( idle == n )) && break
         sleep 1
     done
@@ -138,8 +149,20 @@ CONF
         _cluster_log "only $idle of $n nodes came up"
         return 1
     fi
-    _cluster_log "$n-node slurm cluster up: $(on_node 1 sinfo -h -N -o '%N %t' | tr '\n' ' ')"
+    _cluster_log "$n-node slurm cluster up: $(on_node 1 sinfo -h -N -p sim -o '%N %t' | tr '\n' ' ')"
 }
+
+link_down() { ip -n "$(node_ns "$1")" link set eth0 down; }
+link_up() {
+    tc -n "$(node_ns "$1")" qdisc del dev eth0 root 2>/dev/null || true
+    tc -n "$CLUSTER_ID-hub" qdisc del dev "$CLUSTER_ID-h$1" root 2>/dev/null || true
+    ip -n "$(node_ns "$1")" link set eth0 up
+}
+link_slow() {
+    tc -n "$(node_ns "$1")" qdisc replace dev eth0 root tbf rate "$2" burst 32kb latency 2s
+    tc -n "$CLUSTER_ID-hub" qdisc replace dev "$CLUSTER_ID-h$1" root tbf rate "$2" burst 32kb latency 2s
+}
+small_disk() { mkdir -p "$1" && mount -t tmpfs -o "size=$2" tmpfs "$1"; }
 
 cluster_down() {
     local status=$? k pidfile
@@ -163,6 +186,9 @@ cluster_down() {
         for f in "$CLUSTER_DIR"/log/*.log; do
             [[ -f "$f" ]] && { echo "--- $f" >&2; tail -n 30 "$f" >&2; }
         done
+    fi
+    if [[ -n "$CLUSTER_DIR" ]]; then
+        awk -v d="$CLUSTER_DIR/" 'index($2, d) == 1 {print $2}' /proc/mounts | xargs -r umount
     fi
     [[ -n "$CLUSTER_DIR" && -z "${KEEP_CLUSTER_DIR:-}" ]] && rm -rf "$CLUSTER_DIR"
     return $status

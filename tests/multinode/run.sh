@@ -154,18 +154,39 @@ wants dp2 && megatron_across_nodes dp2 actor.parallel.data_parallel_size=2
 # --- 3. PP = 2: one pipeline stage on each node
 wants pp2 && megatron_across_nodes pp2 actor.parallel.pipeline_model_parallel_size=2
 
-# --- 4. faults across nodes: node2's Ray worker killed, then the rerun cancelled by scancel ------
+# --- 4. faults across nodes ---------------------------------------------------------------------
 # One run directory, a checkpoint at every step, the engines and the trainer on different nodes
-# (which on which is Ray's choice); the driver on node1.
-FAULT_ARGS=("${FLEET[@]}" sync.transport=nccl "${SPREAD[@]}" trainer.total_training_steps=20 trainer.save_freq=1)
+# (which on which is Ray's choice); the driver on node1; the health pings every 5 s, answered
+# within 10 s (cluster.liveness: the bounded time a lost node takes to stop the run). In turn:
+#   fault_kill   node2's raylet killed (SIGKILL) once step 1 is saved: the job fails within a
+#                bounded time naming the parts lost on node2, no Ray process is left, the newest
+#                checkpoint is whole;
+#   fault_rerun  the same command resumes from it; once it has saved a step, slurm preempts it (a
+#                job in the partition `urgent` takes both nodes): SIGTERM, then requeued (the
+#                recipes' --requeue); it stops cleanly saying where it resumes, leaves no process,
+#                and the requeued job resumes by itself from the newest checkpoint in the same
+#                MLflow run; once that has saved a step, node2's link goes down in the middle of a
+#                weight sync (the link slowed first, so that the 7.5 MB sync lasts seconds): the
+#                run stops within the liveness bound naming node2 and the sync, and no process is
+#                left on either node (node2's Ray ends itself once the head is out of reach);
+#   disk_full    (one process, on this host) the run's disk fills up while step 2's checkpoint is
+#                written: a named error with the path, and step 1's checkpoint still loads (the
+#                run exported from it).
+# At the end the run's one MLflow run has every step from 1, and the newest checkpoint's data
+# order is the one of that many steps from the start: the resumes kept the order.
+FAULT_ARGS=("${FLEET[@]}" sync.transport=nccl "${SPREAD[@]}" trainer.total_training_steps=20 trainer.save_freq=1
+            cluster.liveness.interval_s=5 cluster.liveness.timeout_s=10)
+LIVENESS_BOUND=60  # the run's end after a lost node: a missed ping (5 + 10 s), then its bounded shutdown
 
-# submit NAME: the fault run's recipe, not waited for; prints the job id
+# submit NAME: the fault run's recipe, not waited for; prints the job id (megarl's log at INFO:
+# each phase of a step as it begins)
 submit() {
-    OUTPUT_DIR=$WORK/fault MLFLOW_TRACKING_URI=sqlite:///$WORK/fault.db on_node 1 sbatch --parsable --job-name="$1" --output="$WORK/$1.out" --chdir="$REPO" \
+    MEGARL_LOG_LEVEL=INFO OUTPUT_DIR=$WORK/fault MLFLOW_TRACKING_URI=sqlite:///$WORK/fault.db on_node 1 sbatch \
+        --parsable --job-name="$1" --output="$WORK/$1.out" --chdir="$REPO" \
         --nodes=2 examples/quickstart/run_quickstart.sh "${SHORT[@]}" "${FAULT_ARGS[@]}"
 }
 job_over() {
-    ! on_node 1 scontrol show job "$1" | grep -qE 'JobState=(PENDING|CONFIGURING|RUNNING|COMPLETING)'
+    ! on_node 1 scontrol show job "$1" | grep -qE 'JobState=(PENDING|CONFIGURING|RUNNING|COMPLETING|REQUEUE[A-Z_]*)'
 }
 job_state() { on_node 1 scontrol show job "$1" | grep -o 'JobState=[A-Z_]*' | cut -d= -f2; }
 # wait_until SECONDS WHAT CMD...: CMD succeeds within SECONDS, or the test fails naming WHAT
@@ -177,19 +198,23 @@ wait_until() {
         sleep 1
     done
 }
-# the Ray processes (and megarl's driver) left on node K, one command line each
+# the Ray processes (and megarl's driver) left on node K, one "pid command line" each
 ray_left() {
     local pid
     for pid in $(ip netns pids "$(node_ns "$1")"); do
         tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null \
-            | grep -aE 'raylet|gcs_server|ray::|default_worker\.py|log_monitor\.py|dashboard/agent|bin/megarl ' || true
+            | grep -aE 'raylet|gcs_server|ray::|default_worker\.py|log_monitor\.py|dashboard/agent|bin/megarl ' \
+            | sed "s/^/$pid /" || true
     done
 }
 no_ray_left() { [[ -z "$(ray_left 1)$(ray_left 2)" ]]; }
+none_of() { local pid; for pid in "$@"; do [[ ! -e /proc/$pid ]] || return 1; done; }
 newest_whole() {  # the step of the newest checkpoint, once every file in it has its recorded size and CRC32
     "$PY" -c 'import sys; from megarl import checkpoint
-p = checkpoint.latest_checkpoint(sys.argv[1]); print(checkpoint.verify(p)["step"])' "$WORK/fault/checkpoints"
+p = checkpoint.latest_checkpoint(sys.argv[1]); print(checkpoint.verify(p)["step"])' "${1:-$WORK/fault/checkpoints}"
 }
+saved() { test -f "$WORK/fault/checkpoints/$(printf 'step_%06d' "$1")/meta.json"; }
+count() { grep -ac -- "$1" "$2" || true; }
 fault_failed() {  # NAME: the end of its job's output, then fail
     echo "--- the end of $WORK/$1.out" >&2
     tail -n 60 "$WORK/$1.out" >&2
@@ -198,8 +223,7 @@ fault_failed() {  # NAME: the end of its job's output, then fail
 
 if wants faults; then
 job=$(submit fault_kill)
-wait_until 600 "fault_kill: its first checkpoint" test -f "$WORK/fault/checkpoints/step_000001/meta.json" \
-    || fault_failed fault_kill
+wait_until 600 "fault_kill: its first checkpoint" saved 1 || fault_failed fault_kill
 raylets=$(for pid in $(ip netns pids "$(node_ns 2)"); do
               if [[ $(cat "/proc/$pid/comm" 2>/dev/null) == raylet ]]; then echo "$pid"; fi; done)
 [[ -n $raylets ]] || { echo "test-multinode: fault_kill: no raylet on node2" >&2; fault_failed fault_kill; }
@@ -215,21 +239,79 @@ wait_until 60 "fault_kill: every Ray process gone" no_ray_left || { ray_left 1; 
 kept=$(newest_whole)
 echo "test-multinode: fault_kill: no Ray process left; the newest checkpoint (step $kept) is whole"
 
+# preempted by a job of the partition `urgent`, requeued, resumed by itself
 job=$(submit fault_rerun)
 wait_until 600 "fault_rerun: resumed from step $kept" grep -asq "megarl: resumed from .*(step $kept)" \
     "$WORK/fault_rerun.out" || fault_failed fault_rerun
-next=$(printf 'step_%06d' $((kept + 1)))
-wait_until 300 "fault_rerun: a checkpoint after the resume" test -f "$WORK/fault/checkpoints/$next/meta.json" \
+wait_until 300 "fault_rerun: a checkpoint after the resume" saved $((kept + 1)) || fault_failed fault_rerun
+mapfile -t before < <({ ray_left 1; ray_left 2; } | cut -d' ' -f1)
+on_node 1 sbatch --parsable --job-name=urgent --partition=urgent --exclusive --nodes=2 --output="$WORK/urgent.out" \
+    --wrap "sleep 1" > /dev/null
+preempted_at=$SECONDS
+wait_until 120 "fault_rerun: stopped by the preemption" grep -aq "megarl: stopped by SIGTERM" "$WORK/fault_rerun.out" \
     || fault_failed fault_rerun
-on_node 1 scancel "$job"
-cancelled_at=$SECONDS
-wait_until 120 "fault_rerun: the job's end after scancel" job_over "$job" || fault_failed fault_rerun
-wait_until 60 "fault_rerun: every Ray process gone after scancel" no_ray_left || { ray_left 1; ray_left 2; exit 1; } >&2
-echo "test-multinode: fault_rerun: resumed from step $kept; scancel: job $(job_state "$job"), no Ray process left" \
-     "$((SECONDS - cancelled_at)) s later; the newest checkpoint (step $(newest_whole)) is whole"
-[[ $(job_state "$job") == CANCELLED ]] || fault_failed fault_rerun
-"$PY" tests/multinode/check_run.py "sqlite:///$WORK/fault.db" "$WORK/fault_rerun.out" --status KILLED \
-    --steps "$(newest_whole)" --at-least
+kept=$(newest_whole)
+grep -aq "megarl: stopped by SIGTERM; .* the newest checkpoint is step $kept (.*): the same command resumes from it; slurm job $job, if requeued" \
+    "$WORK/fault_rerun.out" || { echo "test-multinode: fault_rerun: the stop does not say where it resumes" >&2; fault_failed fault_rerun; }
+wait_until 120 "fault_rerun: every process of the preempted job gone" none_of "${before[@]}" \
+    || { ray_left 1; ray_left 2; exit 1; } >&2
+echo "test-multinode: fault_rerun: preempted $((SECONDS - preempted_at)) s ago: stopped by SIGTERM, no process of it left," \
+     "the newest checkpoint (step $kept) is whole"
+wait_until 300 "fault_rerun: the requeued job resumed from step $kept" grep -asq \
+    "megarl: resumed from .*(step $kept), slurm job $job restarted 1 time(s) (requeued)" "$WORK/fault_rerun.out" \
+    || fault_failed fault_rerun
+grep -aq "DUE TO PREEMPTION" "$WORK/fault_rerun.out" \
+    || { echo "test-multinode: fault_rerun: slurm did not preempt it" >&2; fault_failed fault_rerun; }
+echo "test-multinode: fault_rerun: requeued, resumed by itself from step $kept $((SECONDS - preempted_at)) s after the preemption"
+wait_until 300 "fault_rerun: a checkpoint after the requeued resume" saved $((kept + 1)) || fault_failed fault_rerun
+
+# node2's link down in the middle of a weight sync
+link_slow 2 4mbit
+syncs=$(count "syncing the weights to the engines" "$WORK/fault_rerun.out")
+wait_until 300 "fault_rerun: the next weight sync" test "$(count "syncing the weights to the engines" "$WORK/fault_rerun.out")" -gt "$syncs" \
+    || fault_failed fault_rerun
+link_down 2
+down_at=$SECONDS
+wait_until "$LIVENESS_BOUND" "fault_rerun: the run's end after node2's link went down" \
+    grep -aq "megarl: training stopped:" "$WORK/fault_rerun.out" || fault_failed fault_rerun
+ended=$((SECONDS - down_at))
+grep -a "megarl: training stopped:" "$WORK/fault_rerun.out" >&2
+grep -aq "megarl: training stopped: step [0-9]*, while syncing the weights to the engines: .* on node node2 ($(node_addr 2))" \
+    "$WORK/fault_rerun.out" \
+    || { echo "test-multinode: fault_rerun: the error does not name node2 and the weight sync" >&2; fault_failed fault_rerun; }
+wait_until 180 "fault_rerun: every Ray process gone, node2's link still down" no_ray_left \
+    || { ray_left 1; ray_left 2; exit 1; } >&2
+echo "test-multinode: fault_rerun: node2's link down mid-sync: the run named it $ended s later; no Ray process left" \
+     "on either node $((SECONDS - down_at)) s later"
+link_up 2
+wait_until 300 "fault_rerun: the job's end once the link is back" job_over "$job" || fault_failed fault_rerun
+[[ $(job_state "$job") == FAILED ]] || fault_failed fault_rerun
+steps=$(newest_whole)
+"$PY" tests/multinode/check_run.py "sqlite:///$WORK/fault.db" "$WORK/fault_rerun.out" --status FAILED \
+    --steps "$steps" --at-least --order-of "$WORK/fault/checkpoints" --batch 8
+echo "test-multinode: fault_rerun: job $job FAILED; the newest checkpoint (step $steps) is whole"
+
+# the disk fills up while a checkpoint is written (one process on this host: the disk is what fails)
+small_disk "$WORK/small" 64m
+disk_run=("$(dirname "$PY")/megarl" train examples/quickstart/search_r1_tiny.yaml "model.path=$DATA_DIR/model"
+          "data.train_files=[$DATA_DIR/data/train.parquet]" "data.val_files=[$DATA_DIR/data/val.parquet]"
+          "agent.retrieval.index_dir=$DATA_DIR/index" "trainer.output_dir=$WORK/small/run" "${SHORT[@]}"
+          trainer.total_training_steps=3 trainer.save_freq=1 rollout.engine=local cluster.launcher=inprocess)
+"${disk_run[@]}" > "$WORK/disk_full.out" 2>&1 &
+disk_pid=$!
+wait_until 300 "disk_full: its first checkpoint" test -f "$WORK/small/run/checkpoints/step_000001/meta.json" \
+    || { kill "$disk_pid"; fault_failed disk_full; }
+fallocate -l $(( $(df -B1 --output=avail "$WORK/small" | tail -n 1) - (1 << 20) )) "$WORK/small/filler"  # 1 MiB left
+status=0
+wait "$disk_pid" || status=$?
+grep -a "megarl: training stopped:" "$WORK/disk_full.out" >&2 || fault_failed disk_full
+[[ $status == 1 ]] && grep -aq "megarl: training stopped: checkpoint step 2 was not saved: the disk holding $WORK/small/run/checkpoints is full" \
+    "$WORK/disk_full.out" || { echo "test-multinode: disk_full: exit $status, no named error" >&2; fault_failed disk_full; }
+[[ $(newest_whole "$WORK/small/run/checkpoints") == 1 ]] || fault_failed disk_full
+rm "$WORK/small/filler"
+"$(dirname "$PY")/megarl" export --run "$WORK/small/run" --out "$WORK/disk_export" > "$WORK/disk_export.out" 2>&1 \
+    || fault_failed disk_export
+echo "test-multinode: disk_full: step 2's checkpoint failed naming the full disk; step 1's is whole and loads (exported)"
 fi
 
 echo "test-multinode: passed in $((SECONDS - started)) s"
