@@ -21,16 +21,20 @@ import httpx
 _OWN_HEADERS = frozenset({"host", "content-length", "connection", "transfer-encoding"})
 # an idle connection is reused for this long only: less than the 5 s after which uvicorn (the
 # retrieval server's, SGLang's) closes one, so a request never goes out on a connection the
-# server is closing (a POST that fails there is not retried by aiohttp)
+# server is closing (a POST that fails there is not retried by aiohttp). aiohttp takes the oldest
+# idle connection first, so with thousands open most are older than that and new ones are made:
+# a server known to keep them longer is given a longer time (sglang-router: ROUTER_KEEPALIVE_S)
 KEEPALIVE_S = 4.0
+ROUTER_KEEPALIVE_S = 55.0  # sglang-router 0.3.2 answered on a connection idle 66 s
 
 
 class PooledTransport(httpx.AsyncBaseTransport):
     """An httpx transport over one aiohttp session (made in the event loop of the first request;
     one transport per event loop, as an httpx client is)."""
 
-    def __init__(self):
+    def __init__(self, keepalive_s: float = KEEPALIVE_S):
         self._session: aiohttp.ClientSession | None = None
+        self.keepalive_s = keepalive_s  # how long an idle connection is reused (KEEPALIVE_S)
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         timeout = request.extensions.get("timeout", {})
@@ -46,7 +50,7 @@ class PooledTransport(httpx.AsyncBaseTransport):
         a /generate call's client time): (status, headers, body); errors as httpx's."""
         if self._session is None:
             # bodies are passed on as they came (httpx decodes them); no limit on connections
-            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=self.keepalive_s)
             self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
         limits = aiohttp.ClientTimeout(total=None, sock_connect=connect_s, sock_read=read_s)
         try:

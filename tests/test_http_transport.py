@@ -12,10 +12,12 @@ from megarl.rollout.engine import SamplingParams
 from megarl.rollout.http import HTTPEngine
 
 
-async def start_server(handle):
+async def start_server(handle, connections: list | None = None):
     """An HTTP/1.1 server on 127.0.0.1 whose `handle(body)` gives each POST's JSON answer (or None: close
-    the connection without one)."""
+    the connection without one); each connection it accepts is appended to `connections`."""
     async def serve(reader, writer):
+        if connections is not None:
+            connections.append(writer)
         while head := await reader.readuntil(b"\r\n\r\n"):
             length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
             answer = await handle(await reader.readexactly(length))
@@ -85,3 +87,26 @@ def test_transport_failures_are_httpx_transport_errors(server_does, error):
     with pytest.raises(error) as failed:
         asyncio.run(go())
     assert isinstance(failed.value, httpx.TransportError)  # what SGLangFleet.generate re-sends after a health pass
+
+
+@pytest.mark.parametrize("keepalive_s, connections", [(0.1, 2), (30.0, 1)])
+def test_an_idle_connection_is_reused_within_its_keepalive_only(keepalive_s, connections):
+    # a server that keeps idle connections open (the router) is given longer than uvicorn's 5 s
+    async def go():
+        accepted = []
+
+        async def handle(body):
+            return b'{"ok": true}'
+
+        server, url = await start_server(handle, accepted)
+        engine = HTTPEngine(url, keepalive_s=keepalive_s)
+        try:
+            await engine.post("/x", {})
+            await asyncio.sleep(0.3)
+            await engine.post("/x", {})
+        finally:
+            await engine.close()
+            server.close()
+        return len(accepted)
+
+    assert asyncio.run(go()) == connections

@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse
 from megarl.http_auth import bearer, require_api_key
 from megarl.rollout import sglang_api
 from megarl.rollout.engine import PREEMPTED, GenerationOutput, PauseAroundUpdates, RolloutEngine, SamplingParams
-from megarl.http_transport import PooledTransport
+from megarl.http_transport import KEEPALIVE_S, PooledTransport
 from megarl.weights import all_transports, disk
 from megarl.weights.buckets import WeightBucket
 from megarl.weights.routes import json_body, result
@@ -181,8 +181,9 @@ class HTTPEngine(PauseAroundUpdates):
     """
 
     def __init__(self, base_url: str, *, timeout_s: float = 600.0, weight_dir: str | None = None,
-                 api_key: str | None = None):
+                 api_key: str | None = None, keepalive_s: float = KEEPALIVE_S):
         self.base_url = base_url.rstrip("/")
+        self.keepalive_s = keepalive_s  # how long an idle connection is reused (megarl.http_transport)
         self.timeout_s = timeout_s
         self.weight_dir = weight_dir
         self._headers = bearer(api_key)
@@ -200,7 +201,7 @@ class HTTPEngine(PauseAroundUpdates):
         in flight at once."""
         loop = id(asyncio.get_running_loop())
         if loop not in self._clients:
-            self._pooled = {loop: PooledTransport()}
+            self._pooled = {loop: PooledTransport(self.keepalive_s)}
             self._clients = {loop: httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout_s,
                                                      headers=self._headers, transport=self._pooled[loop])}
         return self._clients[loop]

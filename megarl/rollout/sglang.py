@@ -23,6 +23,7 @@ import httpx
 from megarl.config import SGLangConfig
 from megarl.config_cluster import LivenessConfig
 from megarl.errors import ComponentDied
+from megarl.http_transport import ROUTER_KEEPALIVE_S
 from megarl.rollout import sglang_api
 from megarl.rollout.engine import GenerationOutput, SamplingParams, WeightBucket
 from megarl.rollout.engine_unit import EngineUnit
@@ -85,8 +86,9 @@ class SGLangFleet:
         self.api_key = api_key
         self.servers = [_ServerHandle(*engine[:4], settings, *engine[4:], api_key=api_key) for engine in engines]
         self.router_actor, self.router_url = router if router is not None else (None, None)
-        self.front = HTTPEngine(self.router_url, timeout_s=settings.request_timeout_s,
-                                api_key=api_key) if router else None
+        # the router keeps idle connections open: thousands of them are reused, not reopened
+        self.front = HTTPEngine(self.router_url, timeout_s=settings.request_timeout_s, api_key=api_key,
+                                keepalive_s=ROUTER_KEEPALIVE_S) if router else None
         self.weight_dir = weight_dir
         self.last_weights: tuple[str, int] | None = None  # (directory, version) a restarted engine reloads
         self.failed_requests = 0  # requests re-sent after an engine failure (a metric)
