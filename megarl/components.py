@@ -19,6 +19,7 @@ import httpx
 from megarl.backends.base import TrainWorker
 from megarl.config import RunConfig
 from megarl.data.prompts import PromptOrder, PromptRecord, data_corpus, load_prompts
+from megarl.driver_loop import run_async
 from megarl.errors import ComponentDied
 from megarl.http_auth import RETRIEVAL_KEY_ENV
 from megarl.models.hf_files import check_model_files
@@ -96,6 +97,8 @@ class Components:
                              routed_experts=c.actor.moe_routing_replay and not validation)
 
     def close(self) -> None:
+        if self.searcher is not None:  # its connections, on the driver loop's thread
+            run_async(self.searcher.aclose())
         self.runtime.shutdown()
 
 

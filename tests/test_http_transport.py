@@ -3,11 +3,17 @@ once (a fleet's /generate calls through the router), and a lost connection raise
 error the fleet retries."""
 
 import asyncio
+import contextlib
+import gc
+import logging
+import threading
+import warnings
 
 import httpx
 import pytest
 
 from megarl.http_transport import PooledTransport
+from megarl.retrieval.client import RetrievalClient
 from megarl.rollout.engine import SamplingParams
 from megarl.rollout.http import HTTPEngine
 
@@ -110,3 +116,139 @@ def test_an_idle_connection_is_reused_within_its_keepalive_only(keepalive_s, con
         return len(accepted)
 
     assert asyncio.run(go()) == connections
+
+
+class JSONServer:
+    """An HTTP server on 127.0.0.1 in threads of its own, answering every request `{"result": [[]]}`
+    (a retrieval answer, and a control answer an HTTPEngine takes); `keep_alive`: whether it keeps
+    a connection open after its answer. It closes its own sockets, so that every unclosed one
+    left at the end is the client's."""
+
+    def __init__(self, keep_alive: bool = True):
+        import http.server
+
+        class Answer(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1" if keep_alive else "HTTP/1.0"
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("content-length", 0)))
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", "16")
+                self.end_headers()
+                self.wfile.write(b'{"result": [[]]}')
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answer)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@contextlib.contextmanager
+def nothing_left_unclosed(caplog):
+    """Fails unless the block leaves no session, connector or socket for the garbage collector:
+    no ResourceWarning, and no "Unclosed ..." error of aiohttp's on asyncio's logger."""
+    gc.collect()  # what earlier tests left
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.ERROR, logger="asyncio"):
+        warnings.simplefilter("always")
+        yield
+        gc.collect()
+    assert [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)] == []
+    assert [r.getMessage() for r in caplog.records if "Unclosed" in r.getMessage()] == []
+
+
+def test_an_engine_s_sessions_are_closed_across_event_loops(caplog):
+    # the trainer may run each step's rollouts in a fresh loop (asyncio.run): each loop's session
+    # is closed at its end, and the engine's close closes the current one
+    server = JSONServer()
+    try:
+        with nothing_left_unclosed(caplog):
+            engine = HTTPEngine(server.url)
+            for _ in range(2):
+                asyncio.run(engine.post("/x", {}))
+            asyncio.run(engine.post("/x", {}))
+            asyncio.run(engine.close())
+            del engine
+    finally:
+        server.close()
+
+
+def test_an_engine_used_in_a_loop_closed_without_asyncio_run_detaches_its_session(caplog):
+    # a loop closed by hand can run nothing more, not even the session's close: it is let go
+    # without aiohttp's warnings when the next loop comes (the server closes its connections)
+    server = JSONServer(keep_alive=False)
+    try:
+        with nothing_left_unclosed(caplog):
+            engine = HTTPEngine(server.url)
+            loop = asyncio.new_event_loop()
+            loop.run_until_complete(engine.post("/x", {}))
+            loop.close()
+            asyncio.run(engine.post("/x", {}))
+            loop = asyncio.new_event_loop()
+            loop.run_until_complete(engine.post("/x", {}))
+            loop.close()
+            asyncio.run(engine.close())
+            del engine, loop
+    finally:
+        server.close()
+
+
+def test_an_engine_closes_the_session_of_a_loop_running_in_another_thread(caplog):
+    server = JSONServer()
+    other = asyncio.new_event_loop()
+    thread = threading.Thread(target=other.run_forever, daemon=True)
+    thread.start()
+    try:
+        with nothing_left_unclosed(caplog):
+            engine = HTTPEngine(server.url)
+            asyncio.run_coroutine_threadsafe(engine.post("/x", {}), other).result(10)
+            asyncio.run(engine.post("/x", {}))  # the other loop's client is still its own
+            asyncio.run(engine.close())
+            other.call_soon_threadsafe(other.stop)
+            thread.join(10)
+            other.close()
+            del engine
+    finally:
+        server.close()
+
+
+def test_a_retrieval_client_s_sessions_are_closed(caplog):
+    server = JSONServer()
+    try:
+        with nothing_left_unclosed(caplog):
+            client = RetrievalClient(server.url, max_retries=0)
+            for _ in range(2):
+                assert asyncio.run(client.search(["q"]))[0].error is None
+            asyncio.run(client.search(["q"]))
+            asyncio.run(client.aclose())
+            del client
+    finally:
+        server.close()
+
+
+def test_a_run_s_close_closes_its_retrieval_client(caplog):
+    # the searches run on the driver loop, which lives as long as the process: without a close
+    # the session is left to the interpreter's exit
+    from megarl.components import Components
+    from megarl.driver_loop import run_async
+
+    class Runtime:
+        def shutdown(self):
+            pass
+
+    server = JSONServer()
+    try:
+        with nothing_left_unclosed(caplog):
+            client = RetrievalClient(server.url, max_retries=0)
+            assert run_async(client.search(["q"]))[0].error is None
+            Components(None, None, [], [], None, Runtime(), client, 1, 0).close()
+            del client
+    finally:
+        server.close()

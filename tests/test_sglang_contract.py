@@ -179,9 +179,7 @@ def test_client_sends_the_contract_bodies(api_types):
         return httpx.Response(200, json={"success": True, "message": "ok", "status": "ok"})
 
     async def go():
-        client = HTTPEngine("http://engine")
-        client._clients = {id(asyncio.get_running_loop()): httpx.AsyncClient(
-            base_url="http://engine", transport=httpx.MockTransport(handler))}
+        client = HTTPEngine("http://engine", transport=httpx.MockTransport(handler))
         out = await client.generate([1, 2], SAMPLING_CASES[2])
         await client.begin_weight_update()
         await client.load_from_disk("/w/v2", 2)
@@ -343,9 +341,7 @@ def test_a_request_aborted_before_its_prefill_is_an_empty_preempted_output():
             await aborted.wait()  # the call is in flight when our abort comes
             return httpx.Response(200, json=answer)
 
-        client = HTTPEngine("http://engine")
-        client._clients = {id(asyncio.get_running_loop()): httpx.AsyncClient(
-            base_url="http://engine", transport=httpx.MockTransport(handler))}
+        client = HTTPEngine("http://engine", transport=httpx.MockTransport(handler))
         call = asyncio.ensure_future(client.generate([1, 2], SAMPLING_CASES[2]))
         await arrived.wait()
         client.mark_preempted()

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 
 from megarl.http_auth import bearer
-from megarl.http_transport import PooledTransport
+from megarl.http_transport import ClientPerLoop
 from megarl.retrieval.documents import Document
 from megarl.retrieval.retriever import check_search_args
 
@@ -96,8 +96,11 @@ class RetrievalClient:
         self.max_concurrency = max_concurrency
         self.stats = ClientStats()
         self._headers = bearer(api_key)
-        self._http: httpx.AsyncClient | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        # aiohttp's pool under httpx's API (megarl.http_transport), a client per event loop: a trainer
+        # that calls asyncio.run() per step gets a fresh one instead of "Event loop is closed" errors
+        self._http = ClientPerLoop(lambda pool: httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s),
+                                                                  headers=self._headers, transport=pool))
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop of the queued and sent requests
         self._pending: dict[int, list[tuple[str, asyncio.Future]]] = {}  # topk -> queries waiting for a request
         self._sending: set[asyncio.Task] = set()  # the requests in flight
 
@@ -112,7 +115,7 @@ class RetrievalClient:
         check_search_args(queries, topk)
         loop = asyncio.get_running_loop()
         if self._loop is not loop:  # a fresh event loop (asyncio.run per step): nothing of the last one's
-            self._pending, self._sending = {}, set()
+            self._pending, self._sending, self._loop = {}, set(), loop
         waiting = [(query, loop.create_future()) for query in queries]
         self._pending.setdefault(topk, []).extend(waiting)
         self._send_what_fits()
@@ -120,7 +123,7 @@ class RetrievalClient:
 
     def _send_what_fits(self) -> None:
         """Start requests for the queued queries while fewer than max_concurrency are in flight."""
-        http = self._client()
+        http, _ = self._http.get()
         while len(self._sending) < self.max_concurrency:
             topk = next((k for k, queue in self._pending.items() if any(not d.done() for _, d in queue)), None)
             if topk is None:
@@ -151,27 +154,14 @@ class RetrievalClient:
                 done.set_result(result)
 
     async def aclose(self) -> None:
-        if self._http is not None:
-            await self._http.aclose()
-            self._http = None
+        """Close the client of every event loop that searched."""
+        await self._http.aclose()
 
     async def __aenter__(self) -> RetrievalClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
-
-    def _client(self) -> httpx.AsyncClient:
-        # An httpx client is bound to the event loop it first ran on; a trainer that calls
-        # asyncio.run() per step gets a fresh one instead of "Event loop is closed" errors.
-        loop = asyncio.get_running_loop()
-        if self._http is None or self._loop is not loop:
-            # aiohttp's pool under httpx's API: every trajectory's search is a request of its own,
-            # thousands in flight at once (megarl.http_transport)
-            self._http = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s), headers=self._headers,
-                                           transport=PooledTransport())
-            self._loop = loop
-        return self._http
 
     def _backoff(self, retry: int) -> float:
         delay = min(self.backoff_s * 2 ** (retry - 1), self.max_backoff_s)

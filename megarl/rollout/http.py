@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse
 from megarl.http_auth import bearer, require_api_key
 from megarl.rollout import sglang_api
 from megarl.rollout.engine import PREEMPTED, GenerationOutput, PauseAroundUpdates, RolloutEngine, SamplingParams
-from megarl.http_transport import KEEPALIVE_S, PooledTransport
+from megarl.http_transport import KEEPALIVE_S, ClientPerLoop, PooledTransport
 from megarl.weights import all_transports, disk
 from megarl.weights.buckets import WeightBucket
 from megarl.weights.routes import json_body, result
@@ -177,43 +177,41 @@ class HTTPEngine(PauseAroundUpdates):
     `update_weights` takes buckets in this process and sends them through `weight_dir`
     (storage the server can read): each bucket a safetensors file, then one
     `/update_weights_from_disk`. The fleet's other transports use `post`. Every request
-    carries `api_key` (the server's --api-key), when given.
+    carries `api_key` (the server's --api-key), when given. `transport`: an httpx transport
+    of its own instead of aiohttp's pool (tests' mock transports).
     """
 
     def __init__(self, base_url: str, *, timeout_s: float = 600.0, weight_dir: str | None = None,
-                 api_key: str | None = None, keepalive_s: float = KEEPALIVE_S):
+                 api_key: str | None = None, keepalive_s: float = KEEPALIVE_S,
+                 transport: httpx.AsyncBaseTransport | None = None):
         self.base_url = base_url.rstrip("/")
         self.keepalive_s = keepalive_s  # how long an idle connection is reused (megarl.http_transport)
         self.timeout_s = timeout_s
         self.weight_dir = weight_dir
         self._headers = bearer(api_key)
-        self._clients: dict[int, httpx.AsyncClient] = {}
-        self._pooled: dict[int, PooledTransport] = {}  # the transport under this loop's client, when made here
+        # each event loop's client: the trainer may run rollouts in a fresh loop (asyncio.run), and
+        # a connection belongs to the loop that opened it. Its connections are aiohttp's pool
+        # (megarl.http_transport): thousands of requests in flight at once
+        self._http = ClientPerLoop(
+            lambda pool: httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout_s, headers=self._headers,
+                                           transport=pool),
+            (lambda: transport) if transport is not None else (lambda: PooledTransport(self.keepalive_s)))
         self._json_headers = {**self._headers, "content-type": "application/json"}
         self._in_flight: set[int] = set()  # ids of the generate calls waiting for an answer
         self._preempted: set[int] = set()  # those in flight when abort_requests came
 
     @property
     def _client(self) -> httpx.AsyncClient:
-        """This event loop's client: the trainer runs each step's rollouts in a fresh loop
-        (asyncio.run), and an httpx connection belongs to the loop that opened it. Its
-        connections are aiohttp's pool (megarl.http_transport): thousands of requests
-        in flight at once."""
-        loop = id(asyncio.get_running_loop())
-        if loop not in self._clients:
-            self._pooled = {loop: PooledTransport(self.keepalive_s)}
-            self._clients = {loop: httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout_s,
-                                                     headers=self._headers, transport=self._pooled[loop])}
-        return self._clients[loop]
+        """This event loop's client."""
+        return self._http.get()[0]
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationOutput:
         call = object()
         self._in_flight.add(id(call))
-        client = self._client
-        pooled = self._pooled.get(id(asyncio.get_running_loop()))
+        client, pooled = self._http.get()
         try:
             body = sglang_api.generate_body(prompt_ids, params)
-            if pooled is None:  # a client given from outside (tests' mock transports)
+            if not isinstance(pooled, PooledTransport):  # a transport given from outside (tests' mocks)
                 response = await client.post("/generate", json=body)
                 status, text = response.status_code, response.content
             else:  # straight on the pool: the call a fleet makes thousands of times a second
@@ -330,5 +328,5 @@ class HTTPEngine(PauseAroundUpdates):
         return response.status_code == 200
 
     async def close(self) -> None:
-        await self._client.aclose()
-        self._clients, self._pooled = {}, {}
+        """Close the client of every event loop that used this engine."""
+        await self._http.aclose()
