@@ -23,7 +23,14 @@ SRUN = """#!/usr/bin/env bash
 while [[ $# -gt 0 && $1 == -* ]]; do [[ $1 == -w ]] && shift; shift; done
 exec "$@"
 """
-SCONTROL = "#!/usr/bin/env bash\necho localhost\n"
+SCONTROL = """#!/usr/bin/env bash
+# scontrol show hostnames | show job (the job's record from $SCONTROL_JOB) | requeue (noted)
+case "$1 $2" in
+    "show hostnames") echo localhost ;;
+    "show job") echo "${SCONTROL_JOB:-JobId=1 JobState=RUNNING Requeue=1 PreemptTime=None EndTime=Unknown}" ;;
+    requeue*) echo "requeue $2 $(date +%s.%N)" >> "$EVENTS" ;;
+esac
+"""
 PYTHON = """#!/usr/bin/env bash
 # the python ray_on_slurm asks for the node address, a token, and whether Ray sees every node
 case "$*" in
@@ -54,7 +61,7 @@ sys.exit(143 if stop else 0)
 """
 
 
-def start(tmp_path: Path, run_s: float) -> tuple[subprocess.Popen, Path]:
+def start(tmp_path: Path, run_s: float, job: str | None = None) -> tuple[subprocess.Popen, Path]:
     """The shell running ray_on_slurm with the stand-ins; its output goes to tmp_path/output."""
     bin_dir, events = tmp_path / "bin", tmp_path / "events"
     bin_dir.mkdir()
@@ -64,6 +71,8 @@ def start(tmp_path: Path, run_s: float) -> tuple[subprocess.Popen, Path]:
     (tmp_path / "driver.py").write_text(DRIVER)
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="1", SLURM_JOB_NODELIST="localhost",
                MEGARL_PYTHON=str(bin_dir / "python"), EVENTS=str(events), RAY_STOP_TIMEOUT="10")
+    if job is not None:  # what `scontrol show job` says of the job
+        env["SCONTROL_JOB"] = job
     script = (f"set -euo pipefail; source {ROOT / 'tools' / 'ray_on_slurm.sh'}; "  # as the recipes run it
               f"ray_on_slurm {sys.executable} {tmp_path / 'driver.py'} {events} {run_s}")
     with open(tmp_path / "output", "w") as output:
@@ -147,3 +156,36 @@ def test_a_sigterm_to_the_ray_head_step_reaches_the_driver_now(tmp_path):
                                             "driver exited"])
     assert at(events, "driver got SIGTERM") - at(events, "driver started") < 5  # now, not at the driver's own end
     assert "SIGTERM: passing SIGTERM to the command" in output
+
+
+def _in(seconds: int) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() + seconds))
+
+
+@pytest.mark.parametrize("job, requeued", [
+    (f"JobState=RUNNING Requeue=1 PreemptTime={_in(0)} EndTime={_in(3000)}", "preempted at"),
+    (f"JobState=RUNNING Requeue=1 PreemptTime=None EndTime={_in(290)}", "its time limit is"),
+    (f"JobState=RUNNING Requeue=0 PreemptTime={_in(0)} EndTime={_in(3000)}", None),
+    (f"JobState=RUNNING Requeue=1 PreemptTime=None EndTime={_in(3000)}", None),  # stopped by hand
+], ids=["preempted", "time-limit", "preempted-without-requeue", "by-hand"])
+@pytest.mark.timeout(60)
+def test_a_run_stopped_because_slurm_takes_the_job_away_is_requeued(tmp_path, job, requeued):
+    shell, events = start(tmp_path, run_s=30, job=job)
+    try:
+        deadline = time.monotonic() + 20
+        while "driver started" not in lines(events):
+            assert time.monotonic() < deadline and shell.poll() is None, (tmp_path / "output").read_text()
+            time.sleep(0.05)
+        os.kill(shell.pid, signal.SIGTERM)
+        status = shell.wait(timeout=20)
+    finally:
+        stop(shell, [])
+    output = (tmp_path / "output").read_text()
+    assert status == 143, output
+    if requeued:
+        assert lines(events) == ["ray started", "driver started", "driver got SIGTERM", "driver exited", "ray stopped",
+                                 "requeue 1"]
+        assert f"{requeued}" in output and "requeueing job 1; it resumes from its newest checkpoint" in output
+    else:
+        assert "requeue 1" not in lines(events)
+        assert ("not requeued: the job was submitted without --requeue" in output) == ("Requeue=0" in job)

@@ -171,7 +171,32 @@ EOF
     _ray_on_slurm_log "command exited with status $status; stopping Ray"
     _ray_on_slurm_stop
     trap - TERM INT
+    (( status == 143 )) && _ray_on_slurm_requeue_if_taken
     return "$status"
+}
+
+# After the command stopped on SIGTERM: if slurm is taking the job away (it was preempted, or its
+# time limit is within RAY_REQUEUE_WINDOW seconds, default 600: the recipes' --signal=B:TERM@300)
+# and it was submitted with --requeue, requeue it now: it runs again and megarl resumes from the
+# newest checkpoint. Slurm requeues a preempted job itself only if the job outlives the
+# partition's GraceTime, and a run that stops cleanly ends sooner (as a failed job). A stop by
+# hand (scancel --batch --signal=TERM, far from the time limit) is not requeued.
+_ray_on_slurm_requeue_if_taken() {
+    local info why="" end
+    info=$(timeout 30 scontrol show job "$SLURM_JOB_ID" 2>/dev/null) || { _ray_on_slurm_log "cannot ask slurm about job $SLURM_JOB_ID; not requeued"; return 0; }
+    if [[ $info =~ PreemptTime=([0-9][0-9T:-]+) ]]; then
+        why="preempted at ${BASH_REMATCH[1]}"
+    elif [[ $info =~ EndTime=([0-9][0-9T:-]+) ]] && end=$(date -d "${BASH_REMATCH[1]}" +%s 2>/dev/null) \
+            && (( end - $(date +%s) < ${RAY_REQUEUE_WINDOW:-600} )); then
+        why="its time limit is $(( end - $(date +%s) )) s away"
+    fi
+    [[ -n $why ]] || return 0
+    if [[ ! $info =~ Requeue=1 ]]; then
+        _ray_on_slurm_log "$why; not requeued: the job was submitted without --requeue (submit the same command again to resume)"
+        return 0
+    fi
+    _ray_on_slurm_log "$why: requeueing job $SLURM_JOB_ID; it resumes from its newest checkpoint"
+    timeout 30 scontrol requeue "$SLURM_JOB_ID" || _ray_on_slurm_log "scontrol requeue $SLURM_JOB_ID failed"
 }
 
 
