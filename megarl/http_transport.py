@@ -55,26 +55,22 @@ class PooledTransport(httpx.AsyncBaseTransport):
     async def send(self, method: str, url: str, headers, body: bytes | None, connect_s: float | None,
                    read_s: float | None, request: httpx.Request | None = None) -> tuple[int, list, bytes]:
         """One request straight on the pool, without httpx's request and response objects (half
-        a /generate call's client time): (status, headers, body); errors as httpx's."""
+        a /generate call's client time): (status, headers, body). Its deadlines are httpx's:
+        `connect_s` to connect (name resolution included), `read_s` between two reads of the
+        answer. Errors are httpx's, and name the method and URL."""
         if self._session is None:
             # bodies are passed on as they came (httpx decodes them); no limit on connections
             connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=self.keepalive_s)
             self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
             self._guard = _closed_at_loop_end(self._session)
             await self._guard.__anext__()
-        limits = aiohttp.ClientTimeout(total=None, sock_connect=connect_s, sock_read=read_s)
+        limits = aiohttp.ClientTimeout(total=None, connect=connect_s, sock_connect=connect_s, sock_read=read_s)
         try:
             async with self._session.request(method, url, headers=headers, data=body, timeout=limits,
                                              allow_redirects=False) as answer:
                 return answer.status, list(answer.raw_headers), await answer.read()
-        except asyncio.TimeoutError as e:
-            raise httpx.ReadTimeout(f"no answer within the timeout: {e!r}", request=request) from e
-        except aiohttp.ClientConnectorError as e:
-            raise httpx.ConnectError(str(e), request=request) from e
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError) as e:
-            raise httpx.RemoteProtocolError(str(e) or type(e).__name__, request=request) from e
-        except aiohttp.ClientError as e:
-            raise httpx.NetworkError(str(e) or type(e).__name__, request=request) from e
+        except (asyncio.TimeoutError, aiohttp.ClientError) as e:
+            raise _as_httpx_error(e, request or httpx.Request(method, url), connect_s, read_s) from e
 
     async def aclose(self) -> None:
         session, self._session = self._session, None
@@ -99,6 +95,22 @@ class PooledTransport(httpx.AsyncBaseTransport):
             pass
         else:
             closing.close()
+
+
+def _as_httpx_error(error: Exception, request: httpx.Request, connect_s: float | None,
+                    read_s: float | None) -> httpx.TransportError:
+    """aiohttp's `error` as the httpx error httpx would have raised for `request` (a lost
+    connection or a deadline: a TransportError, which the fleet re-sends), naming it."""
+    where = f"{request.method} {request.url}"
+    if isinstance(error, aiohttp.ConnectionTimeoutError):
+        return httpx.ConnectTimeout(f"{where}: no connection within {connect_s} s", request=request)
+    if isinstance(error, asyncio.TimeoutError):
+        return httpx.ReadTimeout(f"{where}: no answer within {read_s} s", request=request)
+    if isinstance(error, aiohttp.ClientConnectorError):
+        return httpx.ConnectError(f"{where}: {error}", request=request)
+    kind = httpx.RemoteProtocolError if isinstance(
+        error, (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError)) else httpx.NetworkError
+    return kind(f"{where}: {str(error) or type(error).__name__}", request=request)
 
 
 async def _closed_at_loop_end(session: aiohttp.ClientSession):

@@ -9,6 +9,7 @@ import logging
 import threading
 import warnings
 
+import aiohttp
 import httpx
 import pytest
 
@@ -252,3 +253,87 @@ def test_a_run_s_close_closes_its_retrieval_client(caplog):
             del client
     finally:
         server.close()
+
+
+def test_a_server_that_accepts_and_never_answers_ends_in_httpx_s_read_timeout_in_time():
+    # the kernel accepts the connection; nobody reads or answers. Each call ends within its
+    # deadline, in the error it had under httpx: generate's a ReadTimeout naming the server (the
+    # fleet re-sends it after a health pass), a health check's False, a control call's RuntimeError
+    import socket
+
+    from megarl.rollout.sglang import _connection_lost
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+    async def timed(call):
+        t0 = asyncio.get_running_loop().time()
+        try:
+            return await call, asyncio.get_running_loop().time() - t0
+        except Exception as e:
+            return e, asyncio.get_running_loop().time() - t0
+
+    async def go():
+        engine = HTTPEngine(url, timeout_s=0.4)
+        try:
+            return (await timed(engine.generate([1, 2], SamplingParams(max_new_tokens=1))),
+                    await timed(engine.health(timeout_s=0.2)), await timed(engine.post("/pause_generation", {})))
+        finally:
+            await engine.close()
+
+    try:
+        (lost, lost_s), (healthy, health_s), (refused, post_s) = asyncio.run(go())
+    finally:
+        sock.close()
+    assert isinstance(lost, httpx.ReadTimeout) and _connection_lost(lost)
+    assert f"{url}/generate" in str(lost) and str(lost.request.url) == f"{url}/generate"
+    assert 0.4 <= lost_s < 2.0
+    assert healthy is False and 0.2 <= health_s < 1.5
+    assert isinstance(refused, RuntimeError) and _connection_lost(refused)
+    assert str(refused).startswith(f"{url}/pause_generation failed: ReadTimeout") and 0.4 <= post_s < 2.0
+
+
+class FailingSession:
+    """An aiohttp session whose every request fails with `error`."""
+
+    closed = False
+
+    def __init__(self, error):
+        self.error = error
+
+    def request(self, *args, **kwargs):
+        error = self.error
+
+        class Failing:
+            async def __aenter__(self):
+                raise error
+
+            async def __aexit__(self, *exc):
+                return False
+
+        return Failing()
+
+
+@pytest.mark.parametrize("aiohttp_error, httpx_error", [
+    (aiohttp.ConnectionTimeoutError(), httpx.ConnectTimeout),  # no connection within connect_s
+    (aiohttp.SocketTimeoutError(), httpx.ReadTimeout),  # no answer within read_s
+    (asyncio.TimeoutError(), httpx.ReadTimeout),
+    (aiohttp.ServerDisconnectedError(), httpx.RemoteProtocolError),  # the server died mid-answer
+    (aiohttp.ClientPayloadError("cut short"), httpx.RemoteProtocolError),
+    (aiohttp.ClientOSError(104, "Connection reset by peer"), httpx.NetworkError),
+])
+def test_aiohttp_s_errors_are_httpx_s_naming_the_request(aiohttp_error, httpx_error):
+    from megarl.rollout.sglang import _connection_lost
+
+    async def go():
+        transport = PooledTransport()
+        transport._session = FailingSession(aiohttp_error)
+        await transport.send("POST", "http://engine-3:30000/generate", [], b"{}", 5.0, 60.0)
+
+    with pytest.raises(httpx_error) as failed:
+        asyncio.run(go())
+    assert type(failed.value) is httpx_error and _connection_lost(failed.value)  # re-sent after a health pass
+    assert str(failed.value).startswith("POST http://engine-3:30000/generate: ")
+    assert str(failed.value.request.url) == "http://engine-3:30000/generate"
