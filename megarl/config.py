@@ -74,8 +74,13 @@ class RetrievalConfig:
         secret=True)
     port: int = param(8000, "Port of the started retrieval server; 0 = any free port.", ge=0, lt=65536)
     topk: int = param(3, "Documents returned per search.", gt=0)
-    timeout_s: float = param(30.0, "Timeout of one retrieval request in seconds.", gt=0.0)
-    max_retries: int = param(3, "Retries (with backoff) before the observation reports a failed search.", ge=0)
+    timeout_s: float = param(30.0, "Deadline of one retrieval request in seconds, connecting and reading the whole "
+                             "answer included. Concurrent searches share requests: the client keeps at most "
+                             "RetrievalClient.max_concurrency in flight, for all trajectories together, and the "
+                             "searches that wait for one go together in the next (up to its batch_size queries).",
+                             gt=0.0)
+    max_retries: int = param(3, "Retries (with backoff) of a failed request before the observation reports a failed "
+                             "search, for every search in that request.", ge=0)
 
 
 @dataclass

@@ -11,6 +11,7 @@ import time
 
 import pytest
 from fastapi import FastAPI
+from fastapi.responses import JSONResponse
 
 from megarl.retrieval import BackgroundServer, Document, Hit, RetrievalClient, SearchResult, create_app
 from megarl.retrieval.client import parse_retrieve_response
@@ -209,3 +210,89 @@ def test_concurrent_searches_wait_for_a_free_request_and_go_together():
         assert client.stats.requests == 3  # q0 alone; then q1-q39 (topk 1) and q40-q49 (topk 2)
         assert search(client, ["alone"], 1)[0].docs[0].id == "alone/0"
         assert client.stats.requests == 4
+
+
+class FailBatchesOnce(EchoRetriever):
+    """Echoes, but a request of more than one query fails (HTTP 500) the first time it comes."""
+
+    def __init__(self):
+        super().__init__()
+        self.failed = set()
+
+    def search(self, queries, topk, return_scores=True):
+        if len(queries) > 1 and tuple(queries) not in self.failed:
+            self.failed.add(tuple(queries))
+            raise RuntimeError("batch failure")
+        return super().search(queries, topk, return_scores)
+
+
+def searches_behind_a_first_one(client, first, rest, topk=1, cancel=()):
+    """`first` goes alone; the searches of `rest` (lists of queries) wait behind it and go together.
+    Those whose index is in `cancel` are cancelled while they wait."""
+    async def go():
+        first_search = asyncio.ensure_future(client.search(first, topk))
+        await asyncio.sleep(0)  # it is sent; the others queue behind it (max_concurrency=1)
+        waiting = [asyncio.ensure_future(client.search(queries, topk)) for queries in rest]
+        await asyncio.sleep(0)
+        for i in cancel:
+            waiting[i].cancel()
+        return await first_search, await asyncio.gather(*waiting, return_exceptions=True)
+
+    return asyncio.run(go())
+
+
+def test_a_failed_request_fails_every_search_in_it_as_a_lone_search_would():
+    app = FastAPI()
+
+    @app.post("/retrieve")
+    async def loading():
+        return JSONResponse({"detail": "index still loading"}, status_code=503)
+
+    with BackgroundServer(app) as server:
+        alone = RetrievalClient(server.url, max_retries=1, backoff_s=0.01, max_concurrency=1)
+        [lone_result] = search(alone, ["x"])
+        client = RetrievalClient(server.url, max_retries=1, backoff_s=0.01, max_concurrency=1)
+        first, rest = searches_behind_a_first_one(client, ["q0"], [["q1"], ["q2", "q3"], ["q4"]])
+    assert lone_result.error == f"retrieval failed after 1 retries: HTTP 503 from {alone.url}: index still loading"
+    assert first + [r for results in rest for r in results] == [SearchResult(error=lone_result.error)] * 5
+    # two requests given up on (q0 alone, then q1-q4 together), each sent twice
+    assert client.stats.as_dict() == {"requests": 4, "retries": 2, "failures": 2, "failed_queries": 5}
+
+
+def test_a_failed_request_is_retried_for_every_search_in_it():
+    with BackgroundServer(create_app(FailBatchesOnce())) as server:
+        client = RetrievalClient(server.url, max_retries=1, backoff_s=0.01, max_concurrency=1)
+        _, rest = searches_behind_a_first_one(client, ["q0"], [["q1"], ["q2", "q3"], ["q4"]])
+    assert [[r.docs[0].id for r in results] for results in rest] == [["q1/0"], ["q2/0", "q3/0"], ["q4/0"]]
+    assert client.stats.as_dict() == {"requests": 3, "retries": 1, "failures": 0, "failed_queries": 0}
+
+
+def test_each_search_gets_the_results_of_its_own_queries():
+    # searches of 1 to 3 queries, two of them cancelled while they wait, share requests of at most
+    # 4 queries: every search that was not cancelled gets its queries' documents, in its order
+    rest = [[f"s{i}q{j}" for j in range(1 + i % 3)] for i in range(12)]
+    with BackgroundServer(create_app(EchoRetriever())) as server:
+        client = RetrievalClient(server.url, max_concurrency=1, batch_size=4)
+        first, results = searches_behind_a_first_one(client, ["a", "b"], rest, topk=2, cancel=(3, 7))
+    assert [[d.id for d in r.docs] for r in first] == [["a/0", "a/1"], ["b/0", "b/1"]]
+    for i, (queries, got) in enumerate(zip(rest, results)):
+        if i in (3, 7):
+            assert isinstance(got, asyncio.CancelledError)
+        else:
+            assert [[d.id for d in r.docs] for r in got] == [[f"{q}/0", f"{q}/1"] for q in queries]
+    sent = sum(len(queries) for i, queries in enumerate(rest) if i not in (3, 7))
+    assert client.stats.requests == 1 + -(-sent // 4)  # the cancelled searches' queries were not sent
+
+
+def test_a_malformed_answer_to_a_shared_request_fails_all_its_searches_and_hands_none_another_s_result():
+    app = FastAPI()
+
+    @app.post("/retrieve")
+    async def one_row_short(body: dict) -> dict:  # a row per query but the last
+        return {"result": [[{"id": q, "contents": q}] for q in body["queries"][:-1]]}
+
+    with BackgroundServer(app) as server:
+        client = RetrievalClient(server.url, max_retries=0, max_concurrency=1)
+        _, rest = searches_behind_a_first_one(client, ["q0"], [["q1"], ["q2", "q3"]])
+    assert all(r.docs == [] and r.error.startswith("malformed answer from") for results in rest for r in results)
+    assert client.stats.failed_queries == 4

@@ -3,8 +3,9 @@
 Speaks Search-R1's `POST /retrieve` API (megarl's server or Search-R1's own). A search never
 raises into the agent and never hangs: every request is bounded by `timeout_s`, connection
 errors, timeouts and HTTP 5xx are retried `max_retries` times with exponential backoff, and a
-search that still fails comes back as `SearchResult(docs=[], error=...)` for each of its
-queries, counted in `client.stats` so the trainer can log it. HTTP 4xx is not retried: the
+request that still fails comes back as `SearchResult(docs=[], error=...)` for each of its
+queries (of every search that went in it: concurrent searches share the client's
+`max_concurrency` requests), counted in `client.stats` so the trainer can log it. HTTP 4xx is not retried: the
 request itself is wrong and sending it again cannot help. With `api_key`, every request
 carries `Authorization: Bearer <api_key>`; `check_access` tells at start whether the server
 takes it.
