@@ -33,12 +33,17 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 1000,
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token=eos)
 
 
-def rust_backend(tokenizer):
-    """A fast tokenizer's Rust backend where it encodes and decodes exactly as the tokenizer does
-    (HF adds no clean-up of spaces: Qwen's, this module's), else None. The driver decodes every
-    turn and encodes every observation of every trajectory, and on those short texts HF's
-    wrapper costs as much as the backend's own work (a turn's decode: 150 us against 65)."""
+def rust_backend(tokenizer, encoding: bool = False):
+    """A fast tokenizer's Rust backend where it decodes (and with `encoding`, encodes) exactly as
+    the tokenizer does, else None: HF adds no clean-up of spaces (Qwen's, this module's), and for
+    an encode, the backend splits special tokens as HF's encode will (HF sets the backend's flag
+    at each encode and leaves it set: one call with split_special_tokens=True changes it). The
+    driver decodes every turn and encodes every observation of every trajectory, and on those
+    short texts HF's wrapper costs as much as the backend's own work (a turn's decode: 150 us
+    against 65)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return None
+    if encoding and backend.encode_special_tokens != bool(getattr(tokenizer, "split_special_tokens", False)):
         return None
     return backend

@@ -177,7 +177,7 @@ def text_of(tokenizer, ids) -> str:
 
 def ids_of(tokenizer, text: str) -> list[int]:
     """`tokenizer.encode(text, add_special_tokens=False)`, through its Rust backend where that is the same."""
-    backend = rust_backend(tokenizer)
+    backend = rust_backend(tokenizer, encoding=True)
     return tokenizer.encode(text, add_special_tokens=False) if backend is None else \
         backend.encode(text, add_special_tokens=False).ids
 
