@@ -87,14 +87,14 @@ class PooledTransport(httpx.AsyncBaseTransport):
             return
         connector = session.connector
         session.detach()
-        # on a closed loop, TCPConnector.close awaits nothing: its first step marks it closed
-        closing = connector.close()
+        # on a closed loop, the connector's close awaits nothing: its first step marks it closed
+        steps = connector.close().__await__()
         try:
-            closing.send(None)
+            next(steps)
         except StopIteration:
             pass
         else:
-            closing.close()
+            steps.close()
 
 
 def _as_httpx_error(error: Exception, request: httpx.Request, connect_s: float | None,
