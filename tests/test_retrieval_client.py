@@ -296,3 +296,34 @@ def test_a_malformed_answer_to_a_shared_request_fails_all_its_searches_and_hands
         _, rest = searches_behind_a_first_one(client, ["q0"], [["q1"], ["q2", "q3"]])
     assert all(r.docs == [] and r.error.startswith("malformed answer from") for results in rest for r in results)
     assert client.stats.failed_queries == 4
+
+
+def test_a_score_that_is_no_number_is_a_failed_search_not_an_exception():
+    app = FastAPI()
+
+    @app.post("/retrieve")
+    async def null_scores(body: dict) -> dict:
+        return {"result": [[{"document": {"contents": q}, "score": None}] for q in body["queries"]]}
+
+    with BackgroundServer(app) as server:
+        client = RetrievalClient(server.url, max_retries=0)
+        results = search(client, ["a", "b"])
+    assert [r.error for r in results] == [f"malformed answer from {client.url}: expected a number as a document's "
+                                          "score, got None"] * 2
+
+
+def test_a_bug_in_a_shared_request_reaches_its_searches_and_is_not_logged_as_never_retrieved(caplog, monkeypatch):
+    async def broken(self, http, queries, topk):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(RetrievalClient, "_search_batch", broken)
+    client = RetrievalClient("http://127.0.0.1:1")
+
+    async def go():
+        return await asyncio.gather(client.search(["a"]), client.search(["b"]), return_exceptions=True)
+
+    assert [str(e) for e in asyncio.run(go())] == ["a bug", "a bug"]
+    import gc
+
+    gc.collect()
+    assert [r.getMessage() for r in caplog.records if "never retrieved" in r.getMessage()] == []

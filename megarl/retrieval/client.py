@@ -139,6 +139,8 @@ class RetrievalClient:
 
     def _sent(self, task: asyncio.Task) -> None:
         self._sending.discard(task)
+        if not task.cancelled():
+            task.exception()  # handed to the searches of the request (_answer): not "never retrieved"
         if not task.get_loop().is_closed():
             self._send_what_fits()
 
@@ -237,7 +239,10 @@ def parse_retrieve_response(body: Any, num_queries: int) -> list[SearchResult]:
                 raise ValueError(f"expected a document with 'contents', got {str(item)[:200]}")
             docs.append(Document(id=str(doc.get("id", "")), contents=doc["contents"]))
             if "score" in item:
-                scores.append(float(item["score"]))
+                try:
+                    scores.append(float(item["score"]))
+                except (TypeError, ValueError):
+                    raise ValueError(f"expected a number as a document's score, got {item['score']!r}") from None
         results.append(SearchResult(docs=docs, scores=scores if len(scores) == len(docs) else None))
     return results
 
