@@ -327,3 +327,33 @@ def test_a_bug_in_a_shared_request_reaches_its_searches_and_is_not_logged_as_nev
 
     gc.collect()
     assert [r.getMessage() for r in caplog.records if "never retrieved" in r.getMessage()] == []
+
+
+def test_searches_from_two_event_loops_at_once_all_end():
+    # two threads with loops of their own (a test's, a tool's next to the driver loop): a search
+    # queued on one is never dropped by a search on the other
+    class Slow(EchoRetriever):
+        def search(self, queries, topk, return_scores=True):
+            time.sleep(0.05)
+            return super().search(queries, topk, return_scores)
+
+    with BackgroundServer(create_app(Slow())) as server:
+        client = RetrievalClient(server.url, max_concurrency=1)
+        results = {}
+
+        def searches(name):
+            async def go():
+                return await asyncio.wait_for(
+                    asyncio.gather(*[client.search([f"{name}{i}"], 1) for i in range(20)]), 10)
+            try:
+                results[name] = [r.docs[0].id for (r,) in asyncio.run(go())]
+            except Exception as e:
+                results[name] = repr(e)
+
+        threads = [threading.Thread(target=searches, args=(name,)) for name in "ab"]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(20)
+        asyncio.run(client.aclose())
+    assert results == {name: [f"{name}{i}/0" for i in range(20)] for name in "ab"}

@@ -14,6 +14,7 @@ takes it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -56,6 +57,14 @@ class ClientStats:
         self.requests = self.retries = self.failures = self.failed_queries = 0
 
 
+@dataclass
+class _Queue:
+    """One event loop's searches: the queries waiting for a request, by topk, and the requests in flight."""
+
+    pending: dict[int, list[tuple[str, asyncio.Future]]] = field(default_factory=dict)
+    sending: set[asyncio.Task] = field(default_factory=set)
+
+
 class RetrievalClient:
     """Client of one retrieval server.
 
@@ -64,7 +73,7 @@ class RetrievalClient:
     max_retries: repeats of a failed request; the delay before repeat n is about backoff_s * 2**(n-1)
         (between half and all of it, so that many clients do not retry in step), at most max_backoff_s.
     batch_size: queries per HTTP request at most; larger searches are split.
-    max_concurrency: requests in flight at once, for all callers together (see `search`).
+    max_concurrency: requests in flight at once, for all callers on an event loop together (see `search`).
     api_key: the server's key (megarl retrieval serve --api-key / $MEGARL_RETRIEVAL_API_KEY); None = none.
     """
 
@@ -101,48 +110,50 @@ class RetrievalClient:
         # that calls asyncio.run() per step gets a fresh one instead of "Event loop is closed" errors
         self._http = ClientPerLoop(lambda pool: httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s),
                                                                   headers=self._headers, transport=pool))
-        self._loop: asyncio.AbstractEventLoop | None = None  # the loop of the queued and sent requests
-        self._pending: dict[int, list[tuple[str, asyncio.Future]]] = {}  # topk -> queries waiting for a request
-        self._sending: set[asyncio.Task] = set()  # the requests in flight
+        self._queues: dict[asyncio.AbstractEventLoop, _Queue] = {}  # each event loop's searches
 
     async def search(self, queries: Sequence[str], topk: int = 3) -> list[SearchResult]:
         """One SearchResult per query, in order; failures are results with an error, not exceptions.
 
-        The searches of all callers share the client's `max_concurrency` requests in flight:
-        while they are all taken, new queries wait and go together in the next free one (up to
-        `batch_size` a request). The agent loop searches once per trajectory, thousands at once
+        The searches of all callers on this event loop (the driver's) share the client's
+        `max_concurrency` requests in flight: while they are all taken, new queries wait and go
+        together in the next free one (up to `batch_size` a request). The agent loop searches once per trajectory, thousands at once
         at a recipe's size; one request each would cost the driver and the server a request's
         overhead per query (tools/bench/fleet_scale.py), while a lone search still goes at once."""
         check_search_args(queries, topk)
         loop = asyncio.get_running_loop()
-        if self._loop is not loop:  # a fresh event loop (asyncio.run per step): nothing of the last one's
-            self._pending, self._sending, self._loop = {}, set(), loop
+        queue = self._queues.get(loop)
+        if queue is None:  # a fresh event loop (asyncio.run per step, another thread's): its own queue
+            for old in [old for old in list(self._queues) if old.is_closed()]:  # list(): another thread's may come
+                self._queues.pop(old, None)
+            queue = self._queues[loop] = _Queue()
         waiting = [(query, loop.create_future()) for query in queries]
-        self._pending.setdefault(topk, []).extend(waiting)
-        self._send_what_fits()
+        queue.pending.setdefault(topk, []).extend(waiting)
+        self._send_what_fits(queue)
         return list(await asyncio.gather(*[done for _, done in waiting]))
 
-    def _send_what_fits(self) -> None:
+    def _send_what_fits(self, queue: _Queue) -> None:
         """Start requests for the queued queries while fewer than max_concurrency are in flight."""
         http, _ = self._http.get()
-        while len(self._sending) < self.max_concurrency:
-            topk = next((k for k, queue in self._pending.items() if any(not d.done() for _, d in queue)), None)
+        pending = queue.pending
+        while len(queue.sending) < self.max_concurrency:
+            topk = next((k for k, waiting in pending.items() if any(not d.done() for _, d in waiting)), None)
             if topk is None:
                 return
-            queue = [(q, d) for q, d in self._pending.pop(topk) if not d.done()]  # a cancelled caller's are dropped
-            batch, rest = queue[: self.batch_size], queue[self.batch_size:]
+            waiting = [(q, d) for q, d in pending.pop(topk) if not d.done()]  # a cancelled caller's are dropped
+            batch, rest = waiting[: self.batch_size], waiting[self.batch_size:]
             if rest:
-                self._pending[topk] = rest
+                pending[topk] = rest
             task = asyncio.ensure_future(self._answer(http, batch, topk))
-            self._sending.add(task)
-            task.add_done_callback(self._sent)
+            queue.sending.add(task)
+            task.add_done_callback(functools.partial(self._sent, queue))
 
-    def _sent(self, task: asyncio.Task) -> None:
-        self._sending.discard(task)
+    def _sent(self, queue: _Queue, task: asyncio.Task) -> None:
+        queue.sending.discard(task)
         if not task.cancelled():
             task.exception()  # handed to the searches of the request (_answer): not "never retrieved"
         if not task.get_loop().is_closed():
-            self._send_what_fits()
+            self._send_what_fits(queue)
 
     async def _answer(self, http: httpx.AsyncClient, batch: list[tuple[str, asyncio.Future]], topk: int) -> None:
         try:
