@@ -57,7 +57,9 @@ class PooledTransport(httpx.AsyncBaseTransport):
         """One request straight on the pool, without httpx's request and response objects (half
         a /generate call's client time): (status, headers, body). Its deadlines are httpx's:
         `connect_s` to connect (name resolution included), `read_s` between two reads of the
-        answer. Errors are httpx's, and name the method and URL."""
+        answer; aiohttp has none for writing the body (httpx's write timeout), which the bodies
+        sent here (token ids, control bodies, search queries) do not need: they go into the
+        socket's buffer at once. Errors are httpx's, and name the method and URL."""
         if self._session is None:
             # bodies are passed on as they came (httpx decodes them); no limit on connections
             connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=self.keepalive_s)
