@@ -270,8 +270,8 @@ wait_until 300 "fault_rerun: a checkpoint after the requeued resume" saved $((ke
 # node2's link down in the middle of a weight sync
 link_slow 2 4mbit
 syncs=$(count "syncing the weights to the engines" "$WORK/fault_rerun.out")
-wait_until 300 "fault_rerun: the next weight sync" test "$(count "syncing the weights to the engines" "$WORK/fault_rerun.out")" -gt "$syncs" \
-    || fault_failed fault_rerun
+next_sync() { (( $(count "syncing the weights to the engines" "$WORK/fault_rerun.out") > syncs )); }
+wait_until 300 "fault_rerun: the next weight sync" next_sync || fault_failed fault_rerun
 link_down 2
 down_at=$SECONDS
 wait_until "$LIVENESS_BOUND" "fault_rerun: the run's end after node2's link went down" \
