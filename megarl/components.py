@@ -97,9 +97,11 @@ class Components:
                              routed_experts=c.actor.moe_routing_replay and not validation)
 
     def close(self) -> None:
-        if self.searcher is not None:  # its connections, on the driver loop's thread
-            run_async(self.searcher.aclose())
-        self.runtime.shutdown()
+        try:
+            self.runtime.shutdown()
+        finally:
+            if self.searcher is not None:  # its connections, on the driver loop's thread
+                run_async(self.searcher.aclose())
 
 
 def build_components(cfg: RunConfig) -> Components:

@@ -234,22 +234,25 @@ def test_a_retrieval_client_s_sessions_are_closed(caplog):
         server.close()
 
 
-def test_a_run_s_close_closes_its_retrieval_client(caplog):
+@pytest.mark.parametrize("shutdown_fails", [False, True])
+def test_a_run_s_close_closes_its_retrieval_client(caplog, shutdown_fails):
     # the searches run on the driver loop, which lives as long as the process: without a close
-    # the session is left to the interpreter's exit
+    # the session is left to the interpreter's exit; a runtime that fails to shut down changes nothing
     from megarl.components import Components
     from megarl.driver_loop import run_async
 
     class Runtime:
         def shutdown(self):
-            pass
+            if shutdown_fails:
+                raise RuntimeError("a node is gone")
 
     server = JSONServer()
     try:
         with nothing_left_unclosed(caplog):
             client = RetrievalClient(server.url, max_retries=0)
             assert run_async(client.search(["q"]))[0].error is None
-            Components(None, None, [], [], None, Runtime(), client, 1, 0).close()
+            with pytest.raises(RuntimeError) if shutdown_fails else contextlib.nullcontext():
+                Components(None, None, [], [], None, Runtime(), client, 1, 0).close()
             del client
     finally:
         server.close()
@@ -337,3 +340,21 @@ def test_aiohttp_s_errors_are_httpx_s_naming_the_request(aiohttp_error, httpx_er
     assert type(failed.value) is httpx_error and _connection_lost(failed.value)  # re-sent after a health pass
     assert str(failed.value).startswith("POST http://engine-3:30000/generate: ")
     assert str(failed.value.request.url) == "http://engine-3:30000/generate"
+
+
+def test_a_retrieval_client_that_fails_to_close_leaves_the_run_s_shutdown_done():
+    from megarl.components import Components
+
+    shut = []
+
+    class Runtime:
+        def shutdown(self):
+            shut.append(True)
+
+    class Searcher:
+        async def aclose(self):
+            raise RuntimeError("broken")
+
+    with pytest.raises(RuntimeError, match="broken"):
+        Components(None, None, [], [], None, Runtime(), Searcher(), 1, 0).close()
+    assert shut == [True]  # the engines and servers are stopped all the same
