@@ -11,7 +11,9 @@ on any number of nodes, the SGLang fleet). The weight sync is written once, here
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 from abc import ABC, abstractmethod
 
 import torch
@@ -24,6 +26,33 @@ from megarl.reward.pool import RewardComputer
 from megarl.rollout.engine import RolloutEngine
 from megarl.weights.buckets import verify_engine
 from megarl.weights.transport import RankPlace, TrainRanks, WeightSender, WeightTransport
+
+log = logging.getLogger(__name__)
+
+
+FAILED_PUSH_CLEANUP_S = 30.0
+
+
+def within(seconds: float, what: str, call, *args) -> bool:
+    """call(*args) on a thread, waited for at most `seconds`; False (logged) when it did not
+    return or failed. For cleanup that may wait on a lost part or on Ray's control store while it
+    stops (a preemption signals every process of a job at once): the caller goes on."""
+    def run() -> None:
+        try:
+            call(*args)
+        except Exception as e:  # noqa: BLE001 -- cleanup: the failure that led here is what matters
+            log.warning("%s failed: %s: %s", what, type(e).__name__, e)
+            done.append(False)
+        else:
+            done.append(True)
+
+    done: list[bool] = []
+    worker = threading.Thread(target=run, name=what, daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        log.warning("%s did not finish within %.0f s (a part lost or stopping); going on", what, seconds)
+    return done == [True]
 
 
 class Runtime(ABC):
@@ -80,7 +109,7 @@ class Runtime(ABC):
         self.for_training()
         self.ranks.free_cache()  # before colocated engines take their memory back
         run_async(self.engine.begin_weight_update())
-        checksums = None
+        checksums, pushed = None, False
         try:
             self.transport.connect(self.ranks)
             bucket_bytes = self.cfg.sync.bucket_mb << 20
@@ -93,11 +122,22 @@ class Runtime(ABC):
             checksums = self.worker.weight_checksums() if self.cfg.sync.verify else None
             if self.cfg.trainer_sleeps():  # its memory freed before the engines take their KV cache back
                 self._sleep_trainer()
+            pushed = True
         finally:
             # the push's buffers (and the CUDA IPC memory the engines have closed) back to the
-            # device before colocated engines take their KV cache and CUDA graphs back
-            self.ranks.free_cache()
-            run_async(self.engine.end_weight_update())
+            # device before colocated engines take their KV cache and CUDA graphs back; after a
+            # failed push only for a bounded time: a rank may still be inside it (a collective
+            # with a lost engine), and a call queued behind it would wait for ever while the rank
+            # answers its pings
+            if pushed:
+                self.ranks.free_cache()
+                run_async(self.engine.end_weight_update())
+            else:
+                within(FAILED_PUSH_CLEANUP_S, "the cleanup after a failed weight push", self._after_push)
+
+    def _after_push(self) -> None:
+        self.ranks.free_cache()
+        run_async(self.engine.end_weight_update())
         if checksums is not None:
             run_async(verify_engine(self.engine, checksums))
 

@@ -15,7 +15,6 @@ import logging
 import os
 import socket
 import sys
-import threading
 from pathlib import Path
 
 import ray
@@ -26,7 +25,7 @@ from megarl.config import RunConfig
 from megarl.config_rollout import engine_nodes
 from megarl.driver_loop import run_async
 from megarl.errors import ComponentDied
-from megarl.runtime.base import Runtime, hosted_retrieval_key
+from megarl.runtime.base import Runtime, hosted_retrieval_key, within
 from megarl.runtime.local_ray import init_local_ray
 from megarl.runtime.ray_actors import EngineActor, TrainWorkerActor, sharers
 from megarl.runtime.service_actors import RetrievalActor, RewardActor, SandboxActor
@@ -266,7 +265,7 @@ class RayRuntime(Runtime):
         self.sandbox_actors = []
         self.engine = self.reward_pool = self.fleet = None
         if self.pg is not None:
-            _within(PG_REMOVE_S, "removing the run's placement group", remove_placement_group, self.pg)
+            within(PG_REMOVE_S, "removing the run's placement group", remove_placement_group, self.pg)
             self.pg = None
         if self._started_ray:
             ray.shutdown()
@@ -274,24 +273,6 @@ class RayRuntime(Runtime):
 
 
 PG_REMOVE_S = 5.0  # Ray frees a job's placement groups when its driver exits: this is only for an early reuse
-
-
-def _within(seconds: float, what: str, call, *args) -> None:
-    """call(*args) on a thread, waited for at most `seconds` (logged when it does not return). A
-    call that waits on Ray's control store (GCS) blocks while that is stopping, as in a
-    preemption, when slurm signals every process of the job at once."""
-    def run() -> None:
-        try:
-            call(*args)
-        except Exception as e:  # noqa: BLE001 -- shutting down: what is left goes with the job
-            log.warning("%s failed: %s: %s", what, type(e).__name__, e)
-
-    worker = threading.Thread(target=run, name=what, daemon=True)
-    worker.start()
-    worker.join(seconds)
-    if worker.is_alive():
-        log.warning("%s did not finish within %.0f s (Ray's control store is unreachable or stopping); going on",
-                    what, seconds)
 
 
 def placement_bundles(cfg: RunConfig) -> tuple[list[dict], list[list[int]]]:

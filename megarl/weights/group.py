@@ -217,12 +217,16 @@ async def join_update_group(engines: EngineServers, address: str, port: int, nam
                            for s, offset in zip(engines.servers, offsets)])
 
 
+LEAVE_TIMEOUT_S = 10.0  # at shutdown: an engine on a lost node must not hold the run's end
+
+
 async def leave_update_group(engines: EngineServers, name: str) -> None:
-    """Every engine leaves the group `name`; one that no longer has it (restarted) is fine."""
+    """Every engine leaves the group `name` (within LEAVE_TIMEOUT_S); one that no longer has it
+    (restarted), or does not answer, is logged and left."""
     async def leave(server):
         try:
-            await engines.post(server, "/destroy_weights_update_group", destroy_group_body(name))
-        except RuntimeError as e:
+            await engines.post(server, "/destroy_weights_update_group", destroy_group_body(name), LEAVE_TIMEOUT_S)
+        except (RuntimeError, httpx.HTTPError) as e:
             log.info("%s leaving update group %s: %s", server.name, name, e)
     await asyncio.gather(*[leave(s) for s in engines.servers])
 
