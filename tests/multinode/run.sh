@@ -176,7 +176,7 @@ wants pp2 && megatron_across_nodes pp2 actor.parallel.pipeline_model_parallel_si
 # order is the one of that many steps from the start: the resumes kept the order.
 FAULT_ARGS=("${FLEET[@]}" sync.transport=nccl "${SPREAD[@]}" trainer.total_training_steps=20 trainer.save_freq=1
             cluster.liveness.interval_s=5 cluster.liveness.timeout_s=10)
-LIVENESS_BOUND=60  # the run's end after a lost node: a missed ping (5 + 10 s), then its bounded shutdown
+LIVENESS_BOUND=180  # the run's end after a lost node: missed pings (5 + 10 s), then its bounded cleanup and shutdown
 
 # submit NAME: the fault run's recipe, not waited for; prints the job id (megarl's log at INFO:
 # each phase of a step as it begins)
