@@ -94,6 +94,15 @@ def lines(events: Path) -> list[str]:
     return [line.rsplit(" ", 1)[0] for line in events.read_text().splitlines()] if events.exists() else []
 
 
+def driver_started(shell: subprocess.Popen, events: Path, tmp_path: Path) -> list[psutil.Process]:
+    """Once the driver has started (within 20 s): what the shell has started by then."""
+    deadline = time.monotonic() + 20
+    while "driver started" not in lines(events):
+        assert time.monotonic() < deadline and shell.poll() is None, (tmp_path / "output").read_text()
+        time.sleep(0.05)
+    return psutil.Process(shell.pid).children(recursive=True)
+
+
 def at(events: Path, what: str) -> float:
     return next(float(line.rsplit(" ", 1)[1]) for line in events.read_text().splitlines() if line.startswith(what))
 
@@ -103,11 +112,7 @@ def test_a_sigterm_to_the_batch_shell_reaches_the_driver_now_and_ray_stops_after
     shell, events = start(tmp_path, run_s=30)
     tree = []
     try:
-        deadline = time.monotonic() + 20
-        while "driver started" not in lines(events):
-            assert time.monotonic() < deadline and shell.poll() is None, (tmp_path / "output").read_text()
-            time.sleep(0.05)
-        tree = psutil.Process(shell.pid).children(recursive=True)
+        tree = driver_started(shell, events, tmp_path)
         os.kill(shell.pid, signal.SIGTERM)  # the batch shell alone
         status = shell.wait(timeout=20)
         time.sleep(0.5)  # a command or Ray left running would note itself by now
@@ -138,11 +143,7 @@ def test_a_sigterm_to_the_ray_head_step_reaches_the_driver_now(tmp_path):
     shell, events = start(tmp_path, run_s=30)
     tree = []
     try:
-        deadline = time.monotonic() + 20
-        while "driver started" not in lines(events):
-            assert time.monotonic() < deadline and shell.poll() is None, (tmp_path / "output").read_text()
-            time.sleep(0.05)
-        tree = psutil.Process(shell.pid).children(recursive=True)
+        tree = driver_started(shell, events, tmp_path)
         step = [p for p in tree if "relay-term-to-batch-shell" in " ".join(p.cmdline())]
         assert len(step) == 1, [p.cmdline() for p in tree]
         for process in [step[0], *step[0].children(recursive=True)]:
@@ -172,10 +173,7 @@ def _in(seconds: int) -> str:
 def test_a_run_stopped_because_slurm_takes_the_job_away_is_requeued(tmp_path, job, requeued):
     shell, events = start(tmp_path, run_s=30, job=job)
     try:
-        deadline = time.monotonic() + 20
-        while "driver started" not in lines(events):
-            assert time.monotonic() < deadline and shell.poll() is None, (tmp_path / "output").read_text()
-            time.sleep(0.05)
+        driver_started(shell, events, tmp_path)
         os.kill(shell.pid, signal.SIGTERM)
         status = shell.wait(timeout=20)
     finally:
