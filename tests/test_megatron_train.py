@@ -95,7 +95,8 @@ def test_a_dead_rank_is_named_and_the_others_are_stopped(inputs, tmp_path):
         batch = TrainBatch.from_sequences([[1, 2, 3]] * 2, [[4, 5]] * 2, [[1, 1]] * 2)
         assert c.worker.compute_log_prob(batch)[0].shape == (2, 5)
         ray.kill(c.runtime.worker_actors[1])
-        with pytest.raises(ComponentDied, match=r"train worker rank 1 \(Ray actor TrainWorkerActor\) died"):
+        with pytest.raises(ComponentDied, match=r"train worker rank 1 \(Ray actor TrainWorkerActor\) on node \S+ "
+                                                r"\(127\.0\.0\.1\) died"):
             c.worker.compute_log_prob(batch)
     finally:
         c.close()

@@ -103,6 +103,14 @@ def driver_started(shell: subprocess.Popen, events: Path, tmp_path: Path) -> lis
     return psutil.Process(shell.pid).children(recursive=True)
 
 
+def command_line(process: psutil.Process) -> str:
+    """Its command line; "" once it has exited (a zombie has none)."""
+    try:
+        return " ".join(process.cmdline())
+    except psutil.Error:
+        return ""
+
+
 def at(events: Path, what: str) -> float:
     return next(float(line.rsplit(" ", 1)[1]) for line in events.read_text().splitlines() if line.startswith(what))
 
@@ -144,8 +152,8 @@ def test_a_sigterm_to_the_ray_head_step_reaches_the_driver_now(tmp_path):
     tree = []
     try:
         tree = driver_started(shell, events, tmp_path)
-        step = [p for p in tree if "relay-term-to-batch-shell" in " ".join(p.cmdline())]
-        assert len(step) == 1, [p.cmdline() for p in tree]
+        step = [p for p in tree if "relay-term-to-batch-shell" in command_line(p)]
+        assert len(step) == 1, [command_line(p) for p in tree]
         for process in [step[0], *step[0].children(recursive=True)]:
             process.send_signal(signal.SIGTERM)
         status = shell.wait(timeout=20)
