@@ -19,7 +19,9 @@
 #      ranks: the trainer's log-probs of the engine's samples match the engine's at every step;
 #   2. the megatron backend with two ranks (DP = 2) on two nodes, torch.distributed over gloo
 #      between the nodes' addresses, ending bit for bit on the weights of the same run on one node;
-#   3. the same at PP = 2: one pipeline stage on each node;
+#   3. the same at PP = 2: one pipeline stage on each node, the two-node run then stopped by node2's
+#      link going down in the middle of its update (the stages' activations and gradients cross
+#      it): a named error, and its last checkpoint loads, with the one-node run's weights;
 #   4. faults (section 4 below): node2's raylet killed, a preemption with requeue, node2's link down
 #      mid weight sync, a full disk while a checkpoint is written; on the fleet run of part 1
 #      (nccl, sync.verify=true: every sync checked by checksums), placed as part 1's is.
@@ -135,63 +137,21 @@ megatron_across_nodes() {
     "$PY" tests/multinode/same_weights.py "$WORK/${name}_one/hf" "$WORK/${name}_two/hf" "$WORK/data/model"
 }
 
-# --- 1b. one SGLang engine across the two nodes -------------------------------------------------
-# SGLang 0.5.23's own server (the venv of `make sglang-env`), TP 2 with one TP rank on each node
-# (--nnodes 2 --node-rank 0|1 --dist-init-addr on node rank 0's address), launched by Ray as one
-# unit (its ranks pinned to the two nodes in turn); the weights through disk after each step. At
-# every step the trainer's log-probs of the sampled tokens are the engine's within 1e-5 on average
-# (float32 on both sides; measured 2.2e-7): the engine samples the trainer's policy, each of its
-# ranks holding half of every sharded tensor.
-SGLANG_PY=${MEGARL_SGLANG_PYTHON:-$REPO/.venv-sglang/bin/python}
-if wants sglang2n; then
-[[ -x $SGLANG_PY ]] \
-    || { echo "test-multinode: no SGLang environment at $SGLANG_PY: build it with make sglang-env" >&2; exit 1; }
-run sglang2n 2 rollout.engine=sglang rollout.sglang.server=sglang "rollout.sglang.python=$SGLANG_PY" \
-    rollout.num_engines=1 rollout.tensor_parallel_size=2 rollout.nodes_per_engine=2 sync.transport=disk "${SPREAD[@]}"
-placed=$(grep -a "megarl placement:" "$WORK/sglang2n.out")
-[[ $placed =~ "rollout engines on "([0-9.]+)", "([0-9.]+) ]] \
-    || { echo "test-multinode: sglang2n: the engine's two node ranks are not on two nodes: $placed" >&2; exit 1; }
-grep -q -- "--node-rank 1 --dist-init-addr" "$WORK/sglang2n/logs/engine0-node1.log" \
-    || { echo "test-multinode: sglang2n: node rank 1 was not started as one" >&2; exit 1; }
-"$PY" tests/multinode/check_run.py "sqlite:///$WORK/sglang2n.db" "$WORK/sglang2n.out" --steps 2 \
-    --nodes "$(node_addr 1),$(node_addr 2)" --at-most rollout/logprob_mismatch=1e-5
-fi
-
-# --- 2. two ranks (DP = 2) on two nodes, gloo between the nodes' addresses
-wants dp2 && megatron_across_nodes dp2 actor.parallel.data_parallel_size=2
-# --- 3. PP = 2: one pipeline stage on each node
-wants pp2 && megatron_across_nodes pp2 actor.parallel.pipeline_model_parallel_size=2
-
-# --- 4. faults across nodes ---------------------------------------------------------------------
-# One run directory, a checkpoint at every step, the engines and the trainer on different nodes
-# (which on which is Ray's choice); the driver on node1; the health pings every 5 s, answered
-# within 10 s (cluster.liveness: the bounded time a lost node takes to stop the run). In turn:
-#   fault_kill   node2's raylet killed (SIGKILL) once step 1 is saved: the job fails within a
-#                bounded time naming the parts lost on node2, no Ray process is left, the newest
-#                checkpoint is whole;
-#   fault_rerun  the same command resumes from it; once it has saved a step, slurm preempts it (a
-#                job in the partition `urgent` takes both nodes): SIGTERM, then requeued (the
-#                recipes' --requeue); it stops cleanly saying where it resumes, leaves no process,
-#                and the requeued job resumes by itself from the newest checkpoint in the same
-#                MLflow run; once that has saved a step, node2's link goes down in the middle of a
-#                weight sync (the link slowed first, so that the 7.5 MB sync lasts seconds): the
-#                run stops within the liveness bound naming node2 and the sync, and no process is
-#                left on either node (node2's Ray ends itself once the head is out of reach);
-#   disk_full    (one process, on this host) the run's disk fills up while step 2's checkpoint is
-#                written: a named error with the path, and step 1's checkpoint still loads (the
-#                run exported from it).
-# At the end the run's one MLflow run has every step from 1, and the newest checkpoint's data
-# order is the one of that many steps from the start: the resumes kept the order.
-FAULT_ARGS=("${FLEET[@]}" sync.transport=nccl "${SPREAD[@]}" trainer.total_training_steps=20 trainer.save_freq=1
-            cluster.liveness.interval_s=5 cluster.liveness.timeout_s=10)
+# --- what the fault runs share (sections 3 and 4) ----------------------------------------------
+# a checkpoint at every step; the health pings every 5 s, answered within 10 s (cluster.liveness:
+# the bounded time a lost node takes to stop the run)
+FAULTY=(trainer.total_training_steps=20 trainer.save_freq=1 cluster.liveness.interval_s=5 cluster.liveness.timeout_s=10)
 LIVENESS_BOUND=180  # the run's end after a lost node: missed pings (5 + 10 s), then its bounded cleanup and shutdown
 
-# submit NAME: the fault run's recipe, not waited for; prints the job id (megarl's log at INFO:
+# submit NAME RUN ARGS...: the quickstart recipe on two nodes with ARGS, not waited for, output in
+# $WORK/RUN (several jobs may share it: a rerun resumes); prints the job id (megarl's log at INFO:
 # each phase of a step as it begins)
 submit() {
-    MEGARL_LOG_LEVEL=INFO OUTPUT_DIR=$WORK/fault MLFLOW_TRACKING_URI=sqlite:///$WORK/fault.db on_node 1 sbatch \
-        --parsable --job-name="$1" --output="$WORK/$1.out" --chdir="$REPO" \
-        --nodes=2 examples/quickstart/run_quickstart.sh "${SHORT[@]}" "${FAULT_ARGS[@]}"
+    local name=$1 run_name=$2
+    shift 2
+    MEGARL_LOG_LEVEL=INFO OUTPUT_DIR=$WORK/$run_name MLFLOW_TRACKING_URI=sqlite:///$WORK/$run_name.db on_node 1 sbatch \
+        --parsable --job-name="$name" --output="$WORK/$name.out" --chdir="$REPO" \
+        --nodes=2 examples/quickstart/run_quickstart.sh "${SHORT[@]}" "$@"
 }
 job_over() {
     ! on_node 1 scontrol show job "$1" | grep -qE 'JobState=(PENDING|CONFIGURING|RUNNING|COMPLETING|REQUEUE[A-Z_]*)'
@@ -219,19 +179,119 @@ no_ray_left() { [[ -z "$(ray_left 1)$(ray_left 2)" ]]; }
 none_of() { local pid; for pid in "$@"; do [[ ! -e /proc/$pid ]] || return 1; done; }
 newest_whole() {  # the step of the newest checkpoint, once every file in it has its recorded size and CRC32
     "$PY" -c 'import sys; from megarl import checkpoint
-p = checkpoint.latest_checkpoint(sys.argv[1]); print(checkpoint.verify(p)["step"])' "${1:-$WORK/fault/checkpoints}"
+p = checkpoint.latest_checkpoint(sys.argv[1]); print(checkpoint.verify(p)["step"])' "$1"
 }
-saved() { test -f "$WORK/fault/checkpoints/$(printf 'step_%06d' "$1")/meta.json"; }
+saved() { test -f "$WORK/$1/checkpoints/$(printf 'step_%06d' "$2")/meta.json"; }  # RUN STEP
 count() { grep -ac -- "$1" "$2" || true; }
+more_than() { (( $(count "$2" "$3") > $1 )); }  # N PATTERN FILE: PATTERN on more than N lines of FILE
 fault_failed() {  # NAME: the end of its job's output, then fail
     echo "--- the end of $WORK/$1.out" >&2
     tail -n 60 "$WORK/$1.out" >&2
     exit 1
 }
+none_on() { [[ -z "$(ray_left "$1")" ]]; }
+# link_down_mid NAME PHASE: node2's link slowed (4 Mbit/s, so that PHASE lasts seconds), then set
+# down at the next PHASE job NAME logs: the run stops within the liveness bound naming node2 and
+# PHASE, and no Ray process is left on node1; then the link comes back (node2's Ray, cut off, gives
+# up on the head only in its own time, a minute or more) and none is left on node2 either
+link_down_mid() {
+    local name=$1 phase=$2 out=$WORK/$1.out
+    link_slow 2 4mbit
+    wait_until 300 "$name: the next phase '$phase'" more_than "$(count "$phase" "$out")" "$phase" "$out" \
+        || fault_failed "$name"
+    link_down 2
+    local down_at=$SECONDS
+    wait_until "$LIVENESS_BOUND" "$name: the run's end after node2's link went down" \
+        grep -aq "megarl: training stopped:" "$out" || fault_failed "$name"
+    local ended=$((SECONDS - down_at))
+    grep -a "megarl: training stopped:" "$out" >&2
+    grep -aq "megarl: training stopped: step [0-9]*, while $phase: .* on node node2 ($(node_addr 2))" "$out" \
+        || { echo "test-multinode: $name: the error does not name node2 and $phase" >&2; fault_failed "$name"; }
+    wait_until 60 "$name: every Ray process gone from node1, node2's link still down" none_on 1 \
+        || { ray_left 1; exit 1; } >&2
+    local gone1=$((SECONDS - down_at))
+    link_up 2
+    wait_until 120 "$name: every Ray process gone from node2 once its link is back" none_on 2 \
+        || { ray_left 2; exit 1; } >&2
+    echo "test-multinode: $name: node2's link down while $phase: the run named it $ended s later; no Ray process" \
+         "left on node1 $gone1 s later, nor on node2 $((SECONDS - down_at)) s after the link went down (back at $gone1 s)"
+}
 
+
+# --- 1b. one SGLang engine across the two nodes -------------------------------------------------
+# SGLang 0.5.23's own server (the venv of `make sglang-env`), TP 2 with one TP rank on each node
+# (--nnodes 2 --node-rank 0|1 --dist-init-addr on node rank 0's address), launched by Ray as one
+# unit (its ranks pinned to the two nodes in turn); the weights through disk after each step. At
+# every step the trainer's log-probs of the sampled tokens are the engine's within 1e-5 on average
+# (float32 on both sides; measured 2.2e-7): the engine samples the trainer's policy, each of its
+# ranks holding half of every sharded tensor.
+SGLANG_PY=${MEGARL_SGLANG_PYTHON:-$REPO/.venv-sglang/bin/python}
+if wants sglang2n; then
+[[ -x $SGLANG_PY ]] \
+    || { echo "test-multinode: no SGLang environment at $SGLANG_PY: build it with make sglang-env" >&2; exit 1; }
+run sglang2n 2 rollout.engine=sglang rollout.sglang.server=sglang "rollout.sglang.python=$SGLANG_PY" \
+    rollout.num_engines=1 rollout.tensor_parallel_size=2 rollout.nodes_per_engine=2 sync.transport=disk "${SPREAD[@]}"
+placed=$(grep -a "megarl placement:" "$WORK/sglang2n.out")
+[[ $placed =~ "rollout engines on "([0-9.]+)", "([0-9.]+) ]] \
+    || { echo "test-multinode: sglang2n: the engine's two node ranks are not on two nodes: $placed" >&2; exit 1; }
+grep -q -- "--node-rank 1 --dist-init-addr" "$WORK/sglang2n/logs/engine0-node1.log" \
+    || { echo "test-multinode: sglang2n: node rank 1 was not started as one" >&2; exit 1; }
+"$PY" tests/multinode/check_run.py "sqlite:///$WORK/sglang2n.db" "$WORK/sglang2n.out" --steps 2 \
+    --nodes "$(node_addr 1),$(node_addr 2)" --at-most rollout/logprob_mismatch=1e-5
+fi
+
+# --- 2. two ranks (DP = 2) on two nodes, gloo between the nodes' addresses
+wants dp2 && megatron_across_nodes dp2 actor.parallel.data_parallel_size=2
+# --- 3. PP = 2: one pipeline stage on each node, and node2's link down mid training collective --
+# pp2_one on one node; pp2_two with one stage on each node, a checkpoint at every step (FAULTY):
+# once it has saved step 2, node2's link goes down while it updates the actor (the stages send
+# each other activations and gradients over it at every micro-batch): the run stops within the
+# liveness bound naming node2 and the update, no process is left, and step 2's checkpoints of both
+# runs, exported, hold the same weights bit for bit (one stage on each node trains as on one node)
+if wants pp2; then
+PP2=(actor.backend=megatron actor.parallel.pipeline_model_parallel_size=2 cluster.threads_per_rank=1)
+run pp2_one 1 "${PP2[@]}"
+job=$(submit pp2_two pp2_two "${PP2[@]}" "${SPREAD[@]}" "${FAULTY[@]}")
+wait_until 600 "pp2_two: step 2 saved" saved pp2_two 2 || fault_failed pp2_two
+grep -q "megarl placement: train ranks on $(node_addr 1), $(node_addr 2);" "$WORK/pp2_two.out" \
+    || { grep "megarl placement" "$WORK/pp2_two.out" >&2
+         echo "test-multinode: pp2_two: the two stages are not on two nodes" >&2; exit 1; }
+link_down_mid pp2_two "updating the actor"
+wait_until 300 "pp2_two: the job's end once the link is back" job_over "$job" || fault_failed pp2_two
+[[ $(job_state "$job") == FAILED ]] || fault_failed pp2_two
+"$PY" tests/multinode/check_run.py "sqlite:///$WORK/pp2_two.db" "$WORK/pp2_two.out" --status FAILED --steps 2 --at-least
+for name in pp2_one pp2_two; do
+    "$(dirname "$PY")/megarl" export --run "$WORK/$name" --checkpoint "$WORK/$name/checkpoints/step_000002" \
+        --out "$WORK/${name}_step2" > "$WORK/${name}_export.out" 2>&1 || fault_failed "${name}_export"
+done
+"$PY" tests/multinode/same_weights.py "$WORK/pp2_one_step2" "$WORK/pp2_two_step2" "$WORK/data/model"
+echo "test-multinode: pp2_two: job $job FAILED; its step 2 checkpoint loads, the weights of pp2_one's"
+fi
+
+# --- 4. faults across nodes ---------------------------------------------------------------------
+# One run directory, a checkpoint at every step, the engines and the trainer on different nodes
+# (which on which is Ray's choice); the driver on node1; the health pings every 5 s, answered
+# within 10 s (cluster.liveness: the bounded time a lost node takes to stop the run). In turn:
+#   fault_kill   node2's raylet killed (SIGKILL) once step 1 is saved: the job fails within a
+#                bounded time naming the parts lost on node2, no Ray process is left, the newest
+#                checkpoint is whole;
+#   fault_rerun  the same command resumes from it; once it has saved a step, slurm preempts it (a
+#                job in the partition `urgent` takes both nodes): SIGTERM, then requeued (the
+#                recipes' --requeue); it stops cleanly saying where it resumes, leaves no process,
+#                and the requeued job resumes by itself from the newest checkpoint in the same
+#                MLflow run; once that has saved a step, node2's link goes down in the middle of a
+#                weight sync (the link slowed first, so that the 7.5 MB sync lasts seconds): the
+#                run stops within the liveness bound naming node2 and the sync, and no process is
+#                left on either node (node2's Ray ends itself once the head is out of reach);
+#   disk_full    (one process, on this host) the run's disk fills up while step 2's checkpoint is
+#                written: a named error with the path, and step 1's checkpoint still loads (the
+#                run exported from it).
+# At the end the run's one MLflow run has every step from 1, and the newest checkpoint's data
+# order is the one of that many steps from the start: the resumes kept the order.
+FAULT_ARGS=("${FLEET[@]}" sync.transport=nccl "${SPREAD[@]}" "${FAULTY[@]}")
 if wants faults; then
-job=$(submit fault_kill)
-wait_until 600 "fault_kill: its first checkpoint" saved 1 || fault_failed fault_kill
+job=$(submit fault_kill fault "${FAULT_ARGS[@]}")
+wait_until 600 "fault_kill: its first checkpoint" saved fault 1 || fault_failed fault_kill
 raylets=$(for pid in $(ip netns pids "$(node_ns 2)"); do
               if [[ $(cat "/proc/$pid/comm" 2>/dev/null) == raylet ]]; then echo "$pid"; fi; done)
 [[ -n $raylets ]] || { echo "test-multinode: fault_kill: no raylet on node2" >&2; fault_failed fault_kill; }
@@ -245,21 +305,21 @@ grep -a "megarl: training stopped:" "$WORK/fault_kill.out" >&2 || fault_failed f
 grep -aq "gone on node node2 ($(node_addr 2)" "$WORK/fault_kill.out" \
     || { echo "test-multinode: fault_kill: the error names no part gone on node2" >&2; fault_failed fault_kill; }
 wait_until 60 "fault_kill: every Ray process gone" no_ray_left || { ray_left 1; ray_left 2; exit 1; } >&2
-kept=$(newest_whole)
+kept=$(newest_whole "$WORK/fault/checkpoints")
 echo "test-multinode: fault_kill: no Ray process left; the newest checkpoint (step $kept) is whole"
 
 # preempted by a job of the partition `urgent`, requeued, resumed by itself
-job=$(submit fault_rerun)
+job=$(submit fault_rerun fault "${FAULT_ARGS[@]}")
 wait_until 600 "fault_rerun: resumed from step $kept" grep -asq "megarl: resumed from .*(step $kept)" \
     "$WORK/fault_rerun.out" || fault_failed fault_rerun
-wait_until 300 "fault_rerun: a checkpoint after the resume" saved $((kept + 1)) || fault_failed fault_rerun
+wait_until 300 "fault_rerun: a checkpoint after the resume" saved fault $((kept + 1)) || fault_failed fault_rerun
 mapfile -t before < <({ ray_left 1; ray_left 2; } | cut -d' ' -f1)
 on_node 1 sbatch --parsable --job-name=urgent --partition=urgent --exclusive --nodes=2 --output="$WORK/urgent.out" \
     --wrap "sleep 1" > /dev/null
 preempted_at=$SECONDS
 wait_until 120 "fault_rerun: stopped by the preemption" grep -aq "megarl: stopped by SIGTERM" "$WORK/fault_rerun.out" \
     || fault_failed fault_rerun
-kept=$(newest_whole)
+kept=$(newest_whole "$WORK/fault/checkpoints")
 grep -aq "megarl: stopped by SIGTERM; .* the newest checkpoint is step $kept (.*): the same command resumes from it; slurm job $job, if requeued" \
     "$WORK/fault_rerun.out" || { echo "test-multinode: fault_rerun: the stop does not say where it resumes" >&2; fault_failed fault_rerun; }
 wait_until 120 "fault_rerun: every process of the preempted job gone" none_of "${before[@]}" \
@@ -274,34 +334,13 @@ wait_until 300 "fault_rerun: the requeued job resumed from step $kept" grep -asq
 grep -aqE "preempted at [0-9T:-]+: requeueing job $job|DUE TO PREEMPTION" "$WORK/fault_rerun.out" \
     || { echo "test-multinode: fault_rerun: not requeued for a preemption" >&2; fault_failed fault_rerun; }
 echo "test-multinode: fault_rerun: requeued, resumed by itself from step $kept $((SECONDS - preempted_at)) s after the preemption"
-wait_until 300 "fault_rerun: a checkpoint after the requeued resume" saved $((kept + 1)) || fault_failed fault_rerun
+wait_until 300 "fault_rerun: a checkpoint after the requeued resume" saved fault $((kept + 1)) || fault_failed fault_rerun
 
 # node2's link down in the middle of a weight sync
-link_slow 2 4mbit
-syncs=$(count "syncing the weights to the engines" "$WORK/fault_rerun.out")
-next_sync() { (( $(count "syncing the weights to the engines" "$WORK/fault_rerun.out") > syncs )); }
-wait_until 300 "fault_rerun: the next weight sync" next_sync || fault_failed fault_rerun
-link_down 2
-down_at=$SECONDS
-wait_until "$LIVENESS_BOUND" "fault_rerun: the run's end after node2's link went down" \
-    grep -aq "megarl: training stopped:" "$WORK/fault_rerun.out" || fault_failed fault_rerun
-ended=$((SECONDS - down_at))
-grep -a "megarl: training stopped:" "$WORK/fault_rerun.out" >&2
-grep -aq "megarl: training stopped: step [0-9]*, while syncing the weights to the engines: .* on node node2 ($(node_addr 2))" \
-    "$WORK/fault_rerun.out" \
-    || { echo "test-multinode: fault_rerun: the error does not name node2 and the weight sync" >&2; fault_failed fault_rerun; }
-none_on() { [[ -z "$(ray_left "$1")" ]]; }
-wait_until 60 "fault_rerun: every Ray process gone from node1, node2's link still down" none_on 1 \
-    || { ray_left 1; exit 1; } >&2
-gone1=$((SECONDS - down_at))
-link_up 2  # node2's Ray gives up on the head in its own time (a minute or more) while cut off; slurm ends it once back
-wait_until 120 "fault_rerun: every Ray process gone from node2 once its link is back" none_on 2 \
-    || { ray_left 2; exit 1; } >&2
-echo "test-multinode: fault_rerun: node2's link down mid-sync: the run named it $ended s later; no Ray process left" \
-     "on node1 $gone1 s later, nor on node2 $((SECONDS - down_at)) s after the link went down (it came back at $gone1 s)"
+link_down_mid fault_rerun "syncing the weights to the engines"
 wait_until 300 "fault_rerun: the job's end once the link is back" job_over "$job" || fault_failed fault_rerun
 [[ $(job_state "$job") == FAILED ]] || fault_failed fault_rerun
-steps=$(newest_whole)
+steps=$(newest_whole "$WORK/fault/checkpoints")
 "$PY" tests/multinode/check_run.py "sqlite:///$WORK/fault.db" "$WORK/fault_rerun.out" --status FAILED \
     --steps "$steps" --at-least --order-of "$WORK/fault/checkpoints" --batch 8
 echo "test-multinode: fault_rerun: job $job FAILED; the newest checkpoint (step $steps) is whole"
