@@ -222,3 +222,13 @@ def test_the_weight_update_session_is_sglangs(served):
     assert "400" in end_first and "no weight-update session is open" in end_first
     assert begin is True and end is True
     assert "a weight-update session is already open" in begin_again
+
+
+def test_an_answer_with_what_only_json_reads_is_still_read():
+    # orjson reads the answers; a server that writes NaN or Infinity (Python's json does) is read by json
+    from megarl.rollout.http import _loads
+
+    assert _loads(b'{"output_ids": [7, 8]}') == {"output_ids": [7, 8]}
+    log_probs = _loads(b'[[-Infinity, 7, null], [NaN, 8, null]]')
+    assert log_probs[0][0] == float("-inf") and log_probs[0][1:] == [7, None]
+    assert log_probs[1][0] != log_probs[1][0] and log_probs[1][1] == 8  # NaN

@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 
 import httpx
+import orjson
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 
@@ -171,6 +172,15 @@ class ServerError(RuntimeError):
         self.status = status
 
 
+def _loads(text: bytes):
+    """A /generate answer's JSON: orjson (6x json's speed on token-id lists, at thousands of answers
+    a second), or json where the text has what only json reads (NaN, Infinity)."""
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return json.loads(text)
+
+
 class HTTPEngine(PauseAroundUpdates):
     """A `RolloutEngine` backed by a server speaking SGLang's native API.
 
@@ -216,14 +226,14 @@ class HTTPEngine(PauseAroundUpdates):
                 status, text = response.status_code, response.content
             else:  # straight on the pool: the call a fleet makes thousands of times a second
                 status, _, text = await pooled.send("POST", self.base_url + "/generate", self._json_headers,
-                                                    json.dumps(body).encode(), self.timeout_s, self.timeout_s)
+                                                    orjson.dumps(body), self.timeout_s, self.timeout_s)
         finally:
             self._in_flight.discard(id(call))
             preempted = id(call) in self._preempted
             self._preempted.discard(id(call))
         if status != 200:
             raise ServerError(f"{self.base_url}/generate", status, text.decode(errors="replace"))
-        out = sglang_api.output_from_sglang(json.loads(text), params.routed_experts_from)
+        out = sglang_api.output_from_sglang(_loads(text), params.routed_experts_from)
         out.prompt_tokens = out.prompt_tokens or len(prompt_ids)
         if preempted and out.finish_reason == "abort":
             out.message = PREEMPTED  # ended by abort_requests: to be continued, not a failure
