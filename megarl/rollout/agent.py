@@ -14,7 +14,6 @@ slot at once. Main entry points: `run_trajectory`, `run_trajectories`.
 
 from __future__ import annotations
 
-import array
 import asyncio
 from dataclasses import dataclass, field, replace
 from typing import Protocol
@@ -23,6 +22,7 @@ import torch
 
 from megarl.data.tokenizer import rust_backend
 from megarl.rollout.engine import GenerationOutput, RolloutEngine, SamplingParams
+from megarl.rollout.token_rows import TokenRow, VersionRuns, token_row
 
 SEARCH_OPEN, SEARCH_CLOSE = "<search>", "</search>"
 ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
@@ -70,40 +70,13 @@ class AgentSettings:
     routed_experts: bool = False  # ask the engine for every token's experts (routing replay)
 
 
-class TokenRow(array.array):
-    """A trajectory's per-token values as a typed array: 4 bytes a token id, log-prob or weight
-    version and 1 a mask entry, where a list holds a pointer and an object for each (a recipe's
-    step holds 100 million tokens). Equal to a list of the same values; `+` gives a list."""
-
-    def __eq__(self, other):
-        if isinstance(other, (list, tuple, array.array)):
-            return len(self) == len(other) and list(self) == list(other)
-        return NotImplemented
-
-    __hash__ = None  # mutable, as a list
-
-    def __getitem__(self, index):
-        got = super().__getitem__(index)
-        return TokenRow(self.typecode, got) if isinstance(index, slice) else got
-
-    def __add__(self, other):
-        return list(self) + list(other)
-
-    def __radd__(self, other):
-        return list(other) + list(self)
-
-
-def _row(typecode: str, values=()) -> TokenRow:
-    return values if isinstance(values, TokenRow) and values.typecode == typecode else TokenRow(typecode, values)
-
-
 @dataclass
 class Trajectory:
     prompt_ids: list[int]
     response_ids: TokenRow = field(default_factory=lambda: TokenRow("i"))
     loss_mask: TokenRow = field(default_factory=lambda: TokenRow("b"))  # 1 = model token, 0 = observation
     rollout_log_probs: TokenRow = field(default_factory=lambda: TokenRow("f"))  # float32; 0.0 on observations
-    token_versions: TokenRow = field(default_factory=lambda: TokenRow("i"))  # weights of each token (observations: the turn's last)
+    token_versions: VersionRuns = field(default_factory=VersionRuns)  # weights of each token (observations: the turn's last)
     num_turns: int = 0
     num_searches: int = 0
     num_failed_searches: int = 0
@@ -114,8 +87,10 @@ class Trajectory:
     routed_experts: list[torch.Tensor] = field(default_factory=list)  # the engine's routing, by turn
 
     def __post_init__(self):
-        self.response_ids, self.loss_mask = _row("i", self.response_ids), _row("b", self.loss_mask)
-        self.rollout_log_probs, self.token_versions = _row("f", self.rollout_log_probs), _row("i", self.token_versions)
+        self.response_ids, self.loss_mask = token_row("i", self.response_ids), token_row("b", self.loss_mask)
+        self.rollout_log_probs = token_row("f", self.rollout_log_probs)
+        if not isinstance(self.token_versions, VersionRuns):
+            self.token_versions = VersionRuns(self.token_versions)
 
     @property
     def routed_rows(self) -> int:
@@ -133,8 +108,11 @@ class Trajectory:
         self.response_ids.extend(ids)
         self.loss_mask.extend([1 if log_probs is not None else 0] * len(ids))
         self.rollout_log_probs.extend(log_probs if log_probs is not None else [0.0] * len(ids))
-        last = self.token_versions[-1] if self.token_versions else self.weight_version
-        self.token_versions.extend(versions if versions is not None else [last] * len(ids))
+        if versions is not None:
+            self.token_versions.extend(versions)
+        else:  # the version of the token before (an observation: the turn's last)
+            self.token_versions.append_run(self.token_versions[-1] if self.token_versions else self.weight_version,
+                                           len(ids))
 
 
 def parse_action(text: str) -> tuple[str, str]:

@@ -48,6 +48,7 @@ from megarl.data.tokenizer import train_bpe_tokenizer
 from megarl.experience import Sample
 from megarl.reward.pool import RewardPool
 from megarl.rollout.agent import TokenRow, Trajectory
+from megarl.rollout.token_rows import VersionRuns
 from megarl.runtime.ray_proxies import RemoteTrainWorker
 from megarl.train import actor_fields, collect_samples, experience, score_samples, update_order
 from megarl.versions import installed_versions
@@ -200,7 +201,7 @@ def synthetic_samples(args, cfg: RunConfig, tokenizer, gen: np.random.Generator,
             t = Trajectory(record.prompt_ids, response_ids=TokenRow("i", ids.tobytes()),
                            loss_mask=TokenRow("b", b"\x01" * length),
                            rollout_log_probs=TokenRow("f", gen.uniform(-3, 0, length).astype(np.float32).tobytes()),
-                           token_versions=TokenRow("i", bytes(4 * length)), num_turns=1, routed_experts=routed)
+                           token_versions=VersionRuns([0] * length), num_turns=1, routed_experts=routed)
             samples.append(Sample(record, group_base + g, t))
     return samples
 
