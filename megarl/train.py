@@ -281,9 +281,25 @@ def rollout(c: Components, records, n: int, seed_base: int, group_base: int,
     return samples, score_samples(c, samples, validation)
 
 
+SCORED_AT_ONCE = 2048  # samples decoded and scored together: a recipe's generation batch (24,576) is GBs of text
+
+
 def score_samples(c: Components, samples: list[Sample], validation: bool = False) -> int:
     """Each sample's score and acc from the reward (plus overlong shaping, not in validation);
-    returns the reward calls that failed or timed out."""
+    returns the reward calls that failed or timed out. Whole groups of about SCORED_AT_ONCE
+    samples at a time (a group's reward components see the whole group): only their texts are
+    held at once."""
+    failed, start = 0, 0
+    while start < len(samples):
+        end = min(start + SCORED_AT_ONCE, len(samples))
+        while end < len(samples) and samples[end].group == samples[end - 1].group:
+            end += 1
+        failed += _score_part(c, samples[start:end], validation)
+        start = end
+    return failed
+
+
+def _score_part(c: Components, samples: list[Sample], validation: bool) -> int:
     with c.reward_lock:  # validation may score while the asynchronous producer does
         results, stats = c.reward_pool.compute(reward_requests(samples, c.tokenizer))
     scores = [r.score for r in results]

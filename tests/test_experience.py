@@ -93,3 +93,31 @@ def test_all_rows_decoded_at_once_as_one_at_a_time(clean_up):
     rows.append(TokenRow("i", tok.encode("東", add_special_tokens=False)[:1]))  # half a character
     want = [tok.decode(list(r), skip_special_tokens=True) for r in rows]
     assert decode_all(tok, rows) == want
+
+
+def test_samples_are_scored_in_parts_of_whole_groups(monkeypatch):
+    # parts of about SCORED_AT_ONCE samples, each ending at a group's end (a group's reward
+    # components see the whole group); every sample scored once, in order
+    import threading
+    from types import SimpleNamespace
+
+    from megarl import train
+    from megarl.config import RunConfig
+    from megarl.reward.pool import RewardStats
+    from megarl.reward.scoring import RewardResult
+
+    sent = []
+
+    class Pool:
+        def compute(self, requests):
+            sent.append([r.group_id for r in requests])
+            return ([RewardResult(score=float(r.group_id), acc=r.group_id % 2 == 0) for r in requests],
+                    RewardStats(len(requests), 0, 0, 0, 0.0))
+
+    monkeypatch.setattr(train, "SCORED_AT_ONCE", 3)
+    groups = [0, 0, 1, 1, 1, 2, 3, 3]
+    samples = [sample([5], [7, 8], [1, 1], g) for g in groups]
+    c = SimpleNamespace(reward_lock=threading.Lock(), reward_pool=Pool(), tokenizer=TOK, cfg=RunConfig())
+    assert train.score_samples(c, samples, validation=True) == 0
+    assert sent == [[0, 0, 1, 1, 1], [2, 3, 3]]
+    assert [(s.score, s.acc) for s in samples] == [(float(g), g % 2 == 0) for g in groups]
