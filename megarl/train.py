@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from megarl import checkpoint
+from megarl import checkpoint, memory
 from megarl.algo import InformativeGroupBuffer, masked_mean
 from megarl.async_rollouts import SyncRollouts, start_rollouts
 from megarl.backends.packed import PackedBatch
@@ -157,7 +157,7 @@ def train_step(c: Components, step: int, rollouts: SyncRollouts | None = None) -
     rollouts = rollouts or SyncRollouts(c, collect_samples)
     with _timer(metrics, "rollout"):  # asynchronous: the wait for a batch generated ahead
         samples = rollouts.batch(step, metrics)
-    c.last_samples = samples
+    c.last_samples = samples[:ROLLOUT_TABLE_ROWS]  # not the whole step's, held until the next step's
     metrics.update(c.engine_metrics())
     metrics.update(staleness_metrics(samples, step))
     batch = experience(c, samples, metrics)
@@ -257,6 +257,8 @@ def collect_samples(c: Components, step: int, metrics: dict, generate=None) -> l
             break
         metric = [s.acc if ds.metric == "acc" else s.score for s in samples]
         keeper.add(samples, [s.group for s in samples], [float(m) for m in metric])
+        del samples, metric
+        memory.give_back()  # the groups dynamic sampling dropped (two thirds of a recipe's batch)
         if keeper.is_full:
             kept = keeper.take()
             break
@@ -356,7 +358,10 @@ def _rollout_metrics(tally: dict[str, float], kept: list[Sample], gen_batches: i
     })
 
 
-def rollout_table(c: Components, samples: list[Sample], rows: int = 16) -> dict[str, list]:
+ROLLOUT_TABLE_ROWS = 16
+
+
+def rollout_table(c: Components, samples: list[Sample], rows: int = ROLLOUT_TABLE_ROWS) -> dict[str, list]:
     """A few samples of the step as columns (prompt, response, score, acc, searches)."""
     picked = samples[:rows]
     return {"prompt": [c.tokenizer.decode(s.trajectory.prompt_ids) for s in picked],
