@@ -26,7 +26,7 @@ from megarl import checkpoint, memory
 from megarl.algo import InformativeGroupBuffer, masked_mean
 from megarl.async_rollouts import SyncRollouts, start_rollouts
 from megarl.backends.packed import PackedBatch
-from megarl.backends.epochs import shuffled
+from megarl.backends.epochs import shuffled, update_permutation
 from megarl.components import Components, build_components
 from megarl.config import RunConfig, TrackingConfig, TrainWorkerConfig, save_config
 from megarl.config_loader import dump_config, flatten_config
@@ -161,18 +161,12 @@ def train_step(c: Components, step: int, rollouts: SyncRollouts | None = None) -
     metrics.update(c.engine_metrics())
     metrics.update(staleness_metrics(samples, step))
     batch = experience(c, samples, metrics)
-    if cfg.critic.enable:
-        with _timer(metrics, "update_critic"):
-            critic_batch = update_order(batch.only("values", "returns"), cfg.critic, cfg, step)
-            metrics.update({f"critic/{k}": v for k, v in c.worker.update_critic(critic_batch).items()})
-    with _timer(metrics, "update_actor"):
-        actor_metrics = c.worker.update_actor(update_order(batch.only(*actor_fields(cfg.algorithm)), cfg.actor, cfg,
-                                                           step))
-    metrics.update({f"actor/{k}": v for k, v in actor_metrics.items()})
+    del samples  # the batch holds what the updates need: the trajectories are freed before they run
+    metrics["actor/advantage_mean"] = float(masked_mean(batch.advantages, batch.loss_mask))
+    updates(c, batch, step, metrics)
     with _timer(metrics, "sync_weights"):
         rollouts.sync_weights(step + 1)
     metrics.update(c.runtime.sleep_metrics())
-    metrics["actor/advantage_mean"] = float(masked_mean(batch.advantages, batch.loss_mask))
     trainer_s = sum(metrics.get(f"timing/{k}_s", 0.0) for k in TRAINER_PHASES)
     wall_s, engine_s = rollouts.clock.lap()
     tokens = batch.num_tokens
@@ -215,8 +209,31 @@ def actor_fields(algo) -> tuple[str, ...]:
 TRAINER_PHASES = ("old_log_prob", "values", "update_critic", "update_actor", "sync_weights")
 
 
+def updates(c: Components, batch: PackedBatch, step: int, metrics: dict) -> None:
+    """The step's updates, the critic's (when on) and the actor's, each sent the fields it reads
+    in the order it cuts into mini-batches (shuffle_mini_batches). When both take the same
+    order, `batch` itself is put in it, field by field (`PackedBatch.reorder`): the driver never
+    holds a second copy of the step's batch."""
+    cfg = c.cfg
+    workers = [cfg.critic] * cfg.critic.enable + [cfg.actor]
+    in_order = len({w.shuffle_mini_batches for w in workers}) == 1
+    if in_order and cfg.actor.shuffle_mini_batches:
+        batch.reorder(update_permutation(len(batch), cfg.trainer.seed, step))
+
+    def ordered(fields: tuple[str, ...], worker: TrainWorkerConfig) -> PackedBatch:
+        return batch.only(*fields) if in_order else update_order(batch.only(*fields), worker, cfg, step)
+
+    if cfg.critic.enable:
+        with _timer(metrics, "update_critic"):
+            critic = c.worker.update_critic(ordered(("values", "returns"), cfg.critic))
+        metrics.update({f"critic/{k}": v for k, v in critic.items()})
+    with _timer(metrics, "update_actor"):
+        actor = c.worker.update_actor(ordered(actor_fields(cfg.algorithm), cfg.actor))
+    metrics.update({f"actor/{k}": v for k, v in actor.items()})
+
+
 def update_order(batch: PackedBatch, worker: TrainWorkerConfig, cfg: RunConfig, step: int) -> PackedBatch:
-    """The batch in the order `worker`'s update cuts it into mini-batches (shuffle_mini_batches)."""
+    """A copy of the batch in the order `worker`'s update cuts it into mini-batches (shuffle_mini_batches)."""
     return shuffled(batch, cfg.trainer.seed, step) if worker.shuffle_mini_batches else batch
 
 

@@ -53,6 +53,20 @@ def test_selected_rows_are_those_rows_built_alone(index):
                       packed(rows).padded())
 
 
+def test_rows_reordered_in_place_are_those_rows_built_alone():
+    # the rows in the new order, every field (the routing too); a tensor two fields shared is
+    # still one (the engine's log-probs taken as the old policy's)
+    order = [4, 0, 5, 2, 1, 3]
+    batch = packed()
+    batch = batch.with_fields(old_log_probs=batch.rollout_log_probs, advantages=torch.arange(23.0))
+    want_advantages = torch.cat([batch.advantages[s: s + n] for s, n in
+                                 zip(batch.starts()[order].tolist(), batch.lengths[order].tolist())])
+    batch.reorder(torch.tensor(order))
+    assert_rows_equal(batch.padded(), packed(order).padded())
+    assert batch.old_log_probs is batch.rollout_log_probs
+    assert torch.equal(batch.advantages, want_advantages)
+
+
 def test_only_the_fields_named_travel():
     batch = packed().with_fields(advantages=torch.ones(23), returns=torch.ones(23))
     kept = batch.only("advantages")

@@ -32,10 +32,14 @@ def mean_metrics(steps: Iterable[dict[str, float]]) -> dict[str, float]:
     return {key: value / max(count, 1) for key, value in sums.items()}
 
 
-def shuffled(batch: TrainBatch, seed: int, step: int) -> TrainBatch:
-    """The batch's rows in a random order drawn from (seed, step) alone: the same step of a
-    resumed run takes the same order, whatever ran before it."""
+def update_permutation(rows: int, seed: int, step: int):
+    """The order a step's `rows` rows are updated in, drawn from (seed, step) alone: the same step
+    of a resumed run takes the same order, whatever ran before it."""
     import torch
 
-    order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(seed * 1_000_003 + step))
-    return batch.select(order)
+    return torch.randperm(rows, generator=torch.Generator().manual_seed(seed * 1_000_003 + step))
+
+
+def shuffled(batch: TrainBatch, seed: int, step: int) -> TrainBatch:
+    """A copy of the batch, its rows in `update_permutation`'s order."""
+    return batch.select(update_permutation(len(batch), seed, step))

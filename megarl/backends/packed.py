@@ -119,6 +119,26 @@ class PackedBatch:
         return replace(self, lengths=lengths, routed_experts=take(self.routed_experts, routed),
                        **{f: take(getattr(self, f), tokens) for f in ("input_ids", "loss_mask", *PER_TOKEN_FIELDS)})
 
+    def reorder(self, order: torch.Tensor) -> None:
+        """Put the rows in `order`, in place and one field at a time: each field's old tensor is
+        freed as its reordered copy is made (unless another field or batch still holds it), where
+        `select` holds a second copy of every field at once. Fields that were one tensor stay one."""
+        starts, lengths = self.starts().tolist(), self.lengths.tolist()
+        rows = order.tolist()
+        tokens = [slice(starts[i], starts[i] + lengths[i]) for i in rows]
+        routed = [slice(starts[i] - i, starts[i] + lengths[i] - i - 1) for i in rows]
+        done: dict[int, torch.Tensor] = {}
+        for name in ("input_ids", "loss_mask", *PER_TOKEN_FIELDS, "routed_experts"):
+            old = getattr(self, name)
+            if old is None:
+                continue
+            if id(old) not in done:
+                parts = routed if name == "routed_experts" else tokens
+                done[id(old)] = torch.cat([old[s] for s in parts]) if parts else old[:0]
+            setattr(self, name, done[id(old)])
+            del old
+        self.lengths = self.lengths[order]
+
     def only(self, *keep: str) -> PackedBatch:
         """The batch with the float fields not named in `keep` left out (what a call does not read
         is not sent)."""

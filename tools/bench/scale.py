@@ -9,7 +9,7 @@ The trajectories are synthetic (the engines' part): response lengths log-normal,
 recipe's maximum; each response ends in "Answer: N", right for a share of each group's samples
 (some groups all right, so dynamic sampling drops them and draws again). The driver then runs
 what `megarl train` runs after generation (megarl.train: score_samples, the informative-group
-buffer, experience, update_order) and calls rank actors through megarl's RemoteTrainWorker:
+buffer, experience, updates) and calls rank actors through megarl's RemoteTrainWorker:
 old log-probs, then the actor update. The rank actors run no model: each measures what it
 received, works out the rows its data-parallel rank trains on as the Megatron backend does (a
 contiguous share of every mini-batch) and plans their token-budget micro-batches
@@ -50,7 +50,7 @@ from megarl.reward.pool import RewardPool
 from megarl.rollout.agent import TokenRow, Trajectory
 from megarl.rollout.token_rows import VersionRuns
 from megarl.runtime.ray_proxies import RemoteTrainWorker
-from megarl.train import actor_fields, collect_samples, experience, score_samples, update_order
+from megarl.train import collect_samples, experience, score_samples, updates
 from megarl.versions import installed_versions
 
 RECIPES = {"dapo32b": ("examples/dapo/dapo_qwen2.5_32b.yaml", "Qwen2.5-32B", 8, (8, 2, 4)),
@@ -140,11 +140,13 @@ class RankStandIn:
         return out
 
 
-def expected_shares(batch, method: str, dp_size: int, mini_rows: int, per_token: int, routing_width: int):
-    """Each DP rank's rows (their lengths) and their raw bytes, worked out from the whole batch as
-    the Megatron backend takes them: a contiguous part of every mini-batch for an update, of the
-    whole batch for a forward pass. Raw: `per_token` bytes a token, routing int16 a position."""
-    n, lengths = len(batch), batch.lengths.tolist()
+def expected_shares(lengths: list[int], method: str, dp_size: int, mini_rows: int, per_token: int,
+                    routing_width: int):
+    """Each DP rank's rows (their lengths) and their raw bytes, worked out from the whole batch's
+    row lengths as the Megatron backend takes them: a contiguous part of every mini-batch for an
+    update, of the whole batch for a forward pass. Raw: `per_token` bytes a token, routing int16 a
+    position."""
+    n = len(lengths)
     if method == "compute_log_prob":
         bounds = [n * r // dp_size for r in range(dp_size + 1)]
         rows = [list(range(bounds[r], bounds[r + 1])) for r in range(dp_size)]
@@ -229,21 +231,23 @@ def one_step(args, d: Driver, gen: np.random.Generator, step: int) -> dict:
         peak.phase("generate and score")
         batch = experience(d, kept, metrics)
         peak.phase("batch, old log-probs, advantages")
-        ordered = update_order(batch.only(*actor_fields(cfg.algorithm)), cfg.actor, cfg, step)
-        d.worker.update_actor(ordered)
+        width = ROUTING_WIDTH if cfg.actor.moe_routing_replay else 0
+        mini = cfg.actor.ppo_mini_batch_size * cfg.rollout.n
+        tokens = sum(len(s.trajectory.prompt_ids) + len(s.trajectory.response_ids) for s in kept)
+        responses = [len(s.trajectory.response_ids) for s in kept]
+        n_kept = len(kept)
+        del kept  # as megarl.train's train_step does
+        generated_order = batch.lengths.tolist()
+        updates(d, batch, step, metrics)  # puts the batch in the update's order
         peak.phase("update's shares")
         driver_s = time.perf_counter() - start - engines["s"]
+    expected = {"compute_log_prob": expected_shares(generated_order, "compute_log_prob", args.dp, mini, 5, width),
+                "update_actor": expected_shares(batch.lengths.tolist(), "update_actor", args.dp, mini, 13, width)}
     raw = engines["raw"]
-    tokens = sum(len(s.trajectory.prompt_ids) + len(s.trajectory.response_ids) for s in kept)
-    responses = [len(s.trajectory.response_ids) for s in kept]
-    width = ROUTING_WIDTH if cfg.actor.moe_routing_replay else 0
-    mini = cfg.actor.ppo_mini_batch_size * cfg.rollout.n
-    expected = {"compute_log_prob": expected_shares(batch, "compute_log_prob", args.dp, mini, 5, width),
-                "update_actor": expected_shares(ordered, "update_actor", args.dp, mini, 13, width)}
     print("  peak by phase: " + ", ".join(f"{k} +{(v - before) / 2**30:.2f} GiB" for k, v in peak.phases.items()))
     return {"driver_s": driver_s, "peak": peak.peak - before, "raw": raw, "gen_batches": int(metrics["train/gen_batches"]),
             "expected": expected,
-            "kept": len(kept), "generated": engines["generated"], "tokens": tokens,
+            "kept": n_kept, "generated": engines["generated"], "tokens": tokens,
             "mean_response": sum(responses) / len(responses), "max_response": max(responses)}
 
 
