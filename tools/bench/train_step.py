@@ -1,9 +1,12 @@
 """Benchmark: forward + backward of the policy loss, megatron backend vs torch backend, on
 one device, same model shape, same weights, same batch.
 
-Tokens/s and MFU (model FLOPs utilisation) of each, one run, and their ratio printed. The
-torch backend is the HF model (SDPA attention) with log-softmax over the full vocabulary;
-the megatron backend is megatron-core's GPTModel (Transformer Engine layers where
+Both models are built first (both stay in memory), then timed under the bench protocol
+(protocol.py): a warm-up of each, then --repeats (>= 3) timed runs with the two alternated,
+each run --iters steps, equal work (tokens processed) checked; tokens/s and MFU (model FLOPs
+utilisation) of each from its median run, then the median megatron / torch ratio and its
+range last. The torch backend is the HF model (SDPA attention) with log-softmax over the full
+vocabulary; the megatron backend is megatron-core's GPTModel (Transformer Engine layers where
 installed, otherwise the local spec) through its forward-backward schedule with the
 vocabulary-parallel log-probs. Both compute the same token-mean policy-gradient surrogate.
 
@@ -22,12 +25,18 @@ import argparse
 import json
 import os
 import socket
+import statistics
+import sys
 import tempfile
-import time
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from megarl.versions import installed_versions
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from protocol import compare  # noqa: E402
 
 SHAPES = {  # Qwen2.5 shapes (vocabulary, hidden, ffn, layers, heads, kv heads)
     "qwen2.5-0.5b": (151936, 896, 4864, 24, 14, 2),
@@ -51,19 +60,19 @@ def flops_per_token(cfg: dict, seq: int) -> float:
     return 6 * (layers * per_layer + v * h) + 12 * layers * h * seq
 
 
-def time_steps(step, iters: int, device) -> float:
-    step()  # warm-up (kernels, allocator)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - start) / iters
+def timed_steps(step: Callable[[], None], iters: int, tokens: int, device) -> Callable[[], int]:
+    """A contender: `iters` steps, timed until the device has finished them (so every run
+    starts on an idle device); the work is the tokens processed."""
+    def run() -> int:
+        for _ in range(iters):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return tokens * iters
+    return run
 
 
-def bench_torch(model_dir: str, ids: torch.Tensor, dtype, device, iters: int) -> float:
+def torch_step(model_dir: str, ids: torch.Tensor, dtype, device) -> Callable[[], None]:
     from transformers import AutoModelForCausalLM
 
     from megarl.backends.torch.logprobs import token_log_probs
@@ -76,12 +85,10 @@ def bench_torch(model_dir: str, ids: torch.Tensor, dtype, device, iters: int) ->
         lp, _ = token_log_probs(model, ids, mask)
         (-lp.sum() / lp.numel()).backward()
 
-    seconds = time_steps(step, iters, device)
-    del model
-    return seconds
+    return step
 
 
-def bench_megatron(model_dir: str, ids: torch.Tensor, dtype_name: str, device, iters: int) -> tuple[float, str]:
+def megatron_step(model_dir: str, ids: torch.Tensor, dtype_name: str) -> tuple[Callable[[], None], str]:
     from megarl.backends.batch import TrainBatch
     from megarl.backends.megatron.forward import make_micro_batches, run_schedule
     from megarl.backends.megatron.logprobs import vocab_parallel_log_probs
@@ -110,7 +117,7 @@ def bench_megatron(model_dir: str, ids: torch.Tensor, dtype_name: str, device, i
             chunk.zero_grad(set_to_none=True)
         run_schedule(chunks, micros, head, forward_only=False)
 
-    return time_steps(step, iters, device), impl
+    return step, impl
 
 
 def main() -> None:
@@ -118,7 +125,8 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(SHAPES), default="qwen2.5-0.5b")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=5, help="steps per timed run (default 5)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each (alternating), after a warm-up")
     parser.add_argument("--peak-tflops", type=float, default=989.0)
     args = parser.parse_args()
     print(installed_versions(), flush=True)
@@ -145,21 +153,24 @@ def main() -> None:
         del model
         ids = torch.randint(0, cfg["vocab_size"], (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
         ids = ids.to(device)
-        torch_s = bench_torch(model_dir, ids, dtype, device, args.iters)
-        if cuda:
-            torch.cuda.empty_cache()
-        megatron_s, impl = bench_megatron(model_dir, ids, dtype_name, device, args.iters)
-    tokens = args.batch * args.seq
-    flops = flops_per_token(cfg, args.seq) * tokens
-    result = {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "model": args.model, "dtype": dtype_name,
-              "tokens_per_step": tokens, "megatron_impl": impl,
-              "torch_tokens_per_s": round(tokens / torch_s, 1), "megatron_tokens_per_s": round(tokens / megatron_s, 1)}
+        tokens = args.batch * args.seq
+        run_torch = timed_steps(torch_step(model_dir, ids, dtype, device), args.iters, tokens, device)
+        megatron, impl = megatron_step(model_dir, ids, dtype_name)
+        result = compare({"torch": run_torch, "megatron": timed_steps(megatron, args.iters, tokens, device)},
+                         repeats=args.repeats, versions=False, show=lambda line: print(line, flush=True),
+                         header=f"{args.model}, batch {args.batch} x seq {args.seq}, {args.iters} steps per run, "
+                                "work = tokens processed")
+    step_s = {name: statistics.median(seconds) / args.iters for name, seconds in result.seconds.items()}
+    summary = {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "model": args.model, "dtype": dtype_name,
+               "tokens_per_step": tokens, "megatron_impl": impl}
+    summary |= {f"{name}_tokens_per_s": round(tokens / seconds, 1) for name, seconds in step_s.items()}
     if cuda:
+        flops = flops_per_token(cfg, args.seq) * tokens
         peak = args.peak_tflops * 1e12
-        result |= {"torch_mfu": round(flops / torch_s / peak, 4), "megatron_mfu": round(flops / megatron_s / peak, 4)}
-    print(json.dumps(result, indent=1))
-    print(f"megatron / torch tokens/s: {torch_s / megatron_s:.2f}x")
+        summary |= {f"{name}_mfu": round(flops / seconds / peak, 4) for name, seconds in step_s.items()}
+    print(json.dumps(summary, indent=1))
     torch.distributed.destroy_process_group()
+    print(result.summary("torch", "megatron"))
 
 
 if __name__ == "__main__":

@@ -10,18 +10,29 @@ same size (torch `copy_`, the best the memory system does). With --servers the w
 to one engine server (`python -m megarl.rollout.serve`, SGLang's HTTP API) the two ways the
 fleet uses off GPUs: sync.transport=disk (safetensors files, then /update_weights_from_disk)
 and sync.transport=nccl (a gloo process group on a CPU machine: flat buckets broadcast while
-/update_weights_from_distributed receives them), each with the pause / flush / resume around
-it. One run of each after a warm-up; GB/s and the ratio printed.
+/update_weights_from_distributed receives them), each inside SGLang's weight-update session
+as `megarl train` opens it (pause and open; close, flush the cache and resume). Every
+transport is set up first (Ray's actors, the server and its update group), then all are
+timed with the copy under the bench protocol (protocol.py): a warm-up of each, then
+--repeats (>= 3) timed runs with the contenders' order alternated, equal work (the bytes
+each moved) checked; GB/s of each from its median run, then each sync's median ratio to the
+copy and its range, the in-process sync's last.
 
-    python tools/bench/weight_sync.py [--hidden 1024 --layers 8 --bucket-mb 512] [--ray] [--servers]
+    python tools/bench/weight_sync.py [--hidden 1024 --layers 8 --bucket-mb 512] [--ray] [--servers] [--repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
-import time
+import statistics
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from pathlib import Path
 
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -30,6 +41,9 @@ from megarl.rollout.local import LocalEngine
 from megarl.weights.buckets import group_tensors, hf_tensors, send_flat, unpack_bucket
 from megarl.weights.inprocess import load_into_engine
 from megarl.versions import installed_versions
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from protocol import compare  # noqa: E402
 
 
 def build_model(hidden: int, layers: int, seed: int) -> Qwen2ForCausalLM:
@@ -40,13 +54,26 @@ def build_model(hidden: int, layers: int, seed: int) -> Qwen2ForCausalLM:
     return Qwen2ForCausalLM(cfg).eval()
 
 
-def sync_in_process(trainer, engine: LocalEngine, bucket_bytes: int) -> float:
-    start = time.perf_counter()
-    asyncio.run(load_into_engine(engine, group_tensors(hf_tensors(trainer), bucket_bytes), version=1))
-    return time.perf_counter() - start
+def counted_buckets(model, bucket_bytes: int, moved: list[int]) -> Iterator[dict[str, torch.Tensor]]:
+    """The model's buckets, as every transport is handed them; each bucket's bytes are appended
+    to `moved` (a sync's work: the bytes it moved, which must be the copy's)."""
+    for bucket in group_tensors(hf_tensors(model), bucket_bytes):
+        moved.append(sum(t.numel() * t.element_size() for t in bucket.values()))
+        yield bucket
 
 
-def sync_through_ray(trainer, engine_model, bucket_bytes: int) -> float:
+def in_process(trainer, engine: LocalEngine, bucket_bytes: int) -> Callable[[], int]:
+    versions = itertools.count(1)
+
+    def sync() -> int:
+        moved: list[int] = []
+        asyncio.run(load_into_engine(engine, counted_buckets(trainer, bucket_bytes, moved), next(versions)))
+        return sum(moved)
+
+    return sync
+
+
+def through_ray(trainer, engine_model, bucket_bytes: int, stack: ExitStack) -> Callable[[], int]:
     import ray
 
     @ray.remote
@@ -55,9 +82,11 @@ def sync_through_ray(trainer, engine_model, bucket_bytes: int) -> float:
             self.model = model
 
         def push(self, engine, bucket_bytes):  # as a train rank sends to the embedded engine actor
+            moved = []
             ray.get(engine.pause.remote())
-            send_flat(group_tensors(hf_tensors(self.model), bucket_bytes), engine.load.remote, ray.get)
+            send_flat(counted_buckets(self.model, bucket_bytes, moved), engine.load.remote, ray.get)
             ray.get(engine.resume.remote())
+            return sum(moved)
 
     @ray.remote
     class Engine:
@@ -74,72 +103,57 @@ def sync_through_ray(trainer, engine_model, bucket_bytes: int) -> float:
             await self.engine.update_weights([unpack_bucket(bucket)], 1)
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        t, e = Trainer.remote(trainer), Engine.options(max_concurrency=4).remote(engine_model)
-        ray.get(t.push.remote(e, bucket_bytes))  # warm-up
-        start = time.perf_counter()
-        ray.get(t.push.remote(e, bucket_bytes))
-        return time.perf_counter() - start
-    finally:
-        ray.shutdown()
+    stack.callback(ray.shutdown)
+    t, e = Trainer.remote(trainer), Engine.options(max_concurrency=4).remote(engine_model)
+    return lambda: ray.get(t.push.remote(e, bucket_bytes))
 
 
-def sync_to_server(trainer, bucket_bytes: int, workdir) -> dict[str, float]:
-    """Seconds of a disk sync and of a process-group sync into one embedded engine server."""
-    import sys
+def to_server(trainer, bucket_bytes: int, workdir: Path, stack: ExitStack) -> dict[str, Callable[[], int]]:
+    """A disk sync and a process-group sync into one embedded engine server, started here and
+    stopped by `stack`."""
     import threading
-    from pathlib import Path
 
     from megarl.rollout.http import HTTPEngine
     from megarl.rollout.sglang_launch import ServerProcess, free_port
     from megarl.weights.disk import write_buckets
     from megarl.weights.group import DistributedSender, open_update_group
 
-    workdir = Path(workdir)
     trainer.save_pretrained(workdir / "model")
     server = ServerProcess([sys.executable, "-m", "megarl.rollout.serve", "--model-path", str(workdir / "model")],
                            "engine0", log_dir=str(workdir))
     server.start(timeout_s=300)
+    stack.callback(server.stop)
     client = HTTPEngine(server.url)
-    seconds = {}
-    try:
-        def disk(version):
-            start = time.perf_counter()
-            asyncio.run(client.pause())
-            directory = workdir / f"v{version}"
-            write_buckets(group_tensors(hf_tensors(trainer), bucket_bytes), directory, "rank00000")
-            asyncio.run(client.load_from_disk(str(directory), version))
-            asyncio.run(client.flush_cache())
-            asyncio.run(client.resume())
-            return time.perf_counter() - start
+    versions = itertools.count(1)  # one engine, loaded both ways: one sequence of versions
 
-        disk(1)  # warm-up
-        seconds["disk"] = disk(2)
+    def disk() -> int:
+        moved: list[int] = []
+        asyncio.run(client.begin_weight_update())
+        directory = workdir / "sync"  # every version in the same place: the disk holds one copy
+        write_buckets(counted_buckets(trainer, bucket_bytes, moved), directory, "rank00000")
+        asyncio.run(client.load_from_disk(str(directory), next(versions)))
+        asyncio.run(client.end_weight_update())
+        return sum(moved)
 
-        port, joined = free_port(), {}
-        host = threading.Thread(target=lambda: joined.setdefault(
-            "group", open_update_group("gloo", "127.0.0.1", port, 0, 2, "bench")))
-        host.start()
-        asyncio.run(client.post("/init_weights_update_group",
-                                {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
-                                 "world_size": 2, "group_name": "bench", "backend": "gloo"}))
-        host.join()
-        sender = DistributedSender(joined["group"], [server.url], "bench")
+    port, joined = free_port(), {}
+    host = threading.Thread(target=lambda: joined.setdefault(
+        "group", open_update_group("gloo", "127.0.0.1", port, 0, 2, "bench")))
+    host.start()
+    asyncio.run(client.post("/init_weights_update_group",
+                            {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
+                             "world_size": 2, "group_name": "bench", "backend": "gloo"}))
+    host.join()
+    sender = DistributedSender(joined["group"], [server.url], "bench")
+    stack.callback(sender.close)
 
-        def group(version):
-            start = time.perf_counter()
-            asyncio.run(client.pause())
-            sender.send(group_tensors(hf_tensors(trainer), bucket_bytes), version)
-            asyncio.run(client.flush_cache())
-            asyncio.run(client.resume())
-            return time.perf_counter() - start
+    def group() -> int:
+        moved: list[int] = []
+        asyncio.run(client.begin_weight_update())  # the group's updates are refused outside a session
+        sender.send(counted_buckets(trainer, bucket_bytes, moved), next(versions))
+        asyncio.run(client.end_weight_update())
+        return sum(moved)
 
-        group(3)  # warm-up
-        seconds["group"] = group(4)
-        sender.close()
-    finally:
-        server.stop()
-    return seconds
+    return {"server disk": disk, "server group": group}
 
 
 def main() -> None:
@@ -149,6 +163,7 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=int, default=512, help="sync.bucket_mb")
     parser.add_argument("--ray", action="store_true", help="also sync actor to actor through Ray")
     parser.add_argument("--servers", action="store_true", help="also sync into an engine server (disk, gloo group)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each (alternating), after a warm-up")
     args = parser.parse_args()
     print(installed_versions(), flush=True)
     trainer, engine_model = build_model(args.hidden, args.layers, 0), build_model(args.hidden, args.layers, 1)
@@ -157,37 +172,30 @@ def main() -> None:
 
     src, dst = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
     src.fill_(1)
-    dst.copy_(src)  # warm-up: pages touched
-    start = time.perf_counter()
-    dst.copy_(src)
-    copy_s = time.perf_counter() - start
-    del src, dst
+
+    def copy() -> int:  # the baseline: one buffer of the same bytes, torch copy_
+        dst.copy_(src)
+        return nbytes
 
     engine = LocalEngine(engine_model, eos_token_ids=[])
-    sync_in_process(trainer, engine, bucket_bytes)  # warm-up
-    sync_s = sync_in_process(trainer, engine, bucket_bytes)
-    asyncio.run(engine.close())
+    with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:  # the transports stop before tmp goes
+        stack.callback(lambda: asyncio.run(engine.close()))
+        contenders = {"copy": copy, "sync": in_process(trainer, engine, bucket_bytes)}
+        if args.ray:
+            contenders["ray"] = through_ray(trainer, build_model(args.hidden, args.layers, 2), bucket_bytes, stack)
+        if args.servers:
+            contenders |= to_server(trainer, bucket_bytes, Path(tmp), stack)
+        result = compare(contenders, repeats=args.repeats, versions=False, show=lambda line: print(line, flush=True),
+                         header=f"{nbytes / 1e9:.3f} GB of weights, {args.bucket_mb} MB buckets, work = bytes moved")
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(hf_tensors(trainer), hf_tensors(engine_model)))
     gb = nbytes / 1e9
-    result = {"weights_gb": round(gb, 3), "bucket_mb": args.bucket_mb, "raw_copy_gb_per_s": round(gb / copy_s, 2),
-              "sync_in_process_gb_per_s": round(gb / sync_s, 2)}
-    if args.ray:
-        result["sync_ray_gb_per_s"] = round(gb / sync_through_ray(trainer, build_model(args.hidden, args.layers, 2),
-                                                                  bucket_bytes), 2)
-    if args.servers:
-        import tempfile
-
-        with tempfile.TemporaryDirectory() as tmp:
-            for name, sec in sync_to_server(trainer, bucket_bytes, tmp).items():
-                result[f"sync_server_{name}_gb_per_s"] = round(gb / sec, 2)
-    print(json.dumps(result, indent=1))
-    print(f"in-process sync / raw copy: {copy_s / sync_s:.2f}x")
-    if args.ray:
-        print(f"Ray actor-to-actor sync / raw copy: {result['sync_ray_gb_per_s'] / result['raw_copy_gb_per_s']:.2f}x")
-    if args.servers:
-        for name in ("disk", "group"):
-            print(f"engine server, {name} / raw copy: "
-                  f"{result[f'sync_server_{name}_gb_per_s'] / result['raw_copy_gb_per_s']:.2f}x")
+    summary = {"weights_gb": round(gb, 3), "bucket_mb": args.bucket_mb}
+    summary |= {f"{name.replace(' ', '_')}_gb_per_s": round(gb / statistics.median(seconds), 2)
+                for name, seconds in result.seconds.items()}
+    print(json.dumps(summary, indent=1))
+    for name in [n for n in contenders if n not in ("copy", "sync")]:
+        print(result.summary("copy", name))
+    print(result.summary("copy", "sync"))  # the headline: the sync `megarl train` runs with an embedded engine
 
 
 if __name__ == "__main__":
