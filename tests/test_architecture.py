@@ -17,7 +17,7 @@ PACKAGE = ROOT / "megarl"
 # matching prefix decides a module's layer.
 LAYERS = [
     ("foundations", ["megarl", "megarl.errors", "megarl.config_loader", "megarl.versions", "megarl.termination",
-                     "megarl.driver_loop"]),
+                     "megarl.driver_loop", "megarl.memory"]),
     ("domain", ["megarl.algo", "megarl.models", "megarl.retrieval", "megarl.reward", "megarl.weights",
                 "megarl.data.prompts", "megarl.data.tokenizer", "megarl.data"]),
     ("config", ["megarl.config", "megarl.config_cluster", "megarl.config_async", "megarl.config_megatron",
