@@ -275,10 +275,11 @@ def collect_samples(c: Components, step: int, metrics: dict, generate=None) -> l
         metric = [s.acc if ds.metric == "acc" else s.score for s in samples]
         keeper.add(samples, [s.group for s in samples], [float(m) for m in metric])
         del samples, metric
-        memory.give_back()  # the groups dynamic sampling dropped (two thirds of a recipe's batch)
         if keeper.is_full:
             kept = keeper.take()
             break
+        memory.give_back()  # the groups dynamic sampling dropped
+    memory.give_back()  # those, and the informative groups past the step's (two thirds of a recipe's batch)
     _rollout_metrics(tally, kept, batch_index, metrics)
     return kept
 
