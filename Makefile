@@ -100,13 +100,12 @@ test-slow: $(STAMP) sandbox-tool
 	$(BIN)/python -m pytest tests $(PARALLEL) -m 'slow and not ui and not sglang' $(PYTEST_ARGS)
 
 # SGLang 0.5.23's own servers on the CPU (tests/sglang_real): the launcher, every route megarl uses,
-# the weight transports that run on the CPU, partial rollouts, training through the fleet. One file
-# to a worker: each file's servers are started once for its tests (a module fixture), and most of a
-# server's start is one process importing SGLang, which a second core does beside it.
+# the weight transports that run on the CPU, partial rollouts, training through the fleet. One
+# process: on two workers it was no faster (two SGLang servers starting at once on 2 cores).
 .PHONY: test-sglang
 test-sglang: $(STAMP) $(SGLANG_STAMP)
 	MEGARL_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python $(BIN)/python -m pytest tests/sglang_real -m sglang \
-		-n $(TEST_WORKERS) --dist loadfile --durations=20 $(PYTEST_ARGS)
+		--durations=20 $(PYTEST_ARGS)
 
 # On a GPU machine, first: tests/gpu, then PASS / FAIL / NOT RUN per GPU-only path (docs/testing.md).
 .PHONY: test-gpu
