@@ -191,5 +191,8 @@ def test_a_dead_actor_is_named_with_its_node_and_rays_cause():
     error = died("rollout engine0", ray.exceptions.ActorDiedError(context))
     assert str(error) == ("rollout engine0 died (on 10.231.0.2): ActorDiedError: The actor died unexpectedly before "
                           "finishing this task. The actor died because its node has died. Node Id: ab12")
+    # a name that gives the node already does not get its address twice
+    named = died("rollout engine0 on node node2 (10.231.0.2)", ray.exceptions.ActorDiedError(context))
+    assert str(named).startswith("rollout engine0 on node node2 (10.231.0.2) died: ActorDiedError: ")
     # a one-line error as it is
     assert str(died("reward workers", RuntimeError("gone"))) == "reward workers died: RuntimeError: gone"

@@ -32,12 +32,12 @@ HEALTH_GROUP = {"health": 1}  # concurrency_groups of every actor the driver wai
 def died(what: str, error: Exception) -> ComponentDied:
     """`what` died, with the gist of Ray's error: its first line, and for an ActorDiedError (a
     first line, tab-indented fields such as "ip: ADDRESS", then the cause) the cause and the
-    actor's node address."""
+    actor's node address (unless `what` names it already: "... on node HOST (ADDRESS)")."""
     lines = str(error).splitlines()
     fields = dict(line.strip().split(": ", 1) for line in lines[1:] if line.startswith("\t") and ": " in line)
     cause = next((line for line in lines[1:] if line.strip() and not line.startswith("\t")), "")
     gist = " ".join(filter(None, [lines[0] if lines else "", cause]))
-    where = f" (on {fields['ip']})" if "ip" in fields else ""
+    where = f" (on {fields['ip']})" if "ip" in fields and f"({fields['ip']})" not in what else ""
     return ComponentDied(f"{what} died{where}: {type(error).__name__}: {gist}")
 
 
