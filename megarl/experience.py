@@ -20,6 +20,8 @@ from megarl.config import AlgorithmConfig
 from megarl.data.prompts import PromptRecord
 from megarl.data.tokenizer import rust_backend
 from megarl.reward import RewardRequest
+from megarl.reward.scoring import characters_read
+from megarl.reward.settings import RewardConfig
 from megarl.rollout.agent import Trajectory
 
 
@@ -34,9 +36,20 @@ class Sample:
     acc: bool = False
 
 
-def reward_requests(samples: list[Sample], tokenizer) -> list[RewardRequest]:
-    """Score the whole response text (model turns and observations, as Search-R1 does)."""
-    texts = decode_all(tokenizer, [s.trajectory.response_ids for s in samples])
+def reward_requests(samples: list[Sample], tokenizer, reward: RewardConfig | None = None) -> list[RewardRequest]:
+    """Score the whole response text (model turns and observations, as Search-R1 does). With the
+    run's `reward` settings, a response whose scoring reads only its last characters
+    (`megarl.reward.scoring.characters_read`: DAPO's math reward, 300) is decoded from its last
+    tokens, to those characters: a DAPO step's responses are 100 million tokens."""
+    tails = [None if reward is None else characters_read(reward, s.record.data_source) for s in samples]
+    whole = [i for i, n in enumerate(tails) if n is None]
+    texts: list[str] = [""] * len(samples)
+    for i, text in zip(whole, decode_all(tokenizer, [samples[i].trajectory.response_ids for i in whole])):
+        texts[i] = text
+    for chars in {n for n in tails if n is not None}:
+        part = [i for i, n in enumerate(tails) if n == chars]
+        for i, text in zip(part, decode_tails(tokenizer, [samples[i].trajectory.response_ids for i in part], chars)):
+            texts[i] = text
     return [RewardRequest(s.record.data_source, text, s.record.ground_truth, s.record.extra_info, group_id=s.group,
                           response_length=len(s.trajectory.response_ids))
             for s, text in zip(samples, texts)]
@@ -51,6 +64,25 @@ def decode_all(tokenizer, rows: list) -> list[str]:
     if backend is None:
         return [tokenizer.decode(row, skip_special_tokens=True) for row in rows]
     return backend.decode_batch(rows, skip_special_tokens=True)
+
+
+TAIL_MARGIN_CHARS = 16  # past what a cut between tokens can change: half a character, a space a decoder strips
+
+
+def decode_tails(tokenizer, rows: list, chars: int) -> list[str]:
+    """`decode_all(tokenizer, rows)`, each text's last `chars` characters, decoded from as few of
+    each row's last tokens as give `chars` + TAIL_MARGIN_CHARS characters (doubled until they
+    do, or the row is whole). A cut between two tokens changes the start of a text only (bytes of
+    a character cut in two, a leading space a decoder drops), never its end."""
+    texts: list[str] = [""] * len(rows)
+    todo, take = list(range(len(rows))), chars + TAIL_MARGIN_CHARS
+    while todo:
+        decoded = decode_all(tokenizer, [rows[i][-take:] for i in todo])
+        for i, text in zip(todo, decoded):
+            texts[i] = text[-chars:]
+        todo = [i for i, text in zip(todo, decoded) if len(text) < chars + TAIL_MARGIN_CHARS and len(rows[i]) > take]
+        take *= 2
+    return texts
 
 
 def shape_overlong(scores: list[float], lengths: list[int], max_response_length: int, algo: AlgorithmConfig) -> list[float]:

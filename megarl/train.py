@@ -160,7 +160,7 @@ def train_step(c: Components, step: int, rollouts: SyncRollouts | None = None) -
     c.last_samples = samples[:ROLLOUT_TABLE_ROWS]  # not the whole step's, held until the next step's
     metrics.update(c.engine_metrics())
     metrics.update(staleness_metrics(samples, step))
-    batch = experience(c, samples, metrics)
+    batch = experience(c, in_update_order(c.cfg, samples, step), metrics)
     del samples  # the batch holds what the updates need: the trajectories are freed before they run
     metrics["actor/advantage_mean"] = float(masked_mean(batch.advantages, batch.loss_mask))
     updates(c, batch, step, metrics)
@@ -209,16 +209,25 @@ def actor_fields(algo) -> tuple[str, ...]:
 TRAINER_PHASES = ("old_log_prob", "values", "update_critic", "update_actor", "sync_weights")
 
 
+def in_update_order(cfg: RunConfig, samples: list[Sample], step: int) -> list[Sample]:
+    """The samples in the order the updates cut them into mini-batches (shuffle_mini_batches)
+    when the actor and the critic take one order: the batch is built in it, and its forward
+    passes are sent in it too (a rank's routing then crosses once a step: RemoteTrainWorker)."""
+    if one_update_order(cfg) and cfg.actor.shuffle_mini_batches:
+        return [samples[i] for i in update_permutation(len(samples), cfg.trainer.seed, step).tolist()]
+    return samples
+
+
+def one_update_order(cfg: RunConfig) -> bool:
+    return len({w.shuffle_mini_batches for w in [cfg.critic] * cfg.critic.enable + [cfg.actor]}) == 1
+
+
 def updates(c: Components, batch: PackedBatch, step: int, metrics: dict) -> None:
     """The step's updates, the critic's (when on) and the actor's, each sent the fields it reads
-    in the order it cuts into mini-batches (shuffle_mini_batches). When both take the same
-    order, `batch` itself is put in it, field by field (`PackedBatch.reorder`): the driver never
-    holds a second copy of the step's batch."""
+    in the order it cuts into mini-batches (shuffle_mini_batches): `batch` as it is when both
+    take one order (it was built in it: `in_update_order`), else a copy in each one's order."""
     cfg = c.cfg
-    workers = [cfg.critic] * cfg.critic.enable + [cfg.actor]
-    in_order = len({w.shuffle_mini_batches for w in workers}) == 1
-    if in_order and cfg.actor.shuffle_mini_batches:
-        batch.reorder(update_permutation(len(batch), cfg.trainer.seed, step))
+    in_order = one_update_order(cfg)
 
     def ordered(fields: tuple[str, ...], worker: TrainWorkerConfig) -> PackedBatch:
         return batch.only(*fields) if in_order else update_order(batch.only(*fields), worker, cfg, step)
@@ -321,7 +330,7 @@ def score_samples(c: Components, samples: list[Sample], validation: bool = False
 
 def _score_part(c: Components, samples: list[Sample], validation: bool) -> int:
     with c.reward_lock:  # validation may score while the asynchronous producer does
-        results, stats = c.reward_pool.compute(reward_requests(samples, c.tokenizer))
+        results, stats = c.reward_pool.compute(reward_requests(samples, c.tokenizer, c.cfg.reward))
     scores = [r.score for r in results]
     bad = [i for i, x in enumerate(scores) if not math.isfinite(x)]
     if bad:  # a NaN reward would poison every advantage of its group

@@ -121,3 +121,59 @@ def test_samples_are_scored_in_parts_of_whole_groups(monkeypatch):
     assert train.score_samples(c, samples, validation=True) == 0
     assert sent == [[0, 0, 1, 1, 1], [2, 3, 3]]
     assert [(s.score, s.acc) for s in samples] == [(float(g), g % 2 == 0) for g in groups]
+
+
+@pytest.mark.parametrize("clean_up", [False, True])
+def test_the_tails_decoded_from_the_last_tokens_are_the_whole_texts_ends(clean_up):
+    # against decoding every row whole: characters of several bytes cut between tokens, special
+    # tokens that decode to nothing (the tail is then taken again from more tokens), short rows
+    import random
+
+    from megarl.experience import decode_tails
+    from megarl.rollout.agent import TokenRow
+
+    tok = copy.deepcopy(TOK)
+    tok.clean_up_tokenization_spaces = clean_up
+    pieces = ["Answer: 42", " 東京", " don 't", " a .", "\n", " 🙂", " x", "<answer>", " ünïcödé"]
+    rnd = random.Random(0)
+    rows = []
+    for n in [0, 1, 3, 40, 200, 900]:
+        text = "".join(rnd.choice(pieces) for _ in range(n))
+        ids = tok.encode(text, add_special_tokens=False)
+        rows.append(TokenRow("i", ids + [tok.eos_token_id]))
+        rows.append(TokenRow("i", ids[: len(ids) // 2] + [tok.eos_token_id] * 500 + ids[len(ids) // 2:]))
+    rows.append(TokenRow("i", tok.encode("🙂" * 100, add_special_tokens=False) + [tok.eos_token_id]))  # a byte a token
+    want = [tok.decode(list(r), skip_special_tokens=True)[-30:] for r in rows]
+    assert decode_tails(tok, rows, 30) == want
+    assert any(len(w) == 30 for w in want) and any(len(w) < 30 for w in want)
+
+
+def test_only_a_reward_that_reads_the_last_characters_alone_gets_them():
+    from megarl.reward.scoring import characters_read
+    from megarl.reward.settings import RewardConfig
+
+    assert characters_read(RewardConfig(), "math_dapo") == 300  # DAPO's reward: the last 300 characters
+    assert characters_read(RewardConfig(custom_function="dapo_math"), "nq") == 300
+    assert characters_read(RewardConfig(), "nq") is None  # exact match reads the whole answer
+    assert characters_read(RewardConfig(), "no_such_source") is None  # scoring names it
+    assert characters_read(RewardConfig(custom_function="reward_fixtures:length_score"), "math_dapo") is None
+    assert characters_read(RewardConfig(weights={"task_score": 1.0, "format": 0.5}), "math_dapo") is None
+
+
+def test_a_dapo_response_is_scored_on_its_tail_as_on_its_whole_text():
+    # an "Answer:" line while reasoning and the last one; the request holds the last 300
+    # characters, and each sample scores as its whole text does
+    from megarl.reward.scoring import score_one
+    from megarl.reward.settings import RewardConfig
+
+    cfg = RewardConfig()
+    texts = ["Answer: 7\n" + "so on " * 200 + "\nAnswer: 3", "Answer: 3\n" + "so on " * 200, "Answer: 3"]
+    samples = [sample([5], TOK.encode(t, add_special_tokens=False), [1] * len(TOK.encode(t)), i, source="math_dapo")
+               for i, t in enumerate(texts)]
+    for s in samples:
+        s.record = PromptRecord([5], "math_dapo", "3")
+    requests = reward_requests(samples, TOK, cfg)
+    assert [r.solution_str for r in requests] == [t[-300:] for t in texts]
+    whole = reward_requests(samples, TOK)
+    assert [r.solution_str for r in whole] == texts
+    assert [score_one(cfg, r).score for r in requests] == [score_one(cfg, r).score for r in whole] == [1.0, -1.0, 1.0]

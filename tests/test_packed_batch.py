@@ -43,7 +43,23 @@ def test_padded_rows_are_trainbatchs_own():
     torch.testing.assert_close(batch.pack(want.rollout_log_probs), batch.rollout_log_probs)
     again = PackedBatch.from_rows(want)
     assert again.lengths.tolist() == batch.lengths.tolist()
-    assert torch.equal(again.input_ids, batch.input_ids) and torch.equal(again.routed_experts, batch.routed_experts)
+    assert torch.equal(again.input_ids, batch.input_ids)
+    assert all(torch.equal(a, b) for a, b in zip(again.routed_experts.rows, batch.routed_experts.rows, strict=True))
+
+
+def test_the_routing_is_the_engines_own_tensors_moved_not_copied():
+    # the routing is most of a token's bytes: building and selecting rows move the engine's
+    # tensors; only a share sent copies them
+    engines = routed(range(6))
+    batch = PackedBatch.from_sequences(PROMPTS, RESPONSES, MASKS, LOG_PROBS, engines)
+    assert all(got is want for got, want in zip(batch.routed_experts.rows, engines, strict=True))
+    batch = batch.select(torch.tensor([5, 3, 1, 0, 2, 4]))
+    assert all(got is engines[i] for got, i in zip(batch.routed_experts.rows, [5, 3, 1, 0, 2, 4], strict=True))
+    share = update_shares(batch, 2, 4)[1]  # rows 1, 0 of the first mini-batch, 4 of the second
+    assert share.rows == (slice(2, 4), slice(5, 6))
+    assert all(got is engines[i] for got, i in zip(share.batch.routed_experts.rows, [1, 0, 4], strict=True))
+    back = pickle.loads(pickle.dumps(share))
+    assert [r.tolist() for r in back.batch.routed_experts.rows] == [engines[i].tolist() for i in [1, 0, 4]]
 
 
 @pytest.mark.parametrize("index", [[3, 0, 5, 1], slice(1, 4), slice(0, 6, 2), [2]])
@@ -51,20 +67,6 @@ def test_selected_rows_are_those_rows_built_alone(index):
     rows = list(range(6))[index] if isinstance(index, slice) else index
     assert_rows_equal(packed().select(index if isinstance(index, slice) else torch.tensor(index)).padded(),
                       packed(rows).padded())
-
-
-def test_rows_reordered_in_place_are_those_rows_built_alone():
-    # the rows in the new order, every field (the routing too); a tensor two fields shared is
-    # still one (the engine's log-probs taken as the old policy's)
-    order = [4, 0, 5, 2, 1, 3]
-    batch = packed()
-    batch = batch.with_fields(old_log_probs=batch.rollout_log_probs, advantages=torch.arange(23.0))
-    want_advantages = torch.cat([batch.advantages[s: s + n] for s, n in
-                                 zip(batch.starts()[order].tolist(), batch.lengths[order].tolist())])
-    batch.reorder(torch.tensor(order))
-    assert_rows_equal(batch.padded(), packed(order).padded())
-    assert batch.old_log_probs is batch.rollout_log_probs
-    assert torch.equal(batch.advantages, want_advantages)
 
 
 def test_only_the_fields_named_travel():

@@ -48,7 +48,8 @@ class TrainBatch:
         attention = torch.zeros((len(prompts), width), dtype=torch.long)
         loss_mask = torch.zeros((len(prompts), width), dtype=torch.long)
         rollout = torch.zeros((len(prompts), width)) if rollout_log_probs is not None else None
-        routed = _routing_rows(routed_experts, prompts, responses) if routed_experts is not None else None
+        lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+        routed = routing_rows(routed_experts, lengths) if routed_experts is not None else None
         for row, (p, r, m) in enumerate(zip(prompts, responses, response_masks)):
             if len(m) != len(r):
                 raise ValueError(f"row {row}: response of {len(r)} tokens but a mask of {len(m)}")
@@ -109,9 +110,10 @@ class RaggedRows:
         return out
 
 
-def _routing_rows(routed: list[torch.Tensor | None], prompts: list[list[int]],
-                  responses: list[list[int]]) -> RaggedRows:
-    check_routing(routed, [len(p) + len(r) for p, r in zip(prompts, responses)])
+def routing_rows(routed: list[torch.Tensor | None], lengths: list[int]) -> RaggedRows:
+    """The rows' routing, checked against the rows' `lengths`; int16, each row's tensor itself
+    where it is int16 already (no copy)."""
+    check_routing(routed, lengths)
     return RaggedRows(tuple(r.to(torch.int16) for r in routed))
 
 

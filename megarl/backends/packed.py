@@ -14,13 +14,14 @@ Main entry points: `PackedBatch.from_sequences`, `update_shares`, `forward_share
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import torch
 
-from megarl.backends.batch import PER_TOKEN_FIELDS, RaggedRows, TrainBatch, check_routing
+from megarl.backends.batch import PER_TOKEN_FIELDS, RaggedRows, TrainBatch, routing_rows
 
 
 @dataclass
@@ -34,7 +35,11 @@ class PackedBatch:
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
     values: torch.Tensor | None = None
-    routed_experts: torch.Tensor | None = None  # (N - B, width) int16: each row's positions but its last
+    # row i: (lengths[i] - 1, width) int16, the engine's own tensor: selecting rows moves
+    # references, and the bytes are copied when a share is sent, once a step for Ray's ranks
+    # (megarl.runtime.stored_rows: StoredRows). Routing replay: the experts are most of a
+    # token's bytes, 768 for Qwen3-30B-A3B
+    routed_experts: RaggedRows | StoredRows | None = None
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -43,13 +48,19 @@ class PackedBatch:
         """Pickled as numpy arrays: Ray then copies each into its object store once, out of band,
         where a torch tensor is first written into a bytes object by torch's own pickling; and a
         share that views rows of a larger batch carries its rows only, where a tensor view is
-        pickled with all of its storage."""
-        return {f.name: (t.numpy() if isinstance(t := getattr(self, f.name), torch.Tensor) else t) for f in fields(self)}
+        pickled with all of its storage. The routing goes row by row, each row's tensor as it is."""
+        state = {f.name: (t.numpy() if isinstance(t := getattr(self, f.name), torch.Tensor) else t) for f in fields(self)}
+        if isinstance(self.routed_experts, RaggedRows):
+            state["routed_experts"] = [row.numpy() for row in self.routed_experts.rows]
+        return state
 
     def __setstate__(self, state: dict) -> None:
+        routed = state.pop("routed_experts", None)
         for name, value in state.items():  # Ray's arrays are read-only views of its object store
             setattr(self, name, value if value is None else torch.from_numpy(
                 value if value.flags.writeable else value.copy()))
+        # the routing is only read: its rows stay views of Ray's store (no copy of the largest field)
+        self.routed_experts = routed if routed is None or isinstance(routed, StoredRows) else read_only_rows(routed)
 
     @property
     def num_tokens(self) -> int:
@@ -80,7 +91,7 @@ class PackedBatch:
         ids = flat(lambda p, dtype: np.asarray(p, dtype), responses, np.int32)
         mask = flat(zeros, response_masks, np.bool_)
         rollout = flat(zeros, rollout_log_probs, np.float32) if rollout_log_probs is not None else None
-        routed = _routing(routed_experts, lengths) if routed_experts is not None else None
+        routed = routing_rows(routed_experts, lengths.tolist()) if routed_experts is not None else None
         return cls(lengths, ids, mask, rollout_log_probs=rollout, routed_experts=routed)
 
     @classmethod
@@ -88,9 +99,8 @@ class PackedBatch:
         """A worker's right-padded rows packed (the inverse of `padded`)."""
         real = batch.attention_mask.bool()
         per_token = {f: getattr(batch, f)[real].float() for f in PER_TOKEN_FIELDS if getattr(batch, f) is not None}
-        routed = torch.cat(batch.routed_experts.rows) if batch.routed_experts is not None else None
         return cls(real.sum(1), batch.input_ids[real].to(torch.int32), batch.loss_mask[real].bool(),
-                   routed_experts=routed, **per_token)
+                   routed_experts=batch.routed_experts, **per_token)
 
     def starts(self) -> torch.Tensor:
         """(B,) where each row's tokens begin."""
@@ -102,42 +112,23 @@ class PackedBatch:
         if isinstance(index, slice) and index.step in (None, 1):
             rows = range(len(self))[index]
             if not rows:
-                return self._rows_of(torch.zeros(0, dtype=torch.long), [], [])
+                return self._rows_of(rows, [])
             lo, hi = int(starts[rows.start]), int(starts[rows.stop - 1] + self.lengths[rows.stop - 1])
-            return self._rows_of(self.lengths[index], [slice(lo, hi)], [slice(lo - rows.start, hi - rows.stop)])
-        rows = torch.arange(len(self))[index] if isinstance(index, slice) else torch.as_tensor(index).flatten()
-        tokens = [slice(int(starts[i]), int(starts[i] + self.lengths[i])) for i in rows.tolist()]
-        routed = [slice(s.start - i, s.stop - i - 1) for s, i in zip(tokens, rows.tolist())]
-        return self._rows_of(self.lengths[rows], tokens, routed)
+            return self._rows_of(rows, [slice(lo, hi)])
+        rows = (torch.arange(len(self))[index] if isinstance(index, slice) else torch.as_tensor(index).flatten()).tolist()
+        return self._rows_of(rows, [slice(int(starts[i]), int(starts[i] + self.lengths[i])) for i in rows])
 
-    def _rows_of(self, lengths: torch.Tensor, tokens: list[slice], routed: list[slice]) -> PackedBatch:
-        def take(t: torch.Tensor | None, parts: list[slice]) -> torch.Tensor | None:
+    def _rows_of(self, rows: range | list[int], tokens: list[slice]) -> PackedBatch:
+        """The batch of `rows`, whose tokens are the runs `tokens` of the per-token fields."""
+        def take(t: torch.Tensor | None) -> torch.Tensor | None:
             if t is None:
                 return None
-            return t[parts[0]] if len(parts) == 1 else torch.cat([t[s] for s in parts]) if parts else t[:0]
+            return t[tokens[0]] if len(tokens) == 1 else torch.cat([t[s] for s in tokens]) if tokens else t[:0]
 
-        return replace(self, lengths=lengths, routed_experts=take(self.routed_experts, routed),
-                       **{f: take(getattr(self, f), tokens) for f in ("input_ids", "loss_mask", *PER_TOKEN_FIELDS)})
-
-    def reorder(self, order: torch.Tensor) -> None:
-        """Put the rows in `order`, in place and one field at a time: each field's old tensor is
-        freed as its reordered copy is made (unless another field or batch still holds it), where
-        `select` holds a second copy of every field at once. Fields that were one tensor stay one."""
-        starts, lengths = self.starts().tolist(), self.lengths.tolist()
-        rows = order.tolist()
-        tokens = [slice(starts[i], starts[i] + lengths[i]) for i in rows]
-        routed = [slice(starts[i] - i, starts[i] + lengths[i] - i - 1) for i in rows]
-        done: dict[int, torch.Tensor] = {}
-        for name in ("input_ids", "loss_mask", *PER_TOKEN_FIELDS, "routed_experts"):
-            old = getattr(self, name)
-            if old is None:
-                continue
-            if id(old) not in done:
-                parts = routed if name == "routed_experts" else tokens
-                done[id(old)] = torch.cat([old[s] for s in parts]) if parts else old[:0]
-            setattr(self, name, done[id(old)])
-            del old
-        self.lengths = self.lengths[order]
+        index = slice(rows.start, rows.stop) if isinstance(rows, range) else torch.tensor(rows, dtype=torch.long)
+        routed = None if self.routed_experts is None else self.routed_experts[index]
+        return replace(self, lengths=self.lengths[index], routed_experts=routed,
+                       **{f: take(getattr(self, f)) for f in ("input_ids", "loss_mask", *PER_TOKEN_FIELDS)})
 
     def only(self, *keep: str) -> PackedBatch:
         """The batch with the float fields not named in `keep` left out (what a call does not read
@@ -165,11 +156,8 @@ class PackedBatch:
             out[real] = t.to(dtype)
             return out
 
-        routed = None
-        if self.routed_experts is not None:
-            routed = RaggedRows(tuple(torch.split(self.routed_experts, (self.lengths - 1).tolist())))
         return TrainBatch(pad(self.input_ids, torch.long, pad_id), real.long(), pad(self.loss_mask, torch.long),
-                          routed_experts=routed,
+                          routed_experts=self.routed_experts,
                           **{f: pad(getattr(self, f), torch.float32) for f in PER_TOKEN_FIELDS})
 
     def pack(self, padded: torch.Tensor) -> torch.Tensor:
@@ -177,12 +165,26 @@ class PackedBatch:
         return padded[:, : int(self.lengths.max())][self._positions(int(self.lengths.max()))]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for f in fields(self) if (t := getattr(self, f.name)) is not None)
+        tensors = [t for f in fields(self) if isinstance(t := getattr(self, f.name), torch.Tensor)]
+        tensors += list(self.routed_experts.rows) if self.routed_experts is not None else []
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _routing(routed: list[torch.Tensor | None], lengths: torch.Tensor) -> torch.Tensor:
-    check_routing(routed, lengths.tolist())
-    return torch.cat([r.to(torch.int16) for r in routed])
+def read_only_rows(arrays: list[np.ndarray]) -> RaggedRows:
+    """Rows over the arrays' memory, which may be read-only (views of Ray's object store): for
+    a field the workers only read (the routing)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return RaggedRows(tuple(torch.from_numpy(a) for a in arrays))
+
+
+@dataclass(frozen=True)
+class StoredRows:
+    """A field's rows kept elsewhere (Ray's object store), in place of a `RaggedRows`: `parts`,
+    handles whose values are lists of row arrays, the rows in order. Made and read by the
+    runtime that stores them (megarl.runtime.stored_rows)."""
+
+    parts: tuple
 
 
 @dataclass
@@ -196,6 +198,7 @@ class DataShare:
     dp_rank: int
     dp_size: int
     minis: tuple[tuple[int, int, int], ...] = ()  # (rows here, loss tokens of the mini-batch, its rows)
+    rows: tuple[slice, ...] = ()  # the whole batch's rows it holds, runs in order
 
     def mini_batches(self):
         """(rows of this rank as a PackedBatch, {"num_tokens", "num_seqs"} of the whole mini-batch)."""
@@ -227,7 +230,7 @@ def iter_update_shares(batch: PackedBatch, dp_size: int, mini_rows: int) -> Iter
             parts[r].append(slice(start + r * share, start + (r + 1) * share))
             minis[r].append((share, tokens, rows))
     for r in range(dp_size):
-        yield DataShare(_concat_rows(batch, parts[r]), r, dp_size, tuple(minis[r]))
+        yield DataShare(_concat_rows(batch, parts[r]), r, dp_size, tuple(minis[r]), tuple(parts[r]))
 
 
 def forward_shares(batch: PackedBatch, dp_size: int) -> list[DataShare]:
@@ -240,7 +243,8 @@ def iter_forward_shares(batch: PackedBatch, dp_size: int) -> Iterator[DataShare]
     """`forward_shares` one at a time."""
     bounds = [len(batch) * r // dp_size for r in range(dp_size + 1)]
     for r in range(dp_size):
-        yield DataShare(batch.select(slice(bounds[r], bounds[r + 1])), r, dp_size)
+        rows = slice(bounds[r], bounds[r + 1])
+        yield DataShare(batch.select(rows), r, dp_size, rows=(rows,))
 
 
 def _concat_rows(batch: PackedBatch, parts: list[slice]) -> PackedBatch:
@@ -249,9 +253,7 @@ def _concat_rows(batch: PackedBatch, parts: list[slice]) -> PackedBatch:
     starts = batch.starts().tolist()
     ends = [start + n for start, n in zip(starts, batch.lengths.tolist())]
     tokens = [slice(starts[s.start], ends[s.stop - 1]) for s in parts]
-    routed = [slice(starts[s.start] - s.start, ends[s.stop - 1] - s.stop) for s in parts]
-    lengths = torch.cat([batch.lengths[s] for s in parts]) if parts else batch.lengths[:0]
-    return batch._rows_of(lengths, tokens, routed)
+    return batch._rows_of([i for s in parts for i in range(s.start, s.stop)], tokens)
 
 
 def as_rows(batch: TrainBatch | PackedBatch | DataShare) -> tuple[TrainBatch, Callable[[torch.Tensor], torch.Tensor]]:

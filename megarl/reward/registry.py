@@ -18,7 +18,7 @@ from functools import cache
 from typing import Any
 
 from megarl.reward.code import binary_code_score, code_format_score, code_score, ioi_score
-from megarl.reward.dapo_math import dapo_math_score
+from megarl.reward.dapo_math import RESPONSE_TAIL_CHARS, dapo_math_score
 from megarl.reward.search_r1 import search_r1_em_score, search_r1_format_score
 
 CUSTOM_FUNCTION_FORM = (
@@ -30,10 +30,12 @@ CUSTOM_FUNCTION_FORM = (
 class Scorer:
     """A scoring function fn(solution_str, ground_truth, extra_info, **options) -> dict
     with at least "score" (float) and "acc" (bool); `options` names the reward settings
-    (RewardConfig fields of the same name) it takes as keyword arguments."""
+    (RewardConfig fields of the same name) it takes as keyword arguments; `last_chars`, when
+    set, is all of a response it reads: its last characters (the trainer then decodes no more)."""
 
     fn: Callable[..., dict]
     options: tuple[str, ...] = ()
+    last_chars: int | None = None
 
 
 CODE_OPTIONS = ("code_sandbox_url", "code_wall_s", "code_memory_mb")
@@ -42,7 +44,7 @@ SCORERS: dict[str, Scorer] = {
     "search_r1_format": Scorer(
         search_r1_format_score, ("structure_format_score", "final_format_score", "retrieval_score")
     ),
-    "dapo_math": Scorer(dapo_math_score, ("dapo_math_normalization",)),
+    "dapo_math": Scorer(dapo_math_score, ("dapo_math_normalization",), last_chars=RESPONSE_TAIL_CHARS),
     "code": Scorer(code_score, CODE_OPTIONS),
     "code_binary": Scorer(binary_code_score, CODE_OPTIONS),
     "ioi": Scorer(ioi_score, CODE_OPTIONS),

@@ -21,7 +21,7 @@ from megarl.reward.open_r1 import (
     repetition_penalty_reward,
     tag_count_reward,
 )
-from megarl.reward.registry import SCORERS, load_custom_function, score_task
+from megarl.reward.registry import SCORERS, load_custom_function, score_task, scorer_for_data_source
 from megarl.reward.settings import (
     COMPONENT_NAMES, GROUP_COMPONENTS, NEED_CORRECTNESS, RewardConfig, unknown_weight_names,
 )
@@ -31,7 +31,8 @@ __all__ = ["COMPONENT_NAMES", "RewardRequest", "RewardResult", "apply_group_rewa
 
 @dataclass(frozen=True)
 class RewardRequest:
-    """One sample to score. solution_str is the decoded response only, not the prompt."""
+    """One sample to score. solution_str is the decoded response only, not the prompt (its last
+    characters only where scoring reads no more: `characters_read`)."""
 
     data_source: str
     solution_str: str
@@ -98,6 +99,20 @@ def _correctness(components: Mapping[str, float | None], task_acc: bool | None) 
         accuracy = components["accuracy"]
         return None if accuracy is None else accuracy > 0
     return task_acc
+
+
+def characters_read(cfg: RewardConfig, data_source: str) -> int | None:
+    """How many of a response's last characters scoring a sample of `data_source` reads, or
+    None for all of it: a number only when the task score is the whole reward and its scorer
+    (routed, or named by reward.custom_function) declares one (Scorer.last_chars)."""
+    if set(cfg.effective_weights()) != {"task_score"}:
+        return None
+    if cfg.custom_function is not None:
+        return SCORERS[cfg.custom_function].last_chars if cfg.custom_function in SCORERS else None
+    try:
+        return scorer_for_data_source(data_source).last_chars
+    except ValueError:  # scoring names the unknown data source
+        return None
 
 
 def score_one(cfg: RewardConfig, request: RewardRequest) -> RewardResult:

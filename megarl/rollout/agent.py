@@ -98,8 +98,11 @@ class Trajectory:
         return sum(r.shape[0] for r in self.routed_experts)
 
     def routing(self) -> torch.Tensor | None:
-        """(positions, width) the experts of every token but the last, or None when not asked for."""
-        return torch.cat(self.routed_experts) if self.routed_experts else None
+        """(positions, width) the experts of every token but the last, or None when not asked for.
+        The turns' parts are joined once, in place: a single part is returned as it is."""
+        if len(self.routed_experts) > 1:
+            self.routed_experts = [torch.cat(self.routed_experts)]
+        return self.routed_experts[0] if self.routed_experts else None
 
     def extend(self, ids: list[int], log_probs: list[float] | None, versions: list[int] | None = None,
                routed: torch.Tensor | None = None) -> None:

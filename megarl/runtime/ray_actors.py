@@ -16,6 +16,7 @@ from megarl.config import RunConfig
 from megarl.rollout.engine import GenerationOutput, SamplingParams
 from megarl.runtime.base import RankEndpoint
 from megarl.runtime.liveness import HEALTH_GROUP
+from megarl.runtime.stored_rows import fetched
 from megarl.weights.buckets import FlatBucket, unpack_bucket
 from megarl.weights.transport import RankPlace, WeightSender
 
@@ -81,7 +82,7 @@ class TrainWorkerActor:
         return self.worker.has_reference
 
     def run(self, method: str, *args):
-        return getattr(self.worker, method)(*args)
+        return getattr(self.worker, method)(*fetched(args))
 
     @ray.method(concurrency_group="health")
     def ping(self) -> int:

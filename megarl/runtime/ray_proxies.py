@@ -16,12 +16,14 @@ from pathlib import Path
 import ray
 import torch
 
+from megarl.backends.batch import RaggedRows
 from megarl.backends.packed import DataShare, PackedBatch, iter_forward_shares, iter_update_shares
 from megarl.driver_loop import run_async
 from megarl.reward.scoring import RewardRequest, RewardResult
 from megarl.reward.pool import RewardStats
 from megarl.rollout.engine import GenerationOutput, SamplingParams
 from megarl.runtime.liveness import ActorWatch, Liveness, bounded, gather_watched
+from megarl.runtime.stored_rows import RoutingInStore, cuts
 from megarl.weights.buckets import WeightBucket, flatten
 from megarl.weights.transport import RankPlace, WeightSender
 
@@ -58,7 +60,8 @@ class RemoteTrainWorker(_Ranks):
 
     A packed batch (megarl.backends.packed) is not sent whole to every rank: each data-parallel
     rank's share is put in Ray's object store once and read by the ranks of that share (its
-    TP / PP / CP peers). For an update the share is a contiguous part of every mini-batch of
+    TP / PP / CP peers); the routing of routing replay once a step, whatever the calls
+    (megarl.runtime.stored_rows). For an update the share is a contiguous part of every mini-batch of
     `mini_rows[part]` rows, as the Megatron backend trains on; for a forward pass a run of
     consecutive rows, whose results come back from one rank of each share and nowhere else."""
 
@@ -69,6 +72,7 @@ class RemoteTrainWorker(_Ranks):
                  mini_rows: Mapping[str, int] | None = None):
         super().__init__(actors, liveness)
         self.has_reference, self.mini_rows = has_reference, dict(mini_rows or {})
+        self.routing = RoutingInStore()
         self._layout: list[tuple[int, int]] | None = None
 
     def _on_every_rank(self, method: str, *args):
@@ -81,7 +85,11 @@ class RemoteTrainWorker(_Ranks):
             self._layout = self.gather([a.run.remote("data_parallel") for a in self.actors])
         return self._layout
 
-    def _shared(self, method: str, shares: Iterable[DataShare], *rest, answers: list[int]) -> list:
+    def _shared(self, method: str, batch: PackedBatch, shares: Iterable[DataShare], *rest,
+                answers: list[int]) -> list:
+        if isinstance(batch.routed_experts, RaggedRows):  # put once a step, by piece (megarl.runtime.stored_rows)
+            at = cuts(len(batch), self.data_layout()[0][1], self.mini_rows.values())
+            shares = (self.routing.share(s, batch.routed_experts, at) for s in shares)
         refs = [ray.put(s) for s in shares]  # built one at a time, each dropped once in the object store
         calls = [a.run.remote(method, refs[dp], *rest) for a, (dp, _) in zip(self.actors, self.data_layout())]
         return self.gather(calls, keep=answers)
@@ -91,7 +99,7 @@ class RemoteTrainWorker(_Ranks):
             return self._on_every_rank(method, batch, *rest)
         size = self.data_layout()[0][1]
         first = [self.data_layout().index((dp, size)) for dp in range(size)]  # one rank of each share answers
-        parts = self._shared(method, iter_forward_shares(batch, size), *rest, answers=first)
+        parts = self._shared(method, batch, iter_forward_shares(batch, size), *rest, answers=first)
         if isinstance(parts[0], tuple):
             return tuple(None if p[0] is None else torch.cat(list(p)) for p in zip(*parts))
         return torch.cat(parts)
@@ -100,7 +108,7 @@ class RemoteTrainWorker(_Ranks):
         if len(self.actors) == 1 or not isinstance(batch, PackedBatch) or part not in self.mini_rows:
             return self._on_every_rank(method, batch)
         size = self.data_layout()[0][1]
-        return self._shared(method, iter_update_shares(batch, size, self.mini_rows[part]), answers=[0])[0]
+        return self._shared(method, batch, iter_update_shares(batch, size, self.mini_rows[part]), answers=[0])[0]
 
     def compute_log_prob(self, batch: PackedBatch, with_entropy: bool = False):
         return self._forward("compute_log_prob", batch, with_entropy)

@@ -54,7 +54,8 @@ from megarl.reward.pool import RewardPool
 from megarl.rollout.agent import TokenRow, Trajectory
 from megarl.rollout.token_rows import VersionRuns
 from megarl.runtime.ray_proxies import RemoteTrainWorker
-from megarl.train import collect_samples, experience, score_samples, updates
+from megarl.runtime.stored_rows import fetched
+from megarl.train import collect_samples, experience, in_update_order, score_samples, updates
 from megarl.versions import installed_versions
 
 RECIPES = {"dapo32b": ("examples/dapo/dapo_qwen2.5_32b.yaml", "Qwen2.5-32B", 8, (8, 2, 4)),
@@ -144,6 +145,7 @@ class RankStandIn:
 
         if method == "data_parallel":
             return self.dp_rank, self.dp_size
+        args = fetched(args)  # as a rank does: the share's routing read from the object store
         share = args[0]
         if not isinstance(share, DataShare) or (share.dp_rank, share.dp_size) != (self.dp_rank, self.dp_size):
             raise ValueError(f"rank of DP {self.dp_rank}/{self.dp_size} was sent {type(share).__name__}")
@@ -248,7 +250,7 @@ def one_step(args, d: Driver, gen: np.random.Generator, step: int) -> dict:
         metrics: dict = {}
         kept = collect_samples(d, step, metrics, generate)
         peak.phase("generate and score")
-        batch = experience(d, kept, metrics)
+        batch = experience(d, in_update_order(cfg, kept, step), metrics)
         peak.phase("batch, old log-probs, advantages")
         width = ROUTING_WIDTH if cfg.actor.moe_routing_replay else 0
         mini = cfg.actor.ppo_mini_batch_size * cfg.rollout.n
@@ -256,11 +258,10 @@ def one_step(args, d: Driver, gen: np.random.Generator, step: int) -> dict:
         responses = [len(s.trajectory.response_ids) for s in kept]
         n_kept = len(kept)
         del kept  # as megarl.train's train_step does
-        generated_order = batch.lengths.tolist()
-        updates(d, batch, step, metrics)  # puts the batch in the update's order
+        updates(d, batch, step, metrics)
         peak.phase("update's shares")
         driver_s = time.perf_counter() - start - engines["s"]
-    expected = {"compute_log_prob": expected_shares(generated_order, "compute_log_prob", args.dp, mini, 5, width),
+    expected = {"compute_log_prob": expected_shares(batch.lengths.tolist(), "compute_log_prob", args.dp, mini, 5, width),
                 "update_actor": expected_shares(batch.lengths.tolist(), "update_actor", args.dp, mini, 13, width)}
     raw = engines["raw"]
     print("  peak by phase, resident (its own): " + ", ".join(
@@ -310,7 +311,10 @@ def main() -> int:
     p.add_argument("--solved-fraction", type=float, default=0.2,
                    help="groups whose samples are all right (dynamic sampling drops them)")
     p.add_argument("--ranks", type=int, default=8, help="rank actors (the recipe's DP groups, 2 ranks each)")
-    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--steps", type=int, default=2, help="timed steps, after the warm-up step")
+    p.add_argument("--warmup-steps", type=int, default=1,
+                   help="steps run first and printed, not timed against the target (Ray's object store pages "
+                        "are first touched then)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     print(installed_versions(), flush=True)
@@ -344,12 +348,13 @@ def main() -> int:
             "actor": cfg.actor.ppo_mini_batch_size * cfg.rollout.n}), threading.Lock(), records,
             PromptOrder(len(records)))
         results = []
-        for step in range(args.steps):
+        for step in range(args.warmup_steps + args.steps):
             r = one_step(args, d, gen, step)
+            r["warmup"] = step < args.warmup_steps
             reports = ray.get([a.report.remote() for a in actors])
             r["rank_ratio"], r["rank_bytes"] = rank_figures(reports, r.pop("expected"), dp, args.ranks)
             results.append(r)
-            print(f"step {step}: {r['generated']} trajectories generated in {r['gen_batches']} batches, {r['kept']} kept, "
+            print(f"{'warm-up ' if r['warmup'] else ''}step {step}: {r['generated']} trajectories generated in {r['gen_batches']} batches, {r['kept']} kept, "
                   f"{r['tokens'] / 1e6:.1f}M tokens (mean response {r['mean_response']:.0f}, longest "
                   f"{r['max_response']}); driver {r['driver_s']:.1f} s, peak +{r['peak'] / 2**30:.2f} GiB resident, "
                   f"+{r['peak_own'] / 2**30:.2f} GiB its own, against {r['raw'] / 2**30:.2f} GiB raw "
@@ -359,7 +364,7 @@ def main() -> int:
     mean_response = sum(r["mean_response"] for r in results) / len(results)
     scale = 512 / args.prompts  # the driver's work grows with the step's tokens
     step_s = estimated_step_s(model, nodes, layout, cfg, args.prompt_length, mean_response)
-    driver_s = max(r["driver_s"] for r in results) * scale
+    driver_s = max(r["driver_s"] for r in results if not r["warmup"]) * scale
     worst_rank = max(r["rank_ratio"] for r in results)
     worst_peak = max(r["peak_own"] / r["raw"] for r in results)
     worst_resident = max(r["peak"] / r["raw"] for r in results)
