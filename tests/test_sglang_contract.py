@@ -321,6 +321,9 @@ def test_routed_experts_bodies_and_answers(api_types, request_structs):
     assert sglang_api.output_from_sglang(payload).routed_experts is None  # not asked for
     with pytest.raises(ValueError, match="not a whole row for each of the 7 positions"):
         sglang_api.output_from_sglang({**payload, "output_ids": [7, 8, 9] * 2 + [7]}, 5)
+    broken = {**payload, "meta_info": {**payload["meta_info"], "routed_experts": "AAAA!AAA"}}
+    with pytest.raises(ValueError, match="routed_experts is not base64"):
+        sglang_api.output_from_sglang(broken, 5)
 
 
 def test_a_request_aborted_before_its_prefill_is_an_empty_preempted_output():
