@@ -149,6 +149,9 @@ def test_sglang_weight_version_spans():
     assert version_spans([3, 3, 4, 4, 4]) == spans
     assert token_versions(spans, 6) is None  # a token no span covers: the output's weight_version stands
     assert token_versions([{"version": "v1", "start": 0, "end": 5}], 5) is None  # not megarl's step numbers
+    assert token_versions(spans[::-1], 5) == [3, 3, 4, 4, 4]  # in any order
+    overlapping = [{"version": "3", "start": 0, "end": 3}, {"version": "4", "start": 2, "end": 5}]
+    assert token_versions(overlapping, 5) is None  # a token two spans cover
 
 
 @pytest.mark.parametrize("level, expected", [("token", (math.exp(0.1) + 2.0) / 2),  # exp(0.8) capped at 2

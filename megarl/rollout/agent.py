@@ -186,7 +186,7 @@ async def run_trajectory(engine: RolloutEngine, tokenizer, prompt_ids: list[int]
         out = await generate_continued(engine, tokenizer, traj.prompt_ids + traj.response_ids, params, traj)
         if turn == 0:
             traj.weight_version = out.weight_version
-        traj.extend(out.token_ids, out.log_probs, out.versions(), out.routed_experts)
+        traj.extend(out.token_ids, out.log_probs, out.version_runs(), out.routed_experts)
         traj.num_turns += 1
         if out.finish_reason == "abort":
             traj.finish_reason = "abort"

@@ -12,12 +12,13 @@ same temperature scaling, so the two agree up to numerics.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
+from megarl.rollout.token_rows import VersionRuns
 from megarl.weights.buckets import WeightBucket
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -97,7 +98,8 @@ class GenerationOutput:
     finish_reason: FinishReason
     matched_stop: int | str | None = None  # the stop id or string that ended it
     weight_version: int = 0  # weights it started with (stale samples can be counted)
-    token_versions: list[int] | None = None  # weights of each token, where the engine reports it; None = all weight_version
+    # weights of each token, where the engine reports it (a list, or runs: VersionRuns); None = all weight_version
+    token_versions: Sequence[int] | None = None
     prompt_tokens: int = 0
     message: str | None = None  # why it aborted
     meta: dict = field(default_factory=dict)
@@ -114,7 +116,17 @@ class GenerationOutput:
 
     def versions(self) -> list[int]:
         """The weight version of each token."""
-        return list(self.token_versions) if self.token_versions is not None else [self.weight_version] * len(self.token_ids)
+        return list(self.version_runs())
+
+    def version_runs(self) -> VersionRuns:
+        """The weight version of each token, as runs (what a trajectory holds)."""
+        if isinstance(self.token_versions, VersionRuns):
+            return self.token_versions
+        if self.token_versions is not None:
+            return VersionRuns(self.token_versions)
+        runs = VersionRuns()
+        runs.append_run(self.weight_version, len(self.token_ids))
+        return runs
 
 
 @runtime_checkable

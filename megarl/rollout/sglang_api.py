@@ -23,6 +23,7 @@ import pybase64
 import torch
 
 from megarl.rollout.engine import GenerationOutput, SamplingParams
+from megarl.rollout.token_rows import VersionRuns
 from megarl.versions import SGLANG_ROUTER_VERSION, SGLANG_VERSION  # noqa: F401 (the server API megarl is written against)
 from megarl.weights import all_transports
 
@@ -136,31 +137,29 @@ def output_from_sglang(payload: dict, routed_experts_from: int | None = None) ->
     )
 
 
-def version_spans(versions: list[int]) -> list[dict]:
+def version_spans(versions: list[int] | VersionRuns) -> list[dict]:
     """A version per token as SGLang's weight_versions spans (the inverse of token_versions)."""
-    spans: list[dict] = []
-    for i, version in enumerate(versions):
-        if spans and spans[-1]["version"] == str(version):
-            spans[-1]["end"] = i + 1
-        else:
-            spans.append({"version": str(version), "start": i, "end": i + 1})
-    return spans
+    runs = versions if isinstance(versions, VersionRuns) else VersionRuns(versions)
+    return [{"version": str(version), "start": start, "end": end} for version, start, end in runs.runs()]
 
 
-def token_versions(spans, num_tokens: int) -> list[int] | None:
+def token_versions(spans, num_tokens: int) -> VersionRuns | None:
     """SGLang's meta_info.weight_versions ([{version, start, end}] over the output tokens, end
-    exclusive) as a version per token; None when absent, not step numbers, or not covering
-    every token (then the output's weight_version stands for all)."""
+    exclusive) as runs of a version (what a trajectory holds: no version a token on the way);
+    None when absent, not step numbers, or not covering each token once (then the output's
+    weight_version stands for all)."""
     if not spans:
         return None
-    versions: list[int | None] = [None] * num_tokens
-    for span in spans:
+    runs = VersionRuns()
+    for span in sorted(spans, key=lambda s: int(s.get("start", 0))):
         version = str(span.get("version", ""))
         if not version.isdigit():
             return None
-        start, end = int(span.get("start", 0)), int(span.get("end", 0))
-        versions[max(start, 0):min(end, num_tokens)] = [int(version)] * (min(end, num_tokens) - max(start, 0))
-    return None if any(v is None for v in versions) else versions
+        start, end = max(int(span.get("start", 0)), 0), min(int(span.get("end", 0)), num_tokens)
+        if start != len(runs) or end < start:  # a token no span covers, or two
+            return None
+        runs.append_run(int(version), end - start)
+    return runs if len(runs) == num_tokens else None
 
 
 def abort_all_body() -> dict:

@@ -67,12 +67,17 @@ class VersionRuns:
             self._ends.append(len(self) + count)
             self._versions.append(version)
 
+    def runs(self) -> Iterator[tuple[int, int, int]]:
+        """(version, start, end) of each run, end exclusive."""
+        start = 0
+        for end, version in zip(self._ends, self._versions):
+            yield version, start, end
+            start = end
+
     def extend(self, values: Iterable[int]) -> None:
         if isinstance(values, VersionRuns):
-            start = 0
-            for end, version in zip(values._ends, values._versions):
+            for version, start, end in values.runs():
                 self.append_run(version, end - start)
-                start = end
             return
         values = np.asarray(values if isinstance(values, (list, tuple, array.array, np.ndarray)) else list(values),
                             dtype=np.int64)
@@ -94,11 +99,8 @@ class VersionRuns:
         return self._versions[bisect.bisect_right(self._ends, index)]
 
     def __iter__(self) -> Iterator[int]:
-        start = 0
-        for end, version in zip(self._ends, self._versions):
-            for _ in range(end - start):
-                yield version
-            start = end
+        for version, start, end in self.runs():
+            yield from [version] * (end - start)
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         counts = np.diff(np.asarray(self._ends, dtype=np.int64), prepend=0)
