@@ -115,18 +115,24 @@ def at(events: Path, what: str) -> float:
     return next(float(line.rsplit(" ", 1)[1]) for line in events.read_text().splitlines() if line.startswith(what))
 
 
-@pytest.mark.timeout(60)
-def test_a_sigterm_to_the_batch_shell_reaches_the_driver_now_and_ray_stops_after_it(tmp_path):
-    shell, events = start(tmp_path, run_s=30)
+def sigterm_to_the_batch_shell(tmp_path: Path, job: str | None = None) -> tuple[int, Path, str]:
+    """A run whose batch shell alone gets SIGTERM once the driver runs: (its exit status, the
+    events file, its output)."""
+    shell, events = start(tmp_path, run_s=30, job=job)
     tree = []
     try:
         tree = driver_started(shell, events, tmp_path)
-        os.kill(shell.pid, signal.SIGTERM)  # the batch shell alone
+        os.kill(shell.pid, signal.SIGTERM)
         status = shell.wait(timeout=20)
         time.sleep(0.5)  # a command or Ray left running would note itself by now
     finally:
         stop(shell, tree)
-    output = (tmp_path / "output").read_text()
+    return status, events, (tmp_path / "output").read_text()
+
+
+@pytest.mark.timeout(60)
+def test_a_sigterm_to_the_batch_shell_reaches_the_driver_now_and_ray_stops_after_it(tmp_path):
+    status, events, output = sigterm_to_the_batch_shell(tmp_path)
     assert status == 143, output
     assert lines(events) == ["ray started", "driver started", "driver got SIGTERM", "driver exited", "ray stopped"]
     assert at(events, "driver got SIGTERM") - at(events, "driver started") < 5  # not after the driver's own end
@@ -179,14 +185,7 @@ def _in(seconds: int) -> str:
 ], ids=["preempted", "time-limit", "preempted-without-requeue", "by-hand"])
 @pytest.mark.timeout(60)
 def test_a_run_stopped_because_slurm_takes_the_job_away_is_requeued(tmp_path, job, requeued):
-    shell, events = start(tmp_path, run_s=30, job=job)
-    try:
-        driver_started(shell, events, tmp_path)
-        os.kill(shell.pid, signal.SIGTERM)
-        status = shell.wait(timeout=20)
-    finally:
-        stop(shell, [])
-    output = (tmp_path / "output").read_text()
+    status, events, output = sigterm_to_the_batch_shell(tmp_path, job)
     assert status == 143, output
     if requeued:
         assert lines(events) == ["ray started", "driver started", "driver got SIGTERM", "driver exited", "ray stopped",
