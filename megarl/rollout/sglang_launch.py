@@ -380,8 +380,10 @@ def _start_all(units: list[EngineUnit], names: list[str], timeout_s: float) -> l
     return urls
 
 
-def stop_fleet(fleet: SGLangFleet) -> None:
-    """Stop the router and every server (each through its own process group), then the actors."""
+def stop_fleet(fleet: SGLangFleet, unreachable: list = ()) -> None:
+    """Stop the router and every server (each through its own process group), then the actors.
+    The actors in `unreachable` (they did not answer after a failure) are not asked: Ray stops
+    them, and a server whose launcher is gone stops with it."""
     import ray
 
     first = ([fleet.router_actor] if fleet.router_actor is not None else []) + [s.unit.actors[0] for s in fleet.servers]
@@ -389,7 +391,7 @@ def stop_fleet(fleet: SGLangFleet) -> None:
     # node rank 0 first: its shutdown stops the schedulers of an engine's other nodes
     for group in (first, rest):
         try:
-            ray.get([a.stop.remote() for a in group], timeout=60)
+            ray.get([a.stop.remote() for a in group if not any(a is u for u in unreachable)], timeout=60)
         except (ray.exceptions.RayError, TimeoutError) as e:  # an actor already gone took its server with it
             log.debug("fleet stop: %s", e)
     actors = first + rest

@@ -65,6 +65,7 @@ class RayRuntime(Runtime):
         self.pg, self.worker_actors, self.engine_actor, self.reward_actor, self.retrieval_actor = None, [], None, None, None
         self.sandbox_actors = []  # reward.sandbox_servers
         self.parts = []  # (kind, name, actor, node address), once all are started
+        self.silent: list = []  # (name, actor) of the parts that did not answer lost_parts' question
         self.hostnames: dict[str, str] = {}  # node address -> its hostname
         self.fleet, self.transport, self.engine, self.reward_pool = None, None, None, None
         gpus = cfg.cluster.gpus_per_node > 0
@@ -204,6 +205,7 @@ class RayRuntime(Runtime):
         not counted: only Ray's own verdict that an actor is gone is."""
         refs = [a.__ray_call__.remote(lambda _: None) for _, _, a, _ in self.parts]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=min(10.0, self.cfg.cluster.liveness.timeout_s))
+        self.silent = [(name, a) for (_, name, a, _), ref in zip(self.parts, refs) if ref not in ready]
         gone: dict[str, list[str]] = {}
         for (_, name, _, node), ref in zip(self.parts, refs):
             if ref in ready:
@@ -242,6 +244,15 @@ class RayRuntime(Runtime):
         if self.colocated and self.engine.memory_released:
             run_async(self.engine.resume_memory())
 
+    def answered(self, actor) -> bool:
+        """Whether `actor` answered `lost_parts`' question (all do before it is asked). One that
+        did not (its node cut off, or busy) is stopped without being asked to close: a close
+        would wait out its deadline."""
+        silent = [name for name, a in self.silent if a is actor]
+        if silent:
+            log.warning("%s did not answer after the failure: stopped without closing it", silent[0])
+        return not silent
+
     def shutdown(self) -> None:
         if self.transport is not None:
             try:
@@ -249,14 +260,14 @@ class RayRuntime(Runtime):
             except Exception as e:  # an engine already gone has nothing left to leave
                 log.debug("weight transport close: %s", e)
             self.transport = None
-        if self.engine is not None:
+        if self.engine is not None and (self.engine_actor is None or self.answered(self.engine_actor)):
             run_async(self.engine.close())
-        if self.reward_pool is not None:
+        if self.reward_pool is not None and self.answered(self.reward_actor):
             self.reward_pool.close()
         if self.fleet is not None:
             from megarl.rollout.sglang_launch import stop_fleet
 
-            stop_fleet(self.fleet)
+            stop_fleet(self.fleet, unreachable=[a for _, a in self.silent])
         for actor in (*self.worker_actors, self.engine_actor, self.reward_actor, self.retrieval_actor,
                       *self.sandbox_actors):
             if actor is not None:
