@@ -30,7 +30,7 @@ from megarl.weights.transport import RankPlace, TrainRanks, WeightSender, Weight
 log = logging.getLogger(__name__)
 
 
-FAILED_PUSH_CLEANUP_S = 30.0
+FAILED_PUSH_CLEANUP_S = 30.0  # at most, and no longer than cluster.liveness.timeout_s: the run stops after it
 
 
 def within(seconds: float, what: str, call, *args) -> bool:
@@ -133,7 +133,8 @@ class Runtime(ABC):
                 self.ranks.free_cache()
                 run_async(self.engine.end_weight_update())
             else:
-                within(FAILED_PUSH_CLEANUP_S, "the cleanup after a failed weight push", self._after_push)
+                within(min(FAILED_PUSH_CLEANUP_S, self.cfg.cluster.liveness.timeout_s),
+                       "the cleanup after a failed weight push", self._after_push)
 
     def _after_push(self) -> None:
         self.ranks.free_cache()
