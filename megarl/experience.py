@@ -41,7 +41,8 @@ def reward_requests(samples: list[Sample], tokenizer, reward: RewardConfig | Non
     run's `reward` settings, a response whose scoring reads only its last characters
     (`megarl.reward.scoring.characters_read`: DAPO's math reward, 300) is decoded from its last
     tokens, to those characters: a DAPO step's responses are 100 million tokens."""
-    tails = [None if reward is None else characters_read(reward, s.record.data_source) for s in samples]
+    read = {} if reward is None else {d: characters_read(reward, d) for d in {s.record.data_source for s in samples}}
+    tails = [read.get(s.record.data_source) for s in samples]
     whole = [i for i, n in enumerate(tails) if n is None]
     texts: list[str] = [""] * len(samples)
     for i, text in zip(whole, decode_all(tokenizer, [samples[i].trajectory.response_ids for i in whole])):

@@ -166,7 +166,7 @@ class PackedBatch:
 
     def nbytes(self) -> int:
         tensors = [t for f in fields(self) if isinstance(t := getattr(self, f.name), torch.Tensor)]
-        tensors += list(self.routed_experts.rows) if self.routed_experts is not None else []
+        tensors += list(self.routed_experts.rows) if isinstance(self.routed_experts, RaggedRows) else []
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
