@@ -218,19 +218,30 @@ def update_shares(batch: PackedBatch, dp_size: int, mini_rows: int) -> list[Data
 def iter_update_shares(batch: PackedBatch, dp_size: int, mini_rows: int) -> Iterator[DataShare]:
     """`update_shares` one at a time: each is built when asked for (a caller that sends each on
     holds one share at a time, not a second copy of the batch)."""
-    parts: list[list[slice]] = [[] for _ in range(dp_size)]
-    minis: list[list[tuple[int, int, int]]] = [[] for _ in range(dp_size)]
     mask_per_row = (np.add.reduceat(batch.loss_mask.numpy(), batch.starts().numpy(), dtype=np.int64)
                     if len(batch) else np.zeros(0, dtype=np.int64))
-    for start in range(0, len(batch), mini_rows):
-        rows = min(mini_rows, len(batch) - start)
-        tokens = int(mask_per_row[start: start + rows].sum())
-        share = rows // dp_size
-        for r in range(dp_size):
-            parts[r].append(slice(start + r * share, start + (r + 1) * share))
-            minis[r].append((share, tokens, rows))
+    runs = update_runs(len(batch), dp_size, mini_rows)
+    minis = tuple((run.stop - run.start, int(mask_per_row[start: start + rows].sum()), rows)
+                  for run, (start, rows) in zip(runs[0], _minis(len(batch), mini_rows)))
     for r in range(dp_size):
-        yield DataShare(_concat_rows(batch, parts[r]), r, dp_size, tuple(minis[r]), tuple(parts[r]))
+        yield DataShare(_concat_rows(batch, runs[r]), r, dp_size, minis, tuple(runs[r]))
+
+
+def _minis(rows: int, mini_rows: int) -> list[tuple[int, int]]:
+    """(first row, rows) of each mini-batch."""
+    return [(start, min(mini_rows, rows - start)) for start in range(0, rows, mini_rows)]
+
+
+def update_runs(rows: int, dp_size: int, mini_rows: int) -> list[list[slice]]:
+    """Each DP rank's rows of an update of `rows` rows: a run of every mini-batch."""
+    return [[slice(start + r * (size // dp_size), start + (r + 1) * (size // dp_size))
+             for start, size in _minis(rows, mini_rows)] for r in range(dp_size)]
+
+
+def forward_runs(rows: int, dp_size: int) -> list[slice]:
+    """Each DP rank's consecutive rows of a forward pass over `rows` rows."""
+    bounds = [rows * r // dp_size for r in range(dp_size + 1)]
+    return [slice(bounds[r], bounds[r + 1]) for r in range(dp_size)]
 
 
 def forward_shares(batch: PackedBatch, dp_size: int) -> list[DataShare]:
@@ -241,9 +252,7 @@ def forward_shares(batch: PackedBatch, dp_size: int) -> list[DataShare]:
 
 def iter_forward_shares(batch: PackedBatch, dp_size: int) -> Iterator[DataShare]:
     """`forward_shares` one at a time."""
-    bounds = [len(batch) * r // dp_size for r in range(dp_size + 1)]
-    for r in range(dp_size):
-        rows = slice(bounds[r], bounds[r + 1])
+    for r, rows in enumerate(forward_runs(len(batch), dp_size)):
         yield DataShare(batch.select(rows), r, dp_size, rows=(rows,))
 
 

@@ -23,22 +23,19 @@ from dataclasses import replace
 import ray
 
 from megarl.backends.batch import RaggedRows
-from megarl.backends.packed import DataShare, StoredRows, read_only_rows
+from megarl.backends.packed import DataShare, StoredRows, forward_runs, read_only_rows, update_runs
 
 FETCH_TIMEOUT_S = 600.0  # a share's routing is GBs, read from the driver's node at worst
 
 
 def cuts(rows: int, dp_size: int, mini_rows: Iterable[int]) -> list[int]:
-    """Where a batch of `rows` rows is cut into forward shares (megarl.backends.packed
-    iter_forward_shares) and into the shares of updates of mini-batches of each `mini_rows`
-    (iter_update_shares): every row index a share's run of rows starts or stops at."""
-    at = {rows * r // dp_size for r in range(dp_size + 1)}
-    for mini in mini_rows:
-        for start in range(0, rows, mini):
-            size = min(mini, rows - start)
-            at.update(start + r * (size // dp_size) for r in range(dp_size + 1))
-            at.add(start + size)
-    return sorted(at)
+    """Where a batch of `rows` rows is cut into forward shares and into the shares of updates
+    of mini-batches of each `mini_rows` (megarl.backends.packed's runs, and the rows an update
+    leaves out of a mini-batch): every row index a share's run starts or stops at."""
+    runs = forward_runs(rows, dp_size) + [run for mini in mini_rows for share in update_runs(rows, dp_size, mini)
+                                          for run in share]
+    ends = {min(start + mini, rows) for mini in mini_rows for start in range(0, rows, mini)}
+    return sorted({0, rows, *ends, *(i for run in runs for i in (run.start, run.stop))})
 
 
 class RoutingInStore:
