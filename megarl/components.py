@@ -72,8 +72,9 @@ class Components:
         self.runtime.for_training()
 
     def engine_metrics(self) -> dict[str, float]:
-        """The engine's counters so far (the fleet's restarts and re-sent requests)."""
-        return self.engine.metrics()
+        """The engine's counters so far (the fleet's restarts and re-sent requests, the weights
+        reloaded after a failed probe)."""
+        return self.engine.metrics() | {"rollout/weight_reloads": float(self.runtime.weight_reloads)}
 
     def check_retrieval(self) -> None:
         """After failed searches: ComponentDied naming the retrieval server when it is gone or
@@ -124,6 +125,11 @@ def build_components(cfg: RunConfig) -> Components:
     steps_per_epoch = max(len(train_records) // d.train_batch_size, 1)
     total_steps = cfg.trainer.total_training_steps or steps_per_epoch * cfg.trainer.total_epochs
     runtime = build_runtime(cfg, total_steps)
+    try:
+        runtime.install_probe([r.prompt_ids for r in train_records])  # sync.probe: the engines checked from here on
+    except BaseException:
+        runtime.shutdown()
+        raise
     searcher = None
     if cfg.agent.max_turns > 0:
         r = cfg.agent.retrieval

@@ -28,6 +28,7 @@ from megarl.config_loader import (
 from megarl.config_async import AsyncRolloutConfig, check_async_rollout
 from megarl.config_cluster import ClusterConfig
 from megarl.config_megatron import check_megatron
+from megarl.config_probe import ProbeConfig, check_probe
 from megarl.config_rollout import RolloutConfig, SamplingConfig, SGLangConfig, check_rollout
 from megarl.reward.settings import RewardConfig, check_reward_config
 
@@ -265,8 +266,11 @@ class SyncConfig:
         "disk = safetensors files in sync.disk_dir; inprocess = the embedded engine (rollout.engine=local). "
         "auto = inprocess for the embedded engine, ipc when colocated on GPUs, nccl otherwise.")
     disk_dir: str | None = param(None, "Shared directory for sync.transport=disk; None = trainer.output_dir/weight_sync.")
-    verify: bool = param(False, "Compare per-tensor checksums of engine and trainer weights after each sync "
-                         "(the local engine and megarl's embedded servers; SGLang's own server cannot report them).")
+    verify: bool = param(False, "After each sync, compare the engines' per-tensor checksums with the trainer's "
+                         "(exact; the local engine and megarl's embedded servers). SGLang's own servers report none: "
+                         "there the weights probe (sync.probe) is the check, and sync.verify requires it.")
+    probe: ProbeConfig = param(help="The weights probe and the step's gate: engines checked against the trainer.",
+                               factory=ProbeConfig)
 
 
 @dataclass
@@ -304,6 +308,24 @@ class RunConfig:
             return self.trainer.sleep_during_generation
         return (self.rollout.engine == "sglang" and self.rollout.mode == "colocated" and self.cluster.gpus_per_node > 0
                 and not self.trainer.async_rollout.enable)
+
+    def engines_report_checksums(self) -> bool:
+        """The engines can report per-tensor checksums of their HF weights (sync.verify): all but
+        SGLang's own servers."""
+        return not (self.rollout.engine == "sglang" and self.rollout.sglang.server == "sglang")
+
+    def probe_tolerance(self) -> float:
+        """sync.probe.tolerance with None resolved by model.dtype and device (megarl.weights.probe)."""
+        from megarl.weights.probe import default_tolerance
+
+        p = self.sync.probe
+        return p.tolerance if p.tolerance is not None else default_tolerance(self.model.dtype,
+                                                                              self.cluster.gpus_per_node > 0)
+
+    def gate_bound(self) -> float:
+        """sync.probe.gate_bound with None resolved: 10 x the probe's tolerance."""
+        p = self.sync.probe
+        return p.gate_bound if p.gate_bound is not None else 10 * self.probe_tolerance()
 
     def sync_transport(self) -> str:
         """sync.transport with auto resolved: inprocess for the embedded engine, ipc for
@@ -403,6 +425,7 @@ class RunConfig:
         check_reward_config(self.reward, problems, "reward.")
         check_async_rollout(self, problems)
         check_rollout(self, problems)
+        check_probe(self, problems)
 
 
 

@@ -98,11 +98,6 @@ def check_rollout(cfg, problems: Problems) -> None:
         return
     if c.launcher != "ray":
         problems.add("cluster.launcher", "inprocess cannot launch engine servers", "use cluster.launcher=ray")
-    if cfg.sync.verify and r.sglang.server == "sglang":
-        # SGLang's own /weights_checker hashes its fused, TP-sharded parameters, not HF tensors
-        problems.add("sync.verify", "compares the engines' HF tensors with the trainer's, which only megarl's "
-                     "embedded servers report (SGLang 0.5.23 has no such route)",
-                     "use sync.verify=false with rollout.sglang.server=sglang")
     if any(a.split("=")[0] in ("--api-key", "--admin-api-key") for a in r.sglang.extra_args):
         problems.add("rollout.sglang.extra_args", "gives the servers an API key on their command line, where "
                      "every user of the node can read it (and the saved config records it)",

@@ -181,11 +181,26 @@ def test_inconsistent_values(overrides, key, words):
     assert words in found[0][1]
 
 
-def test_sync_verify_on_sglangs_own_server_is_refused():
-    # before: the run started, and the first sync failed on a 404 from /weight_checksums
-    (problem,) = problems_of(["rollout.engine=sglang", "sync.verify=true", "model.path=m"])
-    assert problem[0] == "sync.verify" and "use sync.verify=false with rollout.sglang.server=sglang" in problem[1]
-    load_config(None, ["rollout.engine=sglang", "rollout.sglang.server=embedded", "sync.verify=true", "model.path=m"])
+def test_sync_verify_on_sglangs_own_server_is_the_probe():
+    # SGLang's own servers report no HF checksums: the probe checks them, and sync.verify needs it on
+    (problem,) = problems_of(["rollout.engine=sglang", "sync.verify=true", "sync.probe.enable=false", "model.path=m"])
+    assert problem[0] == "sync.verify" and "set sync.probe.enable=true, or sync.verify=false" in problem[1]
+    cfg = load_config(None, ["rollout.engine=sglang", "sync.verify=true", "model.path=m"])
+    assert not cfg.engines_report_checksums() and cfg.sync.probe.enable
+    cfg = load_config(None, ["rollout.engine=sglang", "rollout.sglang.server=embedded", "sync.verify=true",
+                             "sync.probe.enable=false", "model.path=m"])
+    assert cfg.engines_report_checksums()
+
+
+@pytest.mark.parametrize("overrides, tolerance, bound", [
+    (["model.dtype=float32"], 1e-4, 1e-3),  # the CPU
+    (["model.dtype=float32", "cluster.gpus_per_node=8"], 1e-3, 1e-2),
+    (["model.dtype=bfloat16", "cluster.gpus_per_node=8"], 0.05, 0.5),
+    (["sync.probe.tolerance=0.2", "sync.probe.gate_bound=0.3"], 0.2, 0.3),  # as set
+])
+def test_probe_tolerance_and_gate_bound_by_dtype_and_device(overrides, tolerance, bound):
+    cfg = load_config(None, ["model.path=m", *overrides])
+    assert cfg.probe_tolerance() == pytest.approx(tolerance) and cfg.gate_bound() == pytest.approx(bound)
 
 
 def test_engines_across_nodes():

@@ -96,6 +96,21 @@ def test_generate_bodies_satisfy_the_pinned_contract(api_types, params):
     assert list(sampling.stop) == list(params.stop) and list(sampling.stop_token_ids) == list(params.stop_token_ids)
 
 
+def test_the_probe_body_and_answer_satisfy_the_pinned_contract(api_types):
+    body = sglang_api.prompt_log_probs_body([4, 5, 6], 0.7)
+    decoded = api_types.GenerateRequest.from_json_value(body)
+    assert decoded.input_ids == [4, 5, 6] and decoded.return_logprob is True and decoded.logprob_start_len == 0
+    assert api_types.SamplingParams.from_json_value(body["sampling_params"]).temperature == 0.7
+    # SGLang's answer: one entry a prompt token, the first with no log-prob
+    answer = sglang_api.output_to_sglang(GenerationOutput([9], [-0.3], "length", prompt_tokens=3), True)
+    answer["meta_info"]["input_token_logprobs"] = sglang_api.prompt_log_probs_to_sglang([4, 5, 6], [-1.5, -2.5])
+    meta = api_types.GenerateResponse.from_json_value(answer).meta_info
+    assert [(e.logprob, e.token_id) for e in meta.input_token_logprobs] == [(None, 4), (-1.5, 5), (-2.5, 6)]
+    assert sglang_api.prompt_log_probs_from_sglang(answer, 3) == [-1.5, -2.5]
+    with pytest.raises(ValueError, match="holds 3 entries for a prompt of 4 tokens"):
+        sglang_api.prompt_log_probs_from_sglang(answer, 4)
+
+
 def test_the_contract_decoder_rejects_what_sglang_rejects(api_types):
     # the check above can fail: a key SGLang does not know is refused by its own decoder
     body = sglang_api.generate_body([1], SamplingParams())

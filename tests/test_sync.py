@@ -201,3 +201,39 @@ def test_the_push_buffers_are_freed_before_the_engines_take_their_memory_back(fa
         runtime.sync_weights(3)
     pushed = ["push"] if fail_push else ["push", "finish"]
     assert parts.calls == ["free_cache", "begin", "connect", *pushed, "free_cache", "end"]
+
+
+@pytest.mark.parametrize("engine_sums, error", [
+    ({"w": "float32 (2,) 00000001"}, None),  # the engine holds what the trainer pushed
+    ({"w": "float32 (2,) 0000000f"}, r"differ from the trainer's in 1 tensors, e.g. \['w'\]"),
+    ({}, "the engine reported no weight checksums"),  # nothing compared is not a pass
+])
+def test_sync_verify_compares_the_engine_with_the_trainer_after_every_successful_sync(engine_sums, error):
+    from megarl.config import load_config
+    from megarl.runtime.base import Runtime
+
+    class Recorded(Runtime):
+        release_engine_memory = shutdown = lambda self: None
+
+    class Worker:
+        def weight_checksums(self):
+            return {"w": "float32 (2,) 00000001"}
+
+    parts = SyncRecorder()
+
+    async def engine_checksums():
+        parts.calls.append("engine checksums")
+        return engine_sums
+
+    parts.weight_checksums = engine_checksums
+    runtime = Recorded()
+    runtime.cfg = load_config(None, ["sync.verify=true", "sync.probe.enable=false"])
+    runtime.ranks = runtime.engine = runtime.transport = parts
+    runtime.worker = Worker()
+    if error:
+        with pytest.raises(RuntimeError, match=error):
+            runtime.sync_weights(3)
+    else:
+        runtime.sync_weights(3)
+    # read after the engines are back (end), once
+    assert parts.calls[-2:] == ["end", "engine checksums"]

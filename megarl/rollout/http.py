@@ -33,6 +33,8 @@ from megarl.weights import all_transports, disk
 from megarl.weights.buckets import WeightBucket
 from megarl.weights.routes import json_body, result
 
+PROBE_TIMEOUT_S = 120.0  # one probe sequence's prefill on a loaded engine takes well under a second
+
 
 def create_engine_app(engine: RolloutEngine, tokenizer=None, model_path: str = "",
                       api_key: str | None = None) -> FastAPI:
@@ -41,7 +43,8 @@ def create_engine_app(engine: RolloutEngine, tokenizer=None, model_path: str = "
     app = FastAPI(title="megarl engine (SGLang-compatible API)")
     require_api_key(app, api_key, sglang_api.open_without_key)
 
-    async def one(ids, params: dict | None, return_logprob: bool, routed_from: int | None) -> dict:
+    async def one(ids, params: dict | None, return_logprob: bool, routed_from: int | None,
+                  logprob_start: int) -> dict:
         if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
             raise HTTPException(400, "input_ids must be a non-empty list of token ids (or a list of such lists)")
         try:
@@ -53,7 +56,12 @@ def create_engine_app(engine: RolloutEngine, tokenizer=None, model_path: str = "
         except ValueError as e:  # a request the engine cannot serve (routed experts it does not record)
             raise HTTPException(400, str(e))
         text = tokenizer.decode(out.token_ids) if tokenizer is not None else ""
-        return sglang_api.output_to_sglang(out, return_logprob, text)
+        answer = sglang_api.output_to_sglang(out, return_logprob, text)
+        if return_logprob and logprob_start == 0:  # the prompt's log-probs too (the weights probe)
+            temperature = sampling.temperature if sampling.temperature > 0 else 1.0
+            answer["meta_info"]["input_token_logprobs"] = sglang_api.prompt_log_probs_to_sglang(
+                ids, await engine.prompt_log_probs(ids, temperature))
+        return answer
 
     @app.post("/generate")
     async def generate(body: dict):
@@ -61,6 +69,10 @@ def create_engine_app(engine: RolloutEngine, tokenizer=None, model_path: str = "
             raise HTTPException(400, "megarl engines take input_ids, not text (tokens in, tokens out)")
         ids, params = body.get("input_ids"), body.get("sampling_params")
         return_logprob = bool(body.get("return_logprob", False))
+        logprob_start = body.get("logprob_start_len", -1)
+        if logprob_start not in (-1, 0):
+            raise HTTPException(400, "megarl's engine returns the prompt's log-probs from its first token only "
+                                     "(logprob_start_len 0) or none (-1)")
         routed_from = None
         if body.get("return_routed_experts"):
             routed_from = body.get("routed_experts_start_len", 0)
@@ -70,8 +82,9 @@ def create_engine_app(engine: RolloutEngine, tokenizer=None, model_path: str = "
             per_item = params if isinstance(params, list) else [params] * len(ids)
             if len(per_item) != len(ids):
                 raise HTTPException(400, f"{len(per_item)} sampling_params for {len(ids)} prompts")
-            return await asyncio.gather(*[one(i, p, return_logprob, routed_from) for i, p in zip(ids, per_item)])
-        return await one(ids, params, return_logprob, routed_from)
+            return await asyncio.gather(*[one(i, p, return_logprob, routed_from, logprob_start)
+                                          for i, p in zip(ids, per_item)])
+        return await one(ids, params, return_logprob, routed_from, logprob_start)
 
     @app.get("/health")
     async def health():
@@ -329,6 +342,19 @@ class HTTPEngine(PauseAroundUpdates):
                                "SGLang does not): set sync.verify=false for this engine")
         response.raise_for_status()
         return response.json()
+
+    async def prompt_log_probs(self, token_ids: list[int], temperature: float = 1.0,
+                               timeout_s: float = PROBE_TIMEOUT_S) -> list[float]:
+        """The server's log-prob of each token after the first given the ones before it (the
+        weights probe: megarl.weights.probe), within `timeout_s`."""
+        response = await self._client.post("/generate", json=sglang_api.prompt_log_probs_body(token_ids, temperature),
+                                           timeout=min(self.timeout_s, timeout_s))
+        if response.status_code != 200:
+            raise ServerError(f"{self.base_url}/generate", response.status_code, response.text)
+        return sglang_api.prompt_log_probs_from_sglang(_loads(response.content), len(token_ids))
+
+    async def probe_log_probs(self, sequences: list[list[int]], temperature: float = 1.0) -> dict[str, list[list[float]]]:
+        return {self.base_url: list(await asyncio.gather(*[self.prompt_log_probs(s, temperature) for s in sequences]))}
 
     async def health(self, timeout_s: float = 30.0) -> bool:
         try:

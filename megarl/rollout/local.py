@@ -149,6 +149,25 @@ class LocalEngine(PauseAroundUpdates):
 
         return weight_checksums(hf_tensors(self.model))
 
+    async def prompt_log_probs(self, token_ids: list[int], temperature: float = 1.0) -> list[float]:
+        """The log-prob of each token after the first given the ones before it (softmax of the
+        logits / temperature): the weights probe (megarl.weights.probe). On the model thread,
+        between decode steps."""
+        if len(token_ids) < 2:
+            raise ValueError("prompt_log_probs needs at least two tokens (the first has no log-prob)")
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._prompt_log_probs,
+                                                                list(token_ids), temperature)
+
+    @torch.no_grad()
+    def _prompt_log_probs(self, token_ids: list[int], temperature: float) -> list[float]:
+        device = next(self.model.parameters()).device
+        ids = torch.tensor([token_ids], device=device)
+        logits = self.model(input_ids=ids).logits[0, :-1].float() / temperature
+        return torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0].cpu().tolist()
+
+    async def probe_log_probs(self, sequences: list[list[int]], temperature: float = 1.0) -> dict[str, list[list[float]]]:
+        return {"embedded engine": [await self.prompt_log_probs(s, temperature) for s in sequences]}
+
     async def abort_requests(self) -> None:
         """End all requests with the tokens they have (RolloutEngine.abort_requests): the
         waiting at once, the running between steps (at once when no step is in progress)."""

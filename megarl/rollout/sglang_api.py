@@ -10,7 +10,8 @@ collects. The pinned version's schema is the reference: `/generate` follows
 the request structs of `sglang/srt/managers/io_struct.py` named in `CONTROL_ROUTES`.
 tests/test_sglang_contract.py checks every body against that version's own files.
 
-Main entry points: `generate_body`, `output_from_sglang`, `output_to_sglang`, `CONTROL_ROUTES`,
+Main entry points: `generate_body`, `output_from_sglang`, `output_to_sglang`, `prompt_log_probs_body`,
+`CONTROL_ROUTES`,
 `open_without_key`, and the `*_body` builders of the control routes.
 """
 
@@ -64,6 +65,30 @@ def generate_body(prompt_ids: list[int], params: SamplingParams) -> dict:
     if params.routed_experts_from is not None:
         body |= {"return_routed_experts": True, "routed_experts_start_len": params.routed_experts_from}
     return body
+
+
+def prompt_log_probs_body(token_ids: list[int], temperature: float) -> dict:
+    """POST /generate for the weights probe (megarl.weights.probe): the log-prob of every token
+    of `token_ids` given the ones before it (return_logprob from logprob_start_len 0), at
+    `temperature`; one greedy token is generated and ignored."""
+    return {"input_ids": list(token_ids), "return_logprob": True, "logprob_start_len": 0,
+            "sampling_params": {"max_new_tokens": 1, "temperature": temperature, "top_p": 1.0, "top_k": -1}}
+
+
+def prompt_log_probs_from_sglang(payload: dict, num_tokens: int) -> list[float]:
+    """The log-probs of tokens 1 .. num_tokens - 1 from a /generate answer to
+    `prompt_log_probs_body`: meta_info.input_token_logprobs, one [log-prob, token id, text]
+    entry a prompt token, the first with no log-prob (nothing precedes it)."""
+    entries = (payload.get("meta_info") or {}).get("input_token_logprobs")
+    if not isinstance(entries, list) or len(entries) != num_tokens:
+        raise ValueError(f"meta_info.input_token_logprobs holds {len(entries) if isinstance(entries, list) else 0} "
+                         f"entries for a prompt of {num_tokens} tokens (asked from logprob_start_len 0)")
+    return [float(entry[0]) for entry in entries[1:]]
+
+
+def prompt_log_probs_to_sglang(token_ids: list[int], log_probs: list[float]) -> list[list]:
+    """meta_info.input_token_logprobs as SGLang writes it (the inverse of prompt_log_probs_from_sglang)."""
+    return [[None, token_ids[0], None]] + [[lp, t, None] for lp, t in zip(log_probs, token_ids[1:])]
 
 
 def encode_routed_experts(routed: torch.Tensor) -> str:

@@ -25,6 +25,7 @@ from megarl.http_auth import RETRIEVAL_KEY_ENV, new_api_key
 from megarl.reward.pool import RewardComputer
 from megarl.rollout.engine import RolloutEngine
 from megarl.weights.buckets import verify_engine
+from megarl.weights.probe import WeightProbe, WrongWeights, probe_sequences
 from megarl.weights.transport import RankPlace, TrainRanks, WeightSender, WeightTransport
 
 log = logging.getLogger(__name__)
@@ -75,11 +76,68 @@ class Runtime(ABC):
     # sleeps, then the engines take their KV cache and CUDA graphs back.
     _trainer_asleep = False
 
+    probe: WeightProbe | None = None  # sync.probe: install_probe
+    weights_version = 0  # the version of the trainer's weights the engines were last given
+    weight_reloads = 0  # reloads after a failed probe (a metric)
+    _first_generation = True
+
     def for_generation(self) -> None:
-        """Before the engines generate: the trainer asleep, the engines' memory back."""
+        """Before the engines generate: the trainer asleep, the engines' memory back, their
+        weights probed where anything could have changed them (sync.probe)."""
+        if self.engine_weights_lost():
+            # released outside a sync (a checkpoint's save) without a CPU backup: SGLang resumes the
+            # weights' memory as fresh pages, so the trainer's weights are loaded again
+            self.sync_weights(self.weights_version)  # ends in the generation phase, probed
+            return
         if self.cfg.trainer_sleeps() and not self._trainer_asleep:
             self._sleep_trainer()
-        self.resume_engine_memory()
+        resumed = self.resume_engine_memory()
+        if resumed or self._first_generation:
+            self.check_engine_weights("the engines' memory was resumed" if resumed else "the engines started")
+        self._first_generation = False
+
+    def engine_weights_lost(self) -> bool:
+        """The engines released their weights' memory outside a weight sync and keep no copy to
+        resume them from: what they would generate with is not the trainer's weights."""
+        return False
+
+    def install_probe(self, prompts: list[list[int]]) -> None:
+        """sync.probe: the probe's sequences from the run's training prompts, and the trainer's
+        log-probs of them for the weights it holds now (awake for it)."""
+        p = self.cfg.sync.probe
+        if not p.enable:
+            return
+        sequences = probe_sequences(prompts, p.sequences, p.tokens)
+        if not sequences:
+            log.warning("sync.probe: no training prompt has two tokens to probe with; the engines' weights go "
+                        "unchecked")
+            return
+        temperature = self.cfg.rollout.temperature if self.cfg.rollout.temperature > 0 else 1.0
+        self.probe = WeightProbe(sequences, self.cfg.probe_tolerance(), temperature)
+        if self._trainer_asleep:
+            self.for_training()
+        self.probe.expect(self.worker, self.weights_version)
+
+    def check_engine_weights(self, event: str) -> None:
+        """The weights probe after `event`: an engine that disagrees with the trainer gets the
+        trainer's weights again (one sync) and is probed again; if it still disagrees the run
+        stops (WrongWeights), naming the engine, the event and the figures."""
+        if self.probe is None:
+            return
+        bad = run_async(self.probe.mismatches(self.engine))
+        if not bad:
+            return
+        tolerance = self.probe.tolerance
+        log.warning("sync.probe: after %s, %s; loading the trainer's weights (version %d) again", event,
+                    "; ".join(m.describe(tolerance) for m in bad), self.weights_version)
+        self.weight_reloads += 1
+        self.sync_weights(self.weights_version, check=False)
+        bad = run_async(self.probe.mismatches(self.engine))
+        if bad:
+            raise WrongWeights(f"{bad[0].engine} serves other weights than the trainer's (version "
+                               f"{self.weights_version}) after {event}, and again after they were loaded once more: "
+                               + "; ".join(m.describe(tolerance) for m in bad)
+                               + ". The run stopped before training on its samples; its last checkpoint is good")
 
     def for_training(self) -> None:
         """Before the trainer computes or saves: the engines' memory released, the trainer awake."""
@@ -102,10 +160,11 @@ class Runtime(ABC):
             self._sleep_s = {}
         self._sleep_s[name] = self._sleep_s.get(name, 0.0) + seconds
 
-    def sync_weights(self, version: int) -> None:
+    def sync_weights(self, version: int, check: bool = True) -> None:
         """Trainer weights -> engine, with decoding paused around it; then, with
-        sync.verify, the engine's checksums against the trainer's. Starts in the training
-        phase, ends in the generation phase (the trainer asleep where it sleeps)."""
+        sync.verify, the engine's checksums against the trainer's, and with `check` the weights
+        probe (sync.probe). Starts in the training phase, ends in the generation phase (the
+        trainer asleep where it sleeps)."""
         self.for_training()
         self.ranks.free_cache()  # before colocated engines take their memory back
         run_async(self.engine.begin_weight_update())
@@ -119,7 +178,11 @@ class Runtime(ABC):
             else:
                 self.ranks.push(bucket_bytes, version)
             self.transport.finish(version)
-            checksums = self.worker.weight_checksums() if self.cfg.sync.verify else None
+            checksums = self.worker.weight_checksums() if self.cfg.sync.verify and self.cfg.engines_report_checksums() \
+                else None
+            self.weights_version = version
+            if self.probe is not None:  # the trainer's log-probs for the weights it pushed, before it sleeps
+                self.probe.expect(self.worker, version)
             if self.cfg.trainer_sleeps():  # its memory freed before the engines take their KV cache back
                 self._sleep_trainer()
             pushed = True
@@ -135,21 +198,25 @@ class Runtime(ABC):
             else:
                 within(min(FAILED_PUSH_CLEANUP_S, self.cfg.cluster.liveness.timeout_s),
                        "the cleanup after a failed weight push", self._after_push)
+        if checksums is not None:
+            run_async(verify_engine(self.engine, checksums))
+        self._first_generation = False  # the sync's probe checks what the engines started with, too
+        if check:
+            self.check_engine_weights(f"the weight sync to version {version}")
 
     def _after_push(self) -> None:
         self.ranks.free_cache()
         run_async(self.engine.end_weight_update())
-        if checksums is not None:
-            run_async(verify_engine(self.engine, checksums))
 
     @abstractmethod
     def release_engine_memory(self) -> None:
         """Engines on the trainer's GPUs give their memory to the trainer (once: nothing when
         they have); nothing where they share no device. Part of `for_training`."""
 
-    def resume_engine_memory(self) -> None:
+    def resume_engine_memory(self) -> bool:
         """Engines on the trainer's GPUs take back what they released (nothing when they hold
-        it, or share no device). Part of `for_generation`."""
+        it, or share no device); whether they did. Part of `for_generation`."""
+        return False
 
     def check_retrieval(self) -> None:
         """ComponentDied when the retrieval server this runtime hosts is gone."""

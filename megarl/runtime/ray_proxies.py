@@ -252,6 +252,10 @@ class RemoteEngine:
     async def weight_checksums(self) -> dict[str, str]:
         return await self._call(self.actor.weight_checksums.remote())
 
+    async def probe_log_probs(self, sequences: list[list[int]], temperature: float) -> dict[str, list[list[float]]]:
+        return {self.NAME: (await self._call(self.actor.probe_log_probs.remote(sequences, temperature)))[
+            "embedded engine"]}
+
     def metrics(self) -> dict[str, float]:
         return {}
 

@@ -168,7 +168,11 @@ def flatten(group: Mapping[str, torch.Tensor], *, packed: bool = False) -> FlatB
 
 async def verify_engine(engine, trainer_checksums: Mapping[str, str]) -> None:
     """sync.verify: raise when the engine's weights are not exactly the trainer's."""
-    differ = compare_checksums(trainer_checksums, await engine.weight_checksums())
+    engine_checksums = await engine.weight_checksums()
+    if not trainer_checksums or not engine_checksums:  # nothing compared is not a pass
+        side = "trainer" if not trainer_checksums else "engine"
+        raise RuntimeError(f"sync.verify: the {side} reported no weight checksums, so nothing could be compared")
+    differ = compare_checksums(trainer_checksums, engine_checksums)
     if differ:
         raise RuntimeError(f"sync.verify: after the weight sync the engine's weights differ from the trainer's in "
                            f"{len(differ)} tensors, e.g. {differ[:5]}")
