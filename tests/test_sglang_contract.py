@@ -97,10 +97,10 @@ def test_generate_bodies_satisfy_the_pinned_contract(api_types, params):
 
 
 def test_the_probe_body_and_answer_satisfy_the_pinned_contract(api_types):
-    body = sglang_api.prompt_log_probs_body([4, 5, 6], 0.7)
+    body = sglang_api.prompt_log_probs_body([4, 5, 6])
     decoded = api_types.GenerateRequest.from_json_value(body)
     assert decoded.input_ids == [4, 5, 6] and decoded.return_logprob is True and decoded.logprob_start_len == 0
-    assert api_types.SamplingParams.from_json_value(body["sampling_params"]).temperature == 0.7
+    assert api_types.SamplingParams.from_json_value(body["sampling_params"]).max_new_tokens == 1
     # SGLang's answer: one entry a prompt token, the first with no log-prob
     answer = sglang_api.output_to_sglang(GenerationOutput([9], [-0.3], "length", prompt_tokens=3), True)
     answer["meta_info"]["input_token_logprobs"] = sglang_api.prompt_log_probs_to_sglang([4, 5, 6], [-1.5, -2.5])

@@ -40,7 +40,7 @@ class Answers:
     def __init__(self, answers):
         self.answers = answers
 
-    async def probe_log_probs(self, sequences, temperature):
+    async def probe_log_probs(self, sequences):
         return self.answers
 
 
@@ -55,19 +55,18 @@ def test_mismatches_names_each_engine_beyond_the_tolerance(answers, bad):
     assert [m.engine for m in asyncio.run(probe.mismatches(Answers(answers)))] == bad
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_the_embedded_engine_and_its_server_score_a_prompt_as_a_plain_forward_pass(temperature):
+def test_the_embedded_engine_and_its_server_score_a_prompt_as_a_plain_forward_pass():
     model = tiny_model()
     tokens = [3, 17, 42, 5, 99, 100, 7]
-    want = reference_log_probs(model, tokens[:1], tokens[1:], temperature)
+    want = reference_log_probs(model, tokens[:1], tokens[1:])
     engine = LocalEngine(model)
     # the server answers SGLang's /generate with logprob_start_len 0 (input_token_logprobs)
     client = HTTPEngine("http://engine", transport=httpx.ASGITransport(create_engine_app(engine)))
 
     async def both():
         try:
-            return (await engine.prompt_log_probs(tokens, temperature),
-                    (await client.probe_log_probs([tokens], temperature))["http://engine"][0])
+            return (await engine.prompt_log_probs(tokens),
+                    (await client.probe_log_probs([tokens]))["http://engine"][0])
         finally:
             await client.close()
             await engine.close()
@@ -102,7 +101,7 @@ def test_the_first_generation_probes_the_engines_start_and_a_wrong_engine_is_rel
     runtime.for_generation()
     assert runtime.weight_reloads == 1
     mismatch = runtime.probe.compare("e", asyncio.run(runtime.engine.probe_log_probs(
-        runtime.probe.sequences, 1.0))["embedded engine"])
+        runtime.probe.sequences))["embedded engine"])
     assert mismatch.mean_abs < 1e-5  # the trainer's weights again
 
 

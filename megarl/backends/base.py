@@ -49,9 +49,11 @@ class TrainWorker(Protocol):
     def pipeline_stage(self) -> int:
         """The pipeline stage whose weights this process exports (0 without pipelining)."""
 
-    def compute_log_prob(self, batch: Batch, with_entropy: bool = False
+    def compute_log_prob(self, batch: Batch, with_entropy: bool = False, temperature: float | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(log-probs of the batch's tokens under the actor, entropies or None)."""
+        """(log-probs of the batch's tokens under the actor, entropies or None); softmax of the
+        logits / `temperature`, by default the rollout's (the weights probe asks for 1: SGLang's
+        prompt log-probs are never scaled)."""
 
     def compute_ref_log_prob(self, batch: Batch) -> torch.Tensor:
         """Log-probs under the frozen reference."""

@@ -171,10 +171,10 @@ class RolloutEngine(Protocol):
     async def weight_checksums(self) -> dict[str, str]:
         """{HF name: checksum} of the loaded weights (megarl.weights.buckets.weight_checksums), for sync.verify."""
 
-    async def probe_log_probs(self, sequences: list[list[int]], temperature: float) -> dict[str, list[list[float]]]:
+    async def probe_log_probs(self, sequences: list[list[int]]) -> dict[str, list[list[float]]]:
         """{engine name: per sequence, the log-prob of each token after the first given the ones
-        before it (softmax of logits / temperature)}: each engine of a fleet on its own, for the
-        weights probe (megarl.weights.probe)."""
+        before it (softmax of the raw logits, as SGLang's prompt log-probs)}: each engine of a
+        fleet on its own, for the weights probe (megarl.weights.probe)."""
 
     def metrics(self) -> dict[str, float]:
         """Counters for the step's metrics (restarts, re-sent requests); {} where none."""

@@ -57,10 +57,9 @@ def create_engine_app(engine: RolloutEngine, tokenizer=None, model_path: str = "
             raise HTTPException(400, str(e))
         text = tokenizer.decode(out.token_ids) if tokenizer is not None else ""
         answer = sglang_api.output_to_sglang(out, return_logprob, text)
-        if return_logprob and logprob_start == 0:  # the prompt's log-probs too (the weights probe)
-            temperature = sampling.temperature if sampling.temperature > 0 else 1.0
+        if return_logprob and logprob_start == 0:  # the prompt's log-probs too, unscaled as SGLang's (the probe)
             answer["meta_info"]["input_token_logprobs"] = sglang_api.prompt_log_probs_to_sglang(
-                ids, await engine.prompt_log_probs(ids, temperature))
+                ids, await engine.prompt_log_probs(ids))
         return answer
 
     @app.post("/generate")
@@ -343,18 +342,17 @@ class HTTPEngine(PauseAroundUpdates):
         response.raise_for_status()
         return response.json()
 
-    async def prompt_log_probs(self, token_ids: list[int], temperature: float = 1.0,
-                               timeout_s: float = PROBE_TIMEOUT_S) -> list[float]:
-        """The server's log-prob of each token after the first given the ones before it (the
-        weights probe: megarl.weights.probe), within `timeout_s`."""
-        response = await self._client.post("/generate", json=sglang_api.prompt_log_probs_body(token_ids, temperature),
+    async def prompt_log_probs(self, token_ids: list[int], timeout_s: float = PROBE_TIMEOUT_S) -> list[float]:
+        """The server's log-prob of each token after the first given the ones before it, from the
+        raw logits (the weights probe: megarl.weights.probe), within `timeout_s`."""
+        response = await self._client.post("/generate", json=sglang_api.prompt_log_probs_body(token_ids),
                                            timeout=min(self.timeout_s, timeout_s))
         if response.status_code != 200:
             raise ServerError(f"{self.base_url}/generate", response.status_code, response.text)
         return sglang_api.prompt_log_probs_from_sglang(_loads(response.content), len(token_ids))
 
-    async def probe_log_probs(self, sequences: list[list[int]], temperature: float = 1.0) -> dict[str, list[list[float]]]:
-        return {self.base_url: list(await asyncio.gather(*[self.prompt_log_probs(s, temperature) for s in sequences]))}
+    async def probe_log_probs(self, sequences: list[list[int]]) -> dict[str, list[list[float]]]:
+        return {self.base_url: list(await asyncio.gather(*[self.prompt_log_probs(s) for s in sequences]))}
 
     async def health(self, timeout_s: float = 30.0) -> bool:
         try:

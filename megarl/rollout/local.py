@@ -151,8 +151,8 @@ class LocalEngine(PauseAroundUpdates):
 
     async def prompt_log_probs(self, token_ids: list[int], temperature: float = 1.0) -> list[float]:
         """The log-prob of each token after the first given the ones before it (softmax of the
-        logits / temperature): the weights probe (megarl.weights.probe). On the model thread,
-        between decode steps."""
+        logits / temperature; the weights probe takes 1, as SGLang's prompt log-probs are). On
+        the model thread, between decode steps."""
         if len(token_ids) < 2:
             raise ValueError("prompt_log_probs needs at least two tokens (the first has no log-prob)")
         return await asyncio.get_running_loop().run_in_executor(self._executor, self._prompt_log_probs,
@@ -165,8 +165,8 @@ class LocalEngine(PauseAroundUpdates):
         logits = self.model(input_ids=ids).logits[0, :-1].float() / temperature
         return torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0].cpu().tolist()
 
-    async def probe_log_probs(self, sequences: list[list[int]], temperature: float = 1.0) -> dict[str, list[list[float]]]:
-        return {"embedded engine": [await self.prompt_log_probs(s, temperature) for s in sequences]}
+    async def probe_log_probs(self, sequences: list[list[int]]) -> dict[str, list[list[float]]]:
+        return {"embedded engine": [await self.prompt_log_probs(s) for s in sequences]}
 
     async def abort_requests(self) -> None:
         """End all requests with the tokens they have (RolloutEngine.abort_requests): the

@@ -346,11 +346,11 @@ class SGLangFleet:
                                    f"{len(differ)} tensors differ, e.g. {differ[:5]}")
         return sums[0]
 
-    async def probe_log_probs(self, sequences: list[list[int]], temperature: float) -> dict[str, list[list[float]]]:
+    async def probe_log_probs(self, sequences: list[list[int]]) -> dict[str, list[list[float]]]:
         """Each engine's answer to the weights probe, by its name (not through the router: every
         engine is probed)."""
         async def one(server: _ServerHandle) -> list[list[float]]:
-            return list(await asyncio.gather(*[server.client.prompt_log_probs(s, temperature) for s in sequences]))
+            return list(await asyncio.gather(*[server.client.prompt_log_probs(s) for s in sequences]))
         answers = await asyncio.gather(*[one(s) for s in self.servers])
         return {f"rollout engine {s.name} at {s.url}": a for s, a in zip(self.servers, answers)}
 

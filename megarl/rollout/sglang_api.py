@@ -67,12 +67,13 @@ def generate_body(prompt_ids: list[int], params: SamplingParams) -> dict:
     return body
 
 
-def prompt_log_probs_body(token_ids: list[int], temperature: float) -> dict:
+def prompt_log_probs_body(token_ids: list[int]) -> dict:
     """POST /generate for the weights probe (megarl.weights.probe): the log-prob of every token
-    of `token_ids` given the ones before it (return_logprob from logprob_start_len 0), at
-    `temperature`; one greedy token is generated and ignored."""
+    of `token_ids` given the ones before it (return_logprob from logprob_start_len 0). SGLang
+    0.5.23 takes these from the raw logits whatever the request's temperature (measured:
+    tests/sglang_real/test_probe.py); one greedy token is generated and ignored."""
     return {"input_ids": list(token_ids), "return_logprob": True, "logprob_start_len": 0,
-            "sampling_params": {"max_new_tokens": 1, "temperature": temperature, "top_p": 1.0, "top_k": -1}}
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
 
 
 def prompt_log_probs_from_sglang(payload: dict, num_tokens: int) -> list[float]:

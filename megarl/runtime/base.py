@@ -112,8 +112,7 @@ class Runtime(ABC):
             log.warning("sync.probe: no training prompt has two tokens to probe with; the engines' weights go "
                         "unchecked")
             return
-        temperature = self.cfg.rollout.temperature if self.cfg.rollout.temperature > 0 else 1.0
-        self.probe = WeightProbe(sequences, self.cfg.probe_tolerance(), temperature)
+        self.probe = WeightProbe(sequences, self.cfg.probe_tolerance())
         if self._trainer_asleep:
             self.for_training()
         self.probe.expect(self.worker, self.weights_version)

@@ -181,8 +181,8 @@ class EngineActor:
     async def weight_checksums(self) -> dict[str, str]:
         return await self.engine.weight_checksums()
 
-    async def probe_log_probs(self, sequences: list[list[int]], temperature: float) -> dict[str, list[list[float]]]:
-        return await self.engine.probe_log_probs(sequences, temperature)
+    async def probe_log_probs(self, sequences: list[list[int]]) -> dict[str, list[list[float]]]:
+        return await self.engine.probe_log_probs(sequences)
 
     async def close(self) -> None:
         await self.engine.close()

@@ -110,8 +110,8 @@ class RemoteTrainWorker(_Ranks):
         size = self.data_layout()[0][1]
         return self._shared(method, batch, iter_update_shares(batch, size, self.mini_rows[part]), answers=[0])[0]
 
-    def compute_log_prob(self, batch: PackedBatch, with_entropy: bool = False):
-        return self._forward("compute_log_prob", batch, with_entropy)
+    def compute_log_prob(self, batch: PackedBatch, with_entropy: bool = False, temperature: float | None = None):
+        return self._forward("compute_log_prob", batch, with_entropy, temperature)
 
     def compute_ref_log_prob(self, batch: PackedBatch) -> torch.Tensor:
         return self._forward("compute_ref_log_prob", batch)
@@ -252,8 +252,8 @@ class RemoteEngine:
     async def weight_checksums(self) -> dict[str, str]:
         return await self._call(self.actor.weight_checksums.remote())
 
-    async def probe_log_probs(self, sequences: list[list[int]], temperature: float) -> dict[str, list[list[float]]]:
-        return {self.NAME: (await self._call(self.actor.probe_log_probs.remote(sequences, temperature)))[
+    async def probe_log_probs(self, sequences: list[list[int]]) -> dict[str, list[list[float]]]:
+        return {self.NAME: (await self._call(self.actor.probe_log_probs.remote(sequences)))[
             "embedded engine"]}
 
     def metrics(self) -> dict[str, float]:

@@ -75,12 +75,11 @@ class WeightProbe:
     """The probe's sequences, the trainer's log-probs of them for the weights it last pushed,
     and the comparison with an engine's."""
 
-    def __init__(self, sequences: list[list[int]], tolerance: float, temperature: float = 1.0):
+    def __init__(self, sequences: list[list[int]], tolerance: float):
         if not sequences:
             raise ValueError("the weights probe needs at least one sequence of two or more tokens")
         self.sequences = sequences
         self.tolerance = tolerance
-        self.temperature = temperature
         self.expected: list[torch.Tensor] | None = None  # per sequence, log-probs of tokens 1..n-1
         self.version: int | None = None  # the weights `expected` is for
 
@@ -90,10 +89,10 @@ class WeightProbe:
                                           [[1] * (len(s) - 1) for s in self.sequences])
 
     def expect(self, worker, version: int) -> None:
-        """The trainer's log-probs of the sequences, for the weights of `version` it holds now
-        (awake: before it sleeps)."""
+        """The trainer's log-probs of the sequences (at temperature 1, as the engines answer), for
+        the weights of `version` it holds now (awake: before it sleeps)."""
         batch = self.batch()
-        log_probs, _ = worker.compute_log_prob(batch)
+        log_probs, _ = worker.compute_log_prob(batch, False, 1.0)
         scored = log_probs.float()[batch.loss_mask]
         self.expected = list(scored.split([len(s) - 1 for s in self.sequences]))
         self.version = version
@@ -103,7 +102,7 @@ class WeightProbe:
         beyond the tolerance; [] when all agree. An answer of the wrong shape is a mismatch."""
         if self.expected is None:
             raise RuntimeError("the weights probe has no trainer log-probs yet (WeightProbe.expect)")
-        answers = await engine.probe_log_probs(self.sequences, self.temperature)
+        answers = await engine.probe_log_probs(self.sequences)
         return [m for m in (self.compare(name, got) for name, got in answers.items())
                 if not m.mean_abs <= self.tolerance]  # NaN is a mismatch too
 

@@ -212,12 +212,12 @@ class MegatronTrainWorker:
             out.append(torch.cat([p[: bounds[r + 1] - bounds[r]] for r, p in enumerate(parts)]).cpu())
         return out
 
-    def _log_probs(self, chunks, batch: Batch, with_entropy: bool):
+    def _log_probs(self, chunks, batch: Batch, with_entropy: bool, temperature: float | None = None):
         from megarl.backends.megatron.actor import forward_log_probs
 
         def fn(rows):
             lp, ent = forward_log_probs(chunks, self.spec.vocab_size, rows, **self.actor.batching,
-                                        temperature=self.temperature, with_entropy=with_entropy)
+                                        temperature=temperature or self.temperature, with_entropy=with_entropy)
             return [lp, ent] if with_entropy else [lp]
 
         with torch.no_grad():
@@ -226,8 +226,8 @@ class MegatronTrainWorker:
             out = self._over_data_parallel(batch, fn)
         return out[0], (out[1] if with_entropy else None)
 
-    def compute_log_prob(self, batch: Batch, with_entropy: bool = False):
-        return self._log_probs(self.actor.chunks, batch, with_entropy)
+    def compute_log_prob(self, batch: Batch, with_entropy: bool = False, temperature: float | None = None):
+        return self._log_probs(self.actor.chunks, batch, with_entropy, temperature)
 
     def compute_ref_log_prob(self, batch: Batch) -> torch.Tensor:
         if self.reference is None:

@@ -64,22 +64,23 @@ class TorchActor:
         self.routing_replay = routing_replay  # the actor's forwards route as the batch's routed_experts say
 
     @torch.no_grad()
-    def compute_log_prob(self, batch: TrainBatch, with_entropy: bool = False, model: torch.nn.Module | None = None):
+    def compute_log_prob(self, batch: TrainBatch, with_entropy: bool = False, model: torch.nn.Module | None = None,
+                         temperature: float | None = None):
         """(log_probs, entropy or None), each (B, L), in micro-batches, without gradients;
-        `model` (e.g. the frozen reference) defaults to the actor's own."""
+        `model` (e.g. the frozen reference) defaults to the actor's own, `temperature` to the rollout's."""
         self.model.eval()
-        parts = [self._forward(batch.select(slice(i, i + self.micro)), with_entropy, model)
+        parts = [self._forward(batch.select(slice(i, i + self.micro)), with_entropy, model, temperature=temperature)
                  for i in range(0, len(batch), self.micro)]
         log_probs = torch.cat([p[0] for p in parts]).cpu()
         entropy = torch.cat([p[1] for p in parts]).cpu() if with_entropy else None
         return log_probs, entropy
 
     def _forward(self, batch: TrainBatch, with_entropy: bool, model: torch.nn.Module | None = None,
-                 router_logits: list | None = None):
+                 router_logits: list | None = None, temperature: float | None = None):
         model = model or self.model
         with replayed_routing(model, self._replayed(batch) if model is self.model else None):
             return token_log_probs(model, batch.input_ids.to(self.device), batch.attention_mask.to(self.device),
-                                   self.temperature, with_entropy, router_logits, wanted=batch.loss_mask,
+                                   temperature or self.temperature, with_entropy, router_logits, wanted=batch.loss_mask,
                                    entropy_grad=bool(self.algo.entropy_coeff))
 
     def _replayed(self, batch: TrainBatch) -> list[torch.Tensor] | None:

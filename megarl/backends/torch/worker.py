@@ -74,9 +74,9 @@ class TorchTrainWorker:
         """(this rank's data-parallel rank, the data-parallel size): one rank holds everything."""
         return 0, 1
 
-    def compute_log_prob(self, batch: Batch, with_entropy: bool = False):
+    def compute_log_prob(self, batch: Batch, with_entropy: bool = False, temperature: float | None = None):
         rows, back = as_rows(batch)
-        log_probs, entropy = self.actor.compute_log_prob(rows, with_entropy)
+        log_probs, entropy = self.actor.compute_log_prob(rows, with_entropy, temperature=temperature)
         return back(log_probs), (back(entropy) if entropy is not None else None)
 
     def compute_ref_log_prob(self, batch: Batch) -> torch.Tensor:
