@@ -79,6 +79,10 @@ class SyncRollouts:
         self.c.for_training()
         return samples
 
+    def regenerate(self, step: int, metrics: dict) -> list[Sample]:
+        """Step `step`'s samples generated anew, now (the gate refused the first: megarl.train)."""
+        return self.batch(step, metrics)
+
     def sync_weights(self, version: int) -> None:
         self.c.sync_weights(version)
 
@@ -150,6 +154,18 @@ class AsyncRollouts(SyncRollouts):
             self._orders.pop(step - 1, None)
         metrics.update(produced)
         return samples
+
+    def regenerate(self, step: int, metrics: dict) -> list[Sample]:
+        """Step `step`'s samples generated anew, now, while the producer waits (it takes the
+        prompt order too); batches it made ahead are gated at their own steps."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._generating or self._error is not None)
+            self._raise_error()
+            self.clock.start()
+            try:
+                return self.collect(self.c, step, metrics)
+            finally:
+                self.clock.stop()
 
     def sync_weights(self, version: int) -> None:
         if self.partial == "wait":

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+import torch
 from tqdm import tqdm
 
 from megarl import checkpoint, memory
@@ -35,6 +36,7 @@ from megarl.errors import ComponentDied, RunInputError
 from megarl.experience import Sample, compute_advantages, reward_requests, shape_overlong, to_train_batch
 from megarl.rollout.agent import run_trajectories
 from megarl.termination import closing, deferred, received, stop_on_signals
+from megarl.weights.probe import WrongWeights
 from megarl.tracking import NullTracker, open_tracker, ui_command
 
 log = logging.getLogger(__name__)
@@ -105,7 +107,7 @@ def train(cfg: RunConfig) -> dict[str, float]:
         raise
     except ComponentDied as e:
         lost = _lost_parts(c)  # the lost node's other parts, while they can still be asked about
-        raise ComponentDied(f"step {step + 1}, {e}" + (f"\n{lost}" if lost else "")) from e
+        raise type(e)(f"step {step + 1}, {e}" + (f"\n{lost}" if lost else "")) from e  # WrongWeights stays one
     finally:
         with closing():  # a signal from here on kills the run's processes at once instead
             if rollouts is not None:
@@ -157,10 +159,25 @@ def train_step(c: Components, step: int, rollouts: SyncRollouts | None = None) -
     rollouts = rollouts or SyncRollouts(c, collect_samples)
     with _timer(metrics, "rollout"):  # asynchronous: the wait for a batch generated ahead
         samples = rollouts.batch(step, metrics)
-    c.last_samples = samples[:ROLLOUT_TABLE_ROWS]  # not the whole step's, held until the next step's
+    for attempt in range(2):
+        c.last_samples = samples[:ROLLOUT_TABLE_ROWS]  # not the whole step's, held until the next step's
+        metrics.update(staleness_metrics(samples, step))
+        try:
+            batch = experience(c, in_update_order(c.cfg, samples, step), metrics, step)
+            break
+        except EnginesDisagree as e:  # sync.probe.gate: never trained on
+            del samples
+            if attempt:
+                raise WrongWeights(f"{e}, again after the engines were given the trainer's weights "
+                                   "once more and the batch was generated anew; the run stopped before training on "
+                                   "it (its last checkpoint is good)") from None
+            log.warning("sync.probe.gate: step %d: %s; the engines get the trainer's weights again and the batch "
+                        "is generated anew", step + 1, e)
+            metrics["rollout/gate_regenerations"] = 1
+            rollouts.sync_weights(c.runtime.weights_version)  # probed
+            with _timer(metrics, "rollout"):
+                samples = rollouts.regenerate(step, metrics)
     metrics.update(c.engine_metrics())
-    metrics.update(staleness_metrics(samples, step))
-    batch = experience(c, in_update_order(c.cfg, samples, step), metrics)
     del samples  # the batch holds what the updates need: the trajectories are freed before they run
     metrics["actor/advantage_mean"] = float(masked_mean(batch.advantages, batch.loss_mask))
     updates(c, batch, step, metrics)
@@ -176,10 +193,16 @@ def train_step(c: Components, step: int, rollouts: SyncRollouts | None = None) -
     return metrics
 
 
-def experience(c: Components, samples: list[Sample], metrics: dict) -> PackedBatch:
+class EnginesDisagree(RuntimeError):
+    """The step's samples were generated with other weights than the trainer's (sync.probe.gate)."""
+
+
+def experience(c: Components, samples: list[Sample], metrics: dict, step: int | None = None) -> PackedBatch:
     """The step's scored samples as the batch the updates take: rows, old and reference
     log-probs, values, advantages and returns (the driver's data path of docs/architecture.md;
-    tools/bench/scale.py runs it at a recipe's size)."""
+    tools/bench/scale.py runs it at a recipe's size). With the trainer's old log-probs and
+    sync.probe.gate, EnginesDisagree when those of the tokens sampled with the trainer's weights
+    (version `step`) are too far from the engines'."""
     cfg = c.cfg
     batch = to_train_batch(samples, routed_experts=cfg.actor.moe_routing_replay)
     scores = [s.score for s in samples]
@@ -189,8 +212,11 @@ def experience(c: Components, samples: list[Sample], metrics: dict) -> PackedBat
     else:
         with _timer(metrics, "old_log_prob"):
             old_log_probs, _ = c.worker.compute_log_prob(batch.only())
-        mask = batch.loss_mask
-        metrics["rollout/logprob_mismatch"] = float((old_log_probs - batch.rollout_log_probs).abs()[mask].mean())
+        differ = (old_log_probs - batch.rollout_log_probs).abs()
+        metrics["rollout/logprob_mismatch"] = float(differ[batch.loss_mask].mean())
+        if cfg.sync.probe.gate and step is not None:
+            gate(differ, on_policy_tokens(samples, batch, step), cfg.gate_bound(), metrics)
+        del differ
     ref = c.worker.compute_ref_log_prob(batch.only()) if c.worker.has_reference else None
     if cfg.critic.enable:
         with _timer(metrics, "values"):
@@ -198,6 +224,32 @@ def experience(c: Components, samples: list[Sample], metrics: dict) -> PackedBat
     advantages, returns, adv_metrics = compute_advantages(batch, scores, groups, cfg.algorithm, ref, old_log_probs)
     metrics.update({f"train/{k}": v for k, v in adv_metrics.items()})
     return batch.with_fields(old_log_probs=old_log_probs, ref_log_probs=ref, advantages=advantages, returns=returns)
+
+
+def on_policy_tokens(samples: list[Sample], batch: PackedBatch, step: int) -> torch.Tensor:
+    """(N,) over the batch's tokens: True where a token is trained on (loss mask) and was sampled
+    with the trainer's current weights (version `step`), the tokens whose log-probs must agree."""
+    out = torch.zeros(batch.num_tokens, dtype=torch.bool)
+    for row_start, length, sample in zip(batch.starts().tolist(), batch.lengths.tolist(), samples):
+        response_start = row_start + length - len(sample.trajectory.response_ids)
+        for version, start, end in sample.trajectory.token_versions.runs():
+            if version == step:
+                out[response_start + start: response_start + end] = True
+    return out & batch.loss_mask
+
+
+def gate(differ: torch.Tensor, on_policy: torch.Tensor, bound: float, metrics: dict) -> None:
+    """sync.probe.gate: EnginesDisagree when the mean |trainer - engine| log-prob over the
+    `on_policy` tokens is above `bound`; nothing to judge (no such token) passes, counted."""
+    count = int(on_policy.sum())
+    metrics["rollout/gate_tokens"] = count
+    if not count:
+        return
+    mismatch = float(differ[on_policy].mean())
+    metrics["rollout/logprob_mismatch_on_policy"] = mismatch
+    if not mismatch <= bound:  # NaN fails too
+        raise EnginesDisagree(f"the engines' log-probs of the {count} tokens they sampled with the trainer's weights "
+                              f"differ from the trainer's by {mismatch:.3g} a token (sync.probe.gate_bound={bound:.3g})")
 
 
 def actor_fields(algo) -> tuple[str, ...]:
@@ -489,6 +541,6 @@ def _timer(metrics: dict, phase: str):
     try:
         yield
     except ComponentDied as e:
-        raise ComponentDied(f"while {PHASES[phase]}: {e}") from e
+        raise type(e)(f"while {PHASES[phase]}: {e}") from e
     metrics[f"timing/{phase}_s"] = time.perf_counter() - start
 
