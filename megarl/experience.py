@@ -1,8 +1,8 @@
 """From rollouts to a training batch: rewards, overlong shaping, advantages.
 
 The steps of the data flow (docs/architecture.md) between "rollout" and "update", as small functions the
-training loop calls in order. Main entry points: `reward_requests`, `shape_overlong`,
-`to_train_batch`, `compute_advantages`.
+training loop calls in order, and the step's gate (sync.probe.gate: `on_policy_tokens`, `gate`).
+Main entry points: `reward_requests`, `shape_overlong`, `to_train_batch`, `compute_advantages`, `gate`.
 """
 
 from __future__ import annotations
@@ -157,3 +157,33 @@ def _token_advantages(batch: TrainBatch, scores_t: torch.Tensor, groups_t: torch
         advantages, returns = compute_gae_advantages(rewards, batch.values, batch.loss_mask, algo.gamma, algo.lam)
         return advantages, returns, metrics
     raise ValueError(f"unknown advantage estimator {estimator!r}")
+
+
+class EnginesDisagree(RuntimeError):
+    """The step's samples were generated with other weights than the trainer's (sync.probe.gate)."""
+
+
+def on_policy_tokens(samples: list[Sample], batch: PackedBatch, step: int) -> torch.Tensor:
+    """(N,) over the batch's tokens: True where a token is trained on (loss mask) and was sampled
+    with the trainer's current weights (version `step`), the tokens whose log-probs must agree."""
+    out = torch.zeros(batch.num_tokens, dtype=torch.bool)
+    for row_start, length, sample in zip(batch.starts().tolist(), batch.lengths.tolist(), samples):
+        response_start = row_start + length - len(sample.trajectory.response_ids)
+        for version, start, end in sample.trajectory.token_versions.runs():
+            if version == step:
+                out[response_start + start: response_start + end] = True
+    return out & batch.loss_mask
+
+
+def gate(differ: torch.Tensor, on_policy: torch.Tensor, bound: float, metrics: dict) -> None:
+    """sync.probe.gate: EnginesDisagree when the mean |trainer - engine| log-prob over the
+    `on_policy` tokens is above `bound`; nothing to judge (no such token) passes, counted."""
+    count = int(on_policy.sum())
+    metrics["rollout/gate_tokens"] = count
+    if not count:
+        return
+    mismatch = float(differ[on_policy].mean())
+    metrics["rollout/logprob_mismatch_on_policy"] = mismatch
+    if not mismatch <= bound:  # NaN fails too
+        raise EnginesDisagree(f"the engines' log-probs of the {count} tokens they sampled with the trainer's weights "
+                              f"differ from the trainer's by {mismatch:.3g} a token (sync.probe.gate_bound={bound:.3g})")

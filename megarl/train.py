@@ -20,7 +20,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
-import torch
 from tqdm import tqdm
 
 from megarl import checkpoint, memory
@@ -29,15 +28,17 @@ from megarl.async_rollouts import SyncRollouts, start_rollouts
 from megarl.backends.packed import PackedBatch
 from megarl.backends.epochs import shuffled, update_permutation
 from megarl.components import Components, build_components
-from megarl.config import RunConfig, TrackingConfig, TrainWorkerConfig, save_config
+from megarl.config import RunConfig, TrainWorkerConfig, save_config
 from megarl.config_loader import dump_config, flatten_config
 from megarl.driver_loop import run_async
 from megarl.errors import ComponentDied, RunInputError
-from megarl.experience import Sample, compute_advantages, reward_requests, shape_overlong, to_train_batch
+from megarl.experience import (EnginesDisagree, Sample, compute_advantages, gate, on_policy_tokens, reward_requests,
+                               shape_overlong, to_train_batch)
 from megarl.rollout.agent import run_trajectories
 from megarl.termination import closing, deferred, received, stop_on_signals
 from megarl.weights.probe import WrongWeights
-from megarl.tracking import NullTracker, open_tracker, ui_command
+from megarl.run_report import HISTORY_KEYS, PROGRESS_KEYS, ROLLOUT_TABLE_ROWS, plot_curves, rollout_table, summary
+from megarl.tracking import NullTracker, open_tracker
 
 log = logging.getLogger(__name__)
 
@@ -127,35 +128,9 @@ def _lost_parts(c: Components) -> str:
         return ""
 
 
-PROGRESS_KEYS = {"reward": "train/reward_mean", "acc": "train/acc", "searches": "rollout/search_calls_mean",
-                 "val_acc": "val/acc"}
-HISTORY_KEYS = ("train/reward_mean", "train/acc", "rollout/search_calls_mean", "val/acc", "perf/trainer_offload_s",
-                "perf/trainer_onload_s")
-
-
-def summary(status: str, out: Path, history: list[dict], tracking: TrackingConfig) -> str:
-    """The closing lines on the console: first and last val/acc, where everything is."""
-    lines = [f"megarl: run {status.lower()}"]
-    val = [(h["step"], h["val/acc"]) for h in history if "val/acc" in h]
-    if val:
-        lines.append(f"  val/acc: {val[0][1]:.3f} at step {val[0][0]} -> {val[-1][1]:.3f} at step {val[-1][0]}")
-    slept = [(h["perf/trainer_offload_s"], h.get("perf/trainer_onload_s", 0.0)) for h in history
-             if "perf/trainer_offload_s" in h]
-    if slept:
-        lines.append(f"  trainer asleep while the engines generated: {sum(s[0] for s in slept) / len(slept):.3f} s "
-                     f"to sleep, {sum(s[1] for s in slept) / len(slept):.3f} s to wake, a step (mean of {len(slept)})")
-    lines += [f"  checkpoints: {out / 'checkpoints'}", f"  HF export:   {out / 'hf'}"]
-    if tracking.backend == "mlflow" and tracking.uri:
-        lines.append(f"  MLflow:      {tracking.uri}")
-    elif tracking.backend == "mlflow":
-        lines += [f"  MLflow:      {out / 'mlflow.db'} (artifacts in {out / 'mlartifacts'})",
-                  f"  view the curves: {ui_command(out)}"]
-    return "\n".join(lines)
-
-
 def train_step(c: Components, step: int, rollouts: SyncRollouts | None = None) -> dict[str, float]:
     """One step; its batch from `rollouts` (by default generated now: the synchronous loop)."""
-    cfg, metrics = c.cfg, {}
+    metrics: dict = {}
     rollouts = rollouts or SyncRollouts(c, collect_samples)
     with _timer(metrics, "rollout"):  # asynchronous: the wait for a batch generated ahead
         samples = rollouts.batch(step, metrics)
@@ -193,10 +168,6 @@ def train_step(c: Components, step: int, rollouts: SyncRollouts | None = None) -
     return metrics
 
 
-class EnginesDisagree(RuntimeError):
-    """The step's samples were generated with other weights than the trainer's (sync.probe.gate)."""
-
-
 def experience(c: Components, samples: list[Sample], metrics: dict, step: int | None = None) -> PackedBatch:
     """The step's scored samples as the batch the updates take: rows, old and reference
     log-probs, values, advantages and returns (the driver's data path of docs/architecture.md;
@@ -224,32 +195,6 @@ def experience(c: Components, samples: list[Sample], metrics: dict, step: int | 
     advantages, returns, adv_metrics = compute_advantages(batch, scores, groups, cfg.algorithm, ref, old_log_probs)
     metrics.update({f"train/{k}": v for k, v in adv_metrics.items()})
     return batch.with_fields(old_log_probs=old_log_probs, ref_log_probs=ref, advantages=advantages, returns=returns)
-
-
-def on_policy_tokens(samples: list[Sample], batch: PackedBatch, step: int) -> torch.Tensor:
-    """(N,) over the batch's tokens: True where a token is trained on (loss mask) and was sampled
-    with the trainer's current weights (version `step`), the tokens whose log-probs must agree."""
-    out = torch.zeros(batch.num_tokens, dtype=torch.bool)
-    for row_start, length, sample in zip(batch.starts().tolist(), batch.lengths.tolist(), samples):
-        response_start = row_start + length - len(sample.trajectory.response_ids)
-        for version, start, end in sample.trajectory.token_versions.runs():
-            if version == step:
-                out[response_start + start: response_start + end] = True
-    return out & batch.loss_mask
-
-
-def gate(differ: torch.Tensor, on_policy: torch.Tensor, bound: float, metrics: dict) -> None:
-    """sync.probe.gate: EnginesDisagree when the mean |trainer - engine| log-prob over the
-    `on_policy` tokens is above `bound`; nothing to judge (no such token) passes, counted."""
-    count = int(on_policy.sum())
-    metrics["rollout/gate_tokens"] = count
-    if not count:
-        return
-    mismatch = float(differ[on_policy].mean())
-    metrics["rollout/logprob_mismatch_on_policy"] = mismatch
-    if not mismatch <= bound:  # NaN fails too
-        raise EnginesDisagree(f"the engines' log-probs of the {count} tokens they sampled with the trainer's weights "
-                              f"differ from the trainer's by {mismatch:.3g} a token (sync.probe.gate_bound={bound:.3g})")
 
 
 def actor_fields(algo) -> tuple[str, ...]:
@@ -435,38 +380,6 @@ def _rollout_metrics(tally: dict[str, float], kept: list[Sample], gen_batches: i
         "rollout/failed_searches": int(tally["failed_searches"]),
         "rollout/turns_mean": tally["turns"] / n,
     })
-
-
-ROLLOUT_TABLE_ROWS = 16
-
-
-def rollout_table(c: Components, samples: list[Sample], rows: int = ROLLOUT_TABLE_ROWS) -> dict[str, list]:
-    """A few samples of the step as columns (prompt, response, score, acc, searches)."""
-    picked = samples[:rows]
-    return {"prompt": [c.tokenizer.decode(s.trajectory.prompt_ids) for s in picked],
-            "response": [c.tokenizer.decode(s.trajectory.response_ids) for s in picked],
-            "score": [s.score for s in picked], "acc": [bool(s.acc) for s in picked],
-            "searches": [s.trajectory.num_searches for s in picked]}
-
-
-def plot_curves(history: list[dict], path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for key in HISTORY_KEYS:
-        points = [(h["step"], h[key]) for h in history if key in h]
-        if points:
-            ax.plot(*zip(*points), marker="o", label=key)
-    ax.set_xlabel("step")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
 
 
 def _save(c: Components, root: Path, step: int, run_id: str | None, history: list, rollouts: SyncRollouts) -> None:

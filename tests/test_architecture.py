@@ -24,7 +24,8 @@ LAYERS = [
                 "megarl.config_rollout"]),
     ("parts", ["megarl.backends", "megarl.rollout", "megarl.tracking", "megarl.checkpoint"]),
     ("runtime", ["megarl.runtime"]),
-    ("loop", ["megarl.components", "megarl.experience", "megarl.export", "megarl.async_rollouts", "megarl.train"]),
+    ("loop", ["megarl.components", "megarl.experience", "megarl.export", "megarl.async_rollouts", "megarl.run_report",
+              "megarl.train"]),
     ("commands", ["megarl.cli", "megarl.planner", "megarl.planner_models", "megarl.planner_time", "megarl.quickstart",
                   "megarl.data.prepare", "megarl.retrieval.commands"]),
 ]

@@ -12,7 +12,7 @@ import torch
 from megarl.backends.packed import PackedBatch
 from megarl.experience import Sample
 from megarl.rollout.agent import Trajectory
-from megarl.train import EnginesDisagree, gate, on_policy_tokens
+from megarl.experience import EnginesDisagree, gate, on_policy_tokens
 from megarl.weights.probe import WrongWeights
 
 

@@ -402,6 +402,38 @@ def test_an_engine_that_dies_during_a_sync_is_restarted_and_gets_the_new_weights
     assert_matches(new, PROMPTS[:3], generate_all(fleet, PROMPTS[:3]))
 
 
+def test_an_engine_restarted_and_reloaded_is_probed(fleet_setup):
+    """A restarted engine reloads the kept weights (the disk transport) and is probed against the
+    trainer's log-probs for them; one that still serves other weights after a second load stops
+    the run by name."""
+    from megarl.weights.probe import WeightProbe, WrongWeights
+
+    fleet, model, cfg, _ = fleet_setup
+    new = tiny_model("qwen2", vocab_size=model.config.vocab_size, seed=13, eos_token_id=None)
+    asyncio.run(fleet.update_weights(group_tensors(hf_tensors(new), 20_000), version=14))
+    direct = SGLangFleet([(s.name, s.unit, s.url, s.tp) for s in fleet.servers[:1]], cfg.rollout.sglang,
+                         api_key=fleet.api_key)
+    direct.last_weights = fleet.last_weights
+    sequences = [PROMPTS[3], PROMPTS[1]]
+
+    def expect(hf_model, version):
+        probe = WeightProbe(sequences, tolerance=1e-4)
+        probe.expected = [reference_log_probs(hf_model, s[:1], s[1:], 1.0) for s in sequences]
+        probe.version = version
+        return probe
+
+    try:
+        direct.probe = expect(new, 14)  # the trainer's log-probs of the weights kept on disk
+        asyncio.run(direct._restart(direct.servers[0], before_sync=False))
+        direct.probe = expect(model, 14)  # the trainer's say the weights are others: a reload cannot help
+        with pytest.raises(WrongWeights, match=r"rollout engine engine0 at .* serves other weights than the "
+                                               r"trainer's \(version 14\) after its restart and reload, and again"):
+            asyncio.run(direct._restart(direct.servers[0], before_sync=False))
+        assert direct.metrics()["rollout/engine_restarts"] == 2
+    finally:
+        asyncio.run(direct.close())
+
+
 def test_a_dead_router_is_restarted_and_the_request_resent(fleet_setup):
     fleet, model, _, _ = fleet_setup
     asyncio.run(fleet.update_weights(group_tensors(hf_tensors(model), 20_000), version=9))  # earlier tests changed them

@@ -28,6 +28,7 @@ from megarl.rollout import sglang_api
 from megarl.rollout.engine import GenerationOutput, SamplingParams, WeightBucket
 from megarl.rollout.engine_unit import EngineUnit
 from megarl.rollout.http import HTTPEngine, ServerError
+from megarl.weights.probe import WrongWeights
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,7 @@ class SGLangFleet:
         self.router_restarts = 0
         self.memory_released = False  # release_memory ran; the next weight update takes the memory back
         self.synced = False  # a weight sync has begun: the checkpoint's weights are no longer the trainer's
+        self.probe = None  # the run's WeightProbe (megarl.weights.probe): a restarted engine is probed after its reload
         self._epoch = 0  # health passes so far; a request that failed before the latest one just retries
         self._locks: dict[int, asyncio.Lock] = {}
         # cleared by abort_requests until the sync ends; a threading.Event: the trainer's thread
@@ -198,6 +200,7 @@ class SGLangFleet:
             raise ComponentDied(f"rollout engine {server.name} could not be restarted: {e}") from e
         if self.last_weights is not None:  # back to the trainer's newest weights
             await server.client.load_from_disk(*self.last_weights)
+            await self._probe_reloaded(server)
         elif self.synced and not before_sync:
             # it serves the checkpoint it started from, and its samples would enter the step as
             # the trainer's: the process-group and IPC transports keep no copy it could reload
@@ -205,6 +208,25 @@ class SGLangFleet:
                                 "the checkpoint's weights, not the trainer's; this weight transport keeps no copy to "
                                 "reload. Resume the run from its last checkpoint (trainer.resume=auto), or use "
                                 "sync.transport=disk, whose newest weights a restarted engine reloads")
+
+    async def _probe_reloaded(self, server: _ServerHandle) -> None:
+        """The weights probe on an engine restarted and given the kept weights (when the probe's
+        trainer log-probs are for them): one more load on a mismatch, then WrongWeights."""
+        probe = self.probe
+        if probe is None or probe.expected is None or probe.version != self.last_weights[1]:
+            return  # the probe after the next sync checks it
+        name = f"rollout engine {server.name} at {server.url}"
+        for attempt in range(2):
+            (answer,) = (await server.client.probe_log_probs(probe.sequences)).values()
+            mismatch = probe.compare(name, answer)
+            if mismatch.mean_abs <= probe.tolerance:
+                return
+            if not attempt:
+                log.warning("sync.probe: after its restart and reload, %s; loading its weights again",
+                            mismatch.describe(probe.tolerance))
+                await server.client.load_from_disk(*self.last_weights)
+        raise WrongWeights(f"{name} serves other weights than the trainer's (version {probe.version}) after its "
+                           f"restart and reload, and again after a second load: {mismatch.describe(probe.tolerance)}")
 
     async def health(self) -> bool:
         return all(await asyncio.gather(*[s.client.health(self.settings.health_timeout_s) for s in self.servers]))

@@ -19,6 +19,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from megarl.backends.base import TrainWorker
+from megarl.backends.packed import PackedBatch
 from megarl.config import RetrievalConfig, RunConfig
 from megarl.driver_loop import run_async
 from megarl.http_auth import RETRIEVAL_KEY_ENV, new_api_key
@@ -115,7 +116,9 @@ class Runtime(ABC):
         self.probe = WeightProbe(sequences, self.cfg.probe_tolerance())
         if self._trainer_asleep:
             self.for_training()
-        self.probe.expect(self.worker, self.weights_version)
+        self.probe.expect(trainer_log_probs(self.worker, sequences), self.weights_version)
+        if hasattr(self.engine, "probe"):  # a fleet probes the engines it restarts itself
+            self.engine.probe = self.probe
 
     def check_engine_weights(self, event: str) -> None:
         """The weights probe after `event`: an engine that disagrees with the trainer gets the
@@ -181,7 +184,7 @@ class Runtime(ABC):
                 else None
             self.weights_version = version
             if self.probe is not None:  # the trainer's log-probs for the weights it pushed, before it sleeps
-                self.probe.expect(self.worker, version)
+                self.probe.expect(trainer_log_probs(self.worker, self.probe.sequences), version)
             if self.cfg.trainer_sleeps():  # its memory freed before the engines take their KV cache back
                 self._sleep_trainer()
             pushed = True
@@ -227,6 +230,15 @@ class Runtime(ABC):
     @abstractmethod
     def shutdown(self) -> None:
         """Stop every part this runtime started; safe to call twice."""
+
+
+def trainer_log_probs(worker: TrainWorker, sequences: list[list[int]]) -> list[torch.Tensor]:
+    """The trainer's log-prob of each token after the first of each sequence, at temperature 1 (the
+    weights probe: megarl.weights.probe); the trainer awake."""
+    batch = PackedBatch.from_sequences([s[:1] for s in sequences], [s[1:] for s in sequences],
+                                       [[1] * (len(s) - 1) for s in sequences])
+    log_probs, _ = worker.compute_log_prob(batch, False, 1.0)
+    return list(log_probs.float()[batch.loss_mask].split([len(s) - 1 for s in sequences]))
 
 
 def hosted_retrieval_key(r: RetrievalConfig) -> str:

@@ -3,7 +3,7 @@
 A few fixed token sequences, drawn from the run's training prompts when it starts, are scored
 twice after every event that loads the engines' weights or could lose them (a sync, an engine
 restart and its reload, a resume of released memory, a resume from a checkpoint): by the
-trainer, for the weights it pushed (`WeightProbe.expect`), and by every engine (the log-prob of
+trainer, for the weights it pushed (`WeightProbe.expect`, computed by the runtime), and by every engine (the log-prob of
 each token given the ones before it: SGLang's `/generate` by input ids with `return_logprob`
 and `logprob_start_len=0`; `RolloutEngine.probe_log_probs`). An engine whose mean absolute
 difference per token exceeds the tolerance serves other weights: wiped by a memory release,
@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 import torch
 
-from megarl.backends.packed import PackedBatch
 from megarl.errors import ComponentDied
 
 log = logging.getLogger(__name__)
@@ -83,18 +82,12 @@ class WeightProbe:
         self.expected: list[torch.Tensor] | None = None  # per sequence, log-probs of tokens 1..n-1
         self.version: int | None = None  # the weights `expected` is for
 
-    def batch(self) -> PackedBatch:
-        """The sequences as the trainer's batch: every token but the first is scored."""
-        return PackedBatch.from_sequences([s[:1] for s in self.sequences], [s[1:] for s in self.sequences],
-                                          [[1] * (len(s) - 1) for s in self.sequences])
-
-    def expect(self, worker, version: int) -> None:
-        """The trainer's log-probs of the sequences (at temperature 1, as the engines answer), for
-        the weights of `version` it holds now (awake: before it sleeps)."""
-        batch = self.batch()
-        log_probs, _ = worker.compute_log_prob(batch, False, 1.0)
-        scored = log_probs.float()[batch.loss_mask]
-        self.expected = list(scored.split([len(s) - 1 for s in self.sequences]))
+    def expect(self, trainer_log_probs: list[torch.Tensor], version: int) -> None:
+        """The trainer's log-probs of the sequences (tokens 1..n-1 of each, at temperature 1, as
+        the engines answer) for the weights of `version`."""
+        if [len(t) for t in trainer_log_probs] != [len(s) - 1 for s in self.sequences]:
+            raise ValueError("the trainer's probe log-probs do not cover every scored token of the probe")
+        self.expected = [t.float() for t in trainer_log_probs]
         self.version = version
 
     async def mismatches(self, engine) -> list[Mismatch]:

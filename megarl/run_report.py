@@ -1,0 +1,71 @@
+"""What a run shows of itself besides its metrics: the progress bar's figures, the closing lines
+on the console, a few samples of a step as a table, and the curves as a picture. Main entry
+points: `summary`, `rollout_table`, `plot_curves`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from megarl.components import Components
+from megarl.config import TrackingConfig
+from megarl.experience import Sample
+from megarl.tracking import ui_command
+
+
+PROGRESS_KEYS = {"reward": "train/reward_mean", "acc": "train/acc", "searches": "rollout/search_calls_mean",
+                 "val_acc": "val/acc"}
+HISTORY_KEYS = ("train/reward_mean", "train/acc", "rollout/search_calls_mean", "val/acc", "perf/trainer_offload_s",
+                "perf/trainer_onload_s")
+
+
+def summary(status: str, out: Path, history: list[dict], tracking: TrackingConfig) -> str:
+    """The closing lines on the console: first and last val/acc, where everything is."""
+    lines = [f"megarl: run {status.lower()}"]
+    val = [(h["step"], h["val/acc"]) for h in history if "val/acc" in h]
+    if val:
+        lines.append(f"  val/acc: {val[0][1]:.3f} at step {val[0][0]} -> {val[-1][1]:.3f} at step {val[-1][0]}")
+    slept = [(h["perf/trainer_offload_s"], h.get("perf/trainer_onload_s", 0.0)) for h in history
+             if "perf/trainer_offload_s" in h]
+    if slept:
+        lines.append(f"  trainer asleep while the engines generated: {sum(s[0] for s in slept) / len(slept):.3f} s "
+                     f"to sleep, {sum(s[1] for s in slept) / len(slept):.3f} s to wake, a step (mean of {len(slept)})")
+    lines += [f"  checkpoints: {out / 'checkpoints'}", f"  HF export:   {out / 'hf'}"]
+    if tracking.backend == "mlflow" and tracking.uri:
+        lines.append(f"  MLflow:      {tracking.uri}")
+    elif tracking.backend == "mlflow":
+        lines += [f"  MLflow:      {out / 'mlflow.db'} (artifacts in {out / 'mlartifacts'})",
+                  f"  view the curves: {ui_command(out)}"]
+    return "\n".join(lines)
+
+
+ROLLOUT_TABLE_ROWS = 16
+
+
+def rollout_table(c: Components, samples: list[Sample], rows: int = ROLLOUT_TABLE_ROWS) -> dict[str, list]:
+    """A few samples of the step as columns (prompt, response, score, acc, searches)."""
+    picked = samples[:rows]
+    return {"prompt": [c.tokenizer.decode(s.trajectory.prompt_ids) for s in picked],
+            "response": [c.tokenizer.decode(s.trajectory.response_ids) for s in picked],
+            "score": [s.score for s in picked], "acc": [bool(s.acc) for s in picked],
+            "searches": [s.trajectory.num_searches for s in picked]}
+
+
+def plot_curves(history: list[dict], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key in HISTORY_KEYS:
+        points = [(h["step"], h[key]) for h in history if key in h]
+        if points:
+            ax.plot(*zip(*points), marker="o", label=key)
+    ax.set_xlabel("step")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
