@@ -226,42 +226,72 @@ class ServerActor:
         async def remote(self, *args):
             return self.fn(*args)
 
-    def __init__(self, proc: subprocess.Popen, log_path: Path):
+    def __init__(self, procs: list[subprocess.Popen], index: int, log_path: Path, argv: list[str] | None = None,
+                 env: dict | None = None):
+        """`procs[index]`: the server's process, replaced there by a restart (same arguments, same
+        port); without `argv` a restart fails, saying so."""
         def tail() -> str:
             return "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
 
-        def restart(*_):  # the fleet restarts an engine it finds dead: here, say why it died
-            raise RuntimeError(f"the harness restarts no double; its log:\n{tail()}")
+        def restart(timeout_s: float = 60.0, *_):  # as SGLang's ServerActor: the same command on the same port
+            if argv is None:
+                raise RuntimeError(f"this harness server cannot be restarted; its log:\n{tail()}")
+            old = procs[index]
+            if old.poll() is None:
+                old.kill()
+            old.wait()
+            port = int(Path(argv[argv.index("--port-file") + 1]).read_text())
+            fixed = [a if i == 0 or argv[i - 1] != "--port" else str(port) for i, a in enumerate(argv)]
+            with open(log_path, "ab") as log:
+                procs[index] = subprocess.Popen(fixed, stdout=log, stderr=subprocess.STDOUT, env=env)
+            wait_healthy(procs[index], f"http://127.0.0.1:{port}", f"the restarted double of {log_path.stem}",
+                         time.monotonic() + timeout_s)
 
         def gone_within(seconds: float) -> bool:
             try:
-                proc.wait(timeout=seconds)
+                procs[index].wait(timeout=seconds)
             except subprocess.TimeoutExpired:
                 return False
             return True
 
-        self.alive = self._Call(lambda: proc.poll() is None)
+        self.alive = self._Call(lambda: procs[index].poll() is None)
         self.gone_within = self._Call(gone_within)
         self.log_tail = self._Call(tail)
         self.restart = self._Call(restart)
 
 
+def wait_healthy(proc: subprocess.Popen, url: str, name: str, deadline: float) -> None:
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with status {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{name} did not start")
+        time.sleep(0.2)
+
+
 def start_engines(gpus_per_engine: list[list[str]], collectives: str, holds: list[list[str]] | None = None,
-                  token_s: float = 0.0):
+                  token_s: float = 0.0, extra_args: tuple[str, ...] = (), engine_args: list[list[str]] | None = None):
     """A tests/sglang_double.py server per engine, their simulated collectives in the directory
     `collectives`, each new token taking `token_s`; (fleet entries, processes). Each server binds a free port itself and names
     it in a file: a port chosen here could be taken before the server binds it, and /health
     then answered by another process, the dead server found only at the first sync."""
-    procs, port_files = [], []
+    procs, port_files, argvs, envs = [], [], [], []
     for e, gpus in enumerate(gpus_per_engine):
         port_files.append(Path(collectives) / f"engine{e}.port")
         argv = [sys.executable, str(ROOT / "tests" / "sglang_double.py"), "--port", "0", "--port-file",
-                str(port_files[-1]), "--node", NODE, "--collective-dir", collectives, "--token-s", str(token_s)]
+                str(port_files[-1]), "--node", NODE, "--collective-dir", collectives, "--token-s", str(token_s),
+                *extra_args, *(engine_args[e] if engine_args else [])]
         for hold in (holds[e] if holds else []):
             argv += ["--hold", hold]
+        argvs.append(argv)
+        envs.append({**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(gpus)})
         with open(Path(collectives) / f"engine{e}.log", "wb") as log:
-            procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(gpus)}))
+            procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=envs[-1]))
     deadline = time.monotonic() + 60
     entries = []
     for e, (gpus, proc, port_file) in enumerate(zip(gpus_per_engine, procs, port_files)):
@@ -277,8 +307,8 @@ def start_engines(gpus_per_engine: list[list[str]], collectives: str, holds: lis
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the SGLang double of engine{e} did not start")
             time.sleep(0.2)
-        entries.append((f"engine{e}", ServerActor(proc, Path(collectives) / f"engine{e}.log"), url, len(gpus), NODE,
-                        gpus))
+        entries.append((f"engine{e}", ServerActor(procs, e, Path(collectives) / f"engine{e}.log", argvs[e], envs[e]),
+                        url, len(gpus), NODE, gpus))
     return entries, procs
 
 
@@ -315,9 +345,19 @@ class HarnessRuntime(Runtime):
         self.worker = Trainer(tensors)
 
     def release_engine_memory(self) -> None:
+        """As RayRuntime: only engines colocated on the trainer's GPUs release their memory."""
         import asyncio
 
-        asyncio.run(self.engine.release_memory())
+        if self.cfg.rollout.mode == "colocated" and self.cfg.cluster.gpus_per_node:
+            asyncio.run(self.engine.release_memory())
+
+    def resume_engine_memory(self) -> bool:
+        import asyncio
+
+        if not self.engine.memory_released:
+            return False
+        asyncio.run(self.engine.resume_memory())
+        return True
 
     def shutdown(self) -> None:
         pass

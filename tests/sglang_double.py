@@ -5,7 +5,10 @@ It speaks the control API megarl uses with SGLang's semantics, not only its fiel
   SGLang server started by Ray does, TP rank i on the i-th; a CUDA IPC entry made on a device it cannot see, or on another TP
   rank's device, is refused (SGLang's rebuild of a handle fails the same way);
 - memory by tag (kv_cache, weights, cuda_graph): release/resume with no tags means all of them
-  (sglang/srt/constants.py); generation needs all three, a weight update needs the weights;
+  (sglang/srt/constants.py); generation needs all three, a weight update needs the weights; a
+  release is refused unless the server is idle (requests paused count as retracted, not running),
+  and releasing the weights loses them unless `--enable-weights-cpu-backup` (torch_memory_saver
+  maps fresh pages on resume: here every loaded tensor turns to NaN);
 - one update request at a time (SGLang's scheduler), so an ordering deadlock between two
   servers shows as a timeout; `--hold GROUP=SECONDS` makes this server start on requests of
   GROUP only that long after they arrive (to force the order that deadlocks);
@@ -18,12 +21,14 @@ It speaks the control API megarl uses with SGLang's semantics, not only its fiel
   process-group and tensor updates, refused outside one, and a resume of memory that was not
   released refused;
 - generation as SGLang's scheduler runs it (`--token-s S`: each new token takes S seconds and
-  a request makes max_new_tokens of them; without it, one token at once): a paused server holds
+  a request makes max_new_tokens of them; without it, one token at once), each token answered
+  with the weight version it was made with (meta_info.weight_versions spans): a paused server holds
   its requests, running and new, until `/continue_generation`; `/abort_request` (`abort_all` or
   a `rid`) ends them with finish_reason abort and the tokens they have; `/flush_cache` answers 400
   while a request runs and the server is not paused (SGLang's `is_fully_idle`);
 - `/weight_checksums` (megarl's embedded server's route) over what it loaded, and `/calls`,
-  the order of the control requests it served.
+  the order of the control requests it served; `--exit-on-resume TAG=MARKER` makes it die at its
+  first resume of TAG (a crash in the middle of a sync's end).
 
     CUDA_VISIBLE_DEVICES=0,1 python tests/sglang_double.py --port P --node NODE [--hold GROUP=SECONDS] [--collective-dir DIR] [--token-s S]
 """
@@ -94,7 +99,8 @@ def enter_together(directory: str, group: str, seq: int, rank: int, engines: int
 
 
 def create_app(node: str, gpus: list[str], hold: dict[str, float], collective_dir: str | None = None,
-               token_s: float = 0.0) -> FastAPI:
+               token_s: float = 0.0, weights_cpu_backup: bool = False,
+               exit_on_resume: tuple[str, str] | None = None) -> FastAPI:
     app = FastAPI()
     devices = [device_uuid(node, g) for g in gpus]
     released: set[str] = set()
@@ -133,19 +139,27 @@ def create_app(node: str, gpus: list[str], hold: dict[str, float], collective_di
         rid = body.get("rid") or uuid.uuid4().hex
         want = int(body.get("sampling_params", {}).get("max_new_tokens", 1)) if token_s else 1
         request_state = requests[rid] = {"running": False, "abort": False}
-        made = 0
+        made, versions = 0, []
         try:
             while made < want and not request_state["abort"]:
                 # a paused server holds the request in its queue (retracted): not running
                 request_state["running"] = not state["paused"]
                 await asyncio.sleep(token_s or 0.005)
-                made += request_state["running"] and not state["paused"]
+                if request_state["running"] and not state["paused"]:
+                    made += 1
+                    versions.append(state["version"])
         finally:
             del requests[rid]
         finish = {"type": "abort", "message": "Abort in running"} if made < want else {"type": "length",
                                                                                         "length": want}
+        spans = []  # SGLang's per-token versions: [{version, start, end}], end exclusive
+        for i, version in enumerate(versions):
+            if spans and spans[-1]["version"] == version:
+                spans[-1]["end"] = i + 1
+            else:
+                spans.append({"version": version, "start": i, "end": i + 1})
         meta = {"id": rid, "finish_reason": finish, "prompt_tokens": len(body["input_ids"]),
-                "completion_tokens": made, "weight_version": state["version"],
+                "completion_tokens": made, "weight_version": state["version"], "weight_versions": spans,
                 "output_token_logprobs": [[-0.5, 7, None]] * made}
         return {"text": "", "output_ids": [7] * made, "meta_info": meta}
 
@@ -167,12 +181,24 @@ def create_app(node: str, gpus: list[str], hold: dict[str, float], collective_di
             return None
         app.post(route)(handle)
 
+    def release(tags: list[str]) -> None:
+        running = sum(r["running"] for r in requests.values())
+        if running and not state["paused"]:  # SGLang's scheduler asserts it is idle before it releases
+            raise HTTPException(400, f"release_memory_occupation needs an idle server: {running} requests running")
+        if "weights" in tags and not weights_cpu_backup:  # no copy kept: the resumed pages hold anything
+            for name, tensor in weights.items():
+                weights[name] = torch.full_like(tensor, float("nan")) if tensor.is_floating_point() else tensor
+        released.update(tags)
+
     def resume(tags: list[str]) -> None:
+        if exit_on_resume and exit_on_resume[0] in tags and not Path(exit_on_resume[1]).exists():
+            Path(exit_on_resume[1]).touch()  # once: a restarted server keeps the same arguments
+            os._exit(9)  # dies in the middle of the resume, as a crashed scheduler takes its server down
         if not set(tags) <= released:  # SGLang's scheduler: offload_tags.remove(tag) of a tag it never released
             raise HTTPException(500, f"resume of memory that was not released: {sorted(set(tags) - released)}")
         released.difference_update(tags)
 
-    memory_route("/release_memory_occupation", released.update)
+    memory_route("/release_memory_occupation", release)
     memory_route("/resume_memory_occupation", resume)
 
     @app.post("/begin_weight_update")
@@ -321,13 +347,19 @@ def main() -> None:
     parser.add_argument("--hold", action="append", default=[])
     parser.add_argument("--collective-dir")
     parser.add_argument("--token-s", type=float, default=0.0, help="seconds per generated token (0: one token at once)")
+    parser.add_argument("--enable-weights-cpu-backup", action="store_true", help="keep the weights across a release")
+    parser.add_argument("--exit-on-resume", metavar="TAG=MARKER", help="exit at the first resume of TAG (then MARKER "
+                        "exists: a restarted server with these arguments goes on)")
     args = parser.parse_args()
     hold = {k: float(v) for k, v in (h.split("=") for h in args.hold)}
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
     if not visible:
         parser.error("CUDA_VISIBLE_DEVICES names no GPU: set it to the simulated GPUs this server sees")
-    app = create_app(args.node, visible.split(","), hold, args.collective_dir, args.token_s)
+    app = create_app(args.node, visible.split(","), hold, args.collective_dir, args.token_s,
+                     args.enable_weights_cpu_backup, tuple(args.exit_on_resume.split("=", 1)) if args.exit_on_resume
+                     else None)
     sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart takes its predecessor's port
     sock.bind((args.host, args.port))  # bound here, so the port a test is told is this server's
     if args.port_file:
         Path(args.port_file + ".part").write_text(str(sock.getsockname()[1]))

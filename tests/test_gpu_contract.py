@@ -204,9 +204,9 @@ def test_fp8_master_weights_start_from_the_loaded_weights(tmp_path):
 
 
 
-def ipc_config(layout: Layout):
+def ipc_config(layout: Layout, *extra: str):
     # the doubles answer megarl's /weight_checksums as its embedded servers do (sync.verify)
-    return load_config(None, ["rollout.engine=sglang", "rollout.sglang.server=embedded", "sync.transport=ipc",
+    return load_config(None, [*extra, "rollout.engine=sglang", "rollout.sglang.server=embedded", "sync.transport=ipc",
                               "rollout.mode=colocated",
                               "cluster.gpus_per_node=4", "rollout.tensor_parallel_size=2", "sync.bucket_mb=1",
                               "sync.verify=true", "actor.backend=megatron",
@@ -225,10 +225,11 @@ class Run:
     """Ranks, engines and a runtime; everything stopped at the end."""
 
     def __init__(self, work: Path, cfg, transport_class, layout: Layout, rank_gpus, engine_gpus, holds=None,
-                 deadline_s=60.0, hf_dir: str | None = None, token_s: float = 0.0):
+                 deadline_s=60.0, hf_dir: str | None = None, token_s: float = 0.0, engine_args=None):
         (work / "collectives").mkdir(parents=True)
         (work / "handles").mkdir()
-        self.entries, self.procs = start_engines(engine_gpus, str(work / "collectives"), holds, token_s)
+        self.entries, self.procs = start_engines(engine_gpus, str(work / "collectives"), holds, token_s,
+                                                 tuple(cfg.rollout.sglang.extra_args), engine_args)
         self.ranks = ProcessRanks(layout, rank_gpus, str(work / "handles"), deadline_s, hf_dir=hf_dir)
         self.fleet = SGLangFleet(self.entries, cfg.rollout.sglang)
         self.exported = hf_tensors(hf_dir) if hf_dir else all_tensors(layout.pp)
@@ -335,6 +336,45 @@ def test_engines_get_every_memory_kind_back_before_generation_continues(run):
         assert r.ranks.freed_at and r.ranks.freed_at[0] <= first_resume  # the trainer's cache freed first
     out = asyncio.run(r.fleet.generate([1, 2, 3], SamplingParams(max_new_tokens=1)))
     assert out.token_ids == [7] and out.weight_version == 2
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backup", [False, True], ids=["memory-saver", "weights-cpu-backup"])
+def test_a_release_outside_a_sync_never_leaves_the_engines_on_wiped_weights(run, backup):
+    """A checkpoint's save releases the colocated engines' memory, weights included, outside a
+    sync. Without --enable-weights-cpu-backup SGLang's resume maps fresh pages (the double turns
+    the weights to NaN): before the fix the next step generated on them. Now the trainer's weights
+    are synced again before generation; with the backup they come back from host memory."""
+    layout = Layout(tp=2, dp=2, pp=1)
+    extra = ["rollout.sglang.extra_args=[--enable-weights-cpu-backup]"] if backup else []
+    r = run(ipc_config(layout, *extra), IpcTransport, layout, ["0", "1", "2", "3"], [["0", "1"], ["2", "3"]])
+    r.runtime.sync_weights(version=1)
+    r.runtime.for_training()  # _save: the engines release everything, the trainer wakes
+    r.runtime.for_generation()  # the next step's generation
+    want = weight_checksums(sorted(all_tensors(layout.pp).items()))
+    assert [engine_sums(u) for u in r.urls()] == [want, want]
+    loads = [c for c in calls(r.urls()[0]) if c["route"] == "/update_weights_from_tensor"]
+    assert len(loads) == 2 * (1 if backup else 2)  # two buckets a sync; a second sync only without the backup
+    assert asyncio.run(r.fleet.generate([1, 2, 3], SamplingParams(max_new_tokens=1))).weight_version == 1
+
+
+@pytest.mark.timeout(300)
+def test_an_engine_that_dies_in_the_end_of_sync_resume_comes_back_with_the_trainers_weights(run, tmp_path):
+    """Engine 1 dies when the sync's end resumes its KV cache. Before the fix the fleet restarted
+    it and sent the fresh engine resume_memory(kv_cache, cuda_graph), tags it never released:
+    SGLang's scheduler fails that (the double answers 500), and the run stopped. Now the fresh
+    engine gets no resume, and since the ipc transport keeps no copy to reload, the trainer's
+    weights are synced again: both engines end on them."""
+    layout = Layout(tp=2, dp=2, pp=1)
+    r = run(ipc_config(layout), IpcTransport, layout, ["0", "1", "2", "3"], [["0", "1"], ["2", "3"]],
+            engine_args=[[], ["--exit-on-resume", f"kv_cache={tmp_path / 'died'}"]])
+    r.runtime.for_training()  # after a generation: the engines release everything
+    r.runtime.sync_weights(version=1)
+    assert (tmp_path / "died").exists() and r.fleet.metrics()["rollout/engine_restarts"] == 1
+    want = weight_checksums(sorted(all_tensors(layout.pp).items()))
+    assert [engine_sums(u) for u in r.urls()] == [want, want]
+    out = asyncio.run(r.fleet.generate([1, 2, 3], SamplingParams(max_new_tokens=1)))
+    assert out.weight_version == 1
 
 
 @pytest.mark.timeout(300)

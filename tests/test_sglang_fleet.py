@@ -477,12 +477,12 @@ def test_a_connection_lost_before_the_process_is_reaped_is_a_dead_engine(tmp_pat
         while not port_file.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         (tmp_path / "engine0.log").write_text("")
-        actor = ServerActor(proc, tmp_path / "engine0.log")  # its restart says it was asked
+        actor = ServerActor([proc], 0, tmp_path / "engine0.log")  # its restart says it was asked
         settings = load_config(None, ["rollout.sglang.router=false"]).rollout.sglang
         fleet = SGLangFleet([("engine0", actor, f"http://127.0.0.1:{port_file.read_text()}", 1)], settings)
         # before: the process was still alive when the error came back, and the sync failed on
         # the broken connection instead of restarting the engine
-        with pytest.raises(ComponentDied, match="engine0 could not be restarted: the harness restarts no double"):
+        with pytest.raises(ComponentDied, match="engine0 could not be restarted: this harness server cannot be restarted"):
             asyncio.run(fleet._each("close_update_session", True))
     finally:
         proc.kill()

@@ -97,6 +97,9 @@ class SGLangFleet:
         self.memory_released = False  # release_memory ran; the next weight update takes the memory back
         self.synced = False  # a weight sync has begun: the checkpoint's weights are no longer the trainer's
         self.probe = None  # the run's WeightProbe (megarl.weights.probe): a restarted engine is probed after its reload
+        # engines restarted after a sync's load with nothing kept to reload: the runtime syncs them again
+        self.need_weights: set[str] = set()
+        self._after_load = False  # inside end_weight_update: the sync's weights are in
         self._epoch = 0  # health passes so far; a request that failed before the latest one just retries
         self._locks: dict[int, asyncio.Lock] = {}
         # cleared by abort_requests until the sync ends; a threading.Event: the trainer's thread
@@ -201,6 +204,11 @@ class SGLangFleet:
         if self.last_weights is not None:  # back to the trainer's newest weights
             await server.client.load_from_disk(*self.last_weights)
             await self._probe_reloaded(server)
+        elif self.synced and not before_sync and self._after_load:
+            # restarted at the end of a sync: the runtime gives it the sync's weights again (Runtime.sync_weights)
+            log.warning("rollout engine %s was restarted after the sync's load; the trainer's weights are sent again",
+                        server.name)
+            self.need_weights.add(server.name)
         elif self.synced and not before_sync:
             # it serves the checkpoint it started from, and its samples would enter the step as
             # the trainer's: the process-group and IPC transports keep no copy it could reload
@@ -234,13 +242,15 @@ class SGLangFleet:
     # -- control, on every engine -------------------------------------------------------------
     # control calls through which a weight sync has brought the engines the new weights (or
     # keeps them in `last_weights`): an engine restarted before or during them gets the weights
-    # from the sync itself; after them it needs a copy to reload
-    _UP_TO_THE_LOAD = frozenset({"pause", "open_update_session", "load_from_disk", "release_memory",
-                                 "resume_memory"})
+    # from the sync itself; after them it needs a copy to reload (resume_memory says which it is)
+    _UP_TO_THE_LOAD = frozenset({"pause", "open_update_session", "load_from_disk", "release_memory"})
 
-    async def _each(self, method: str, *args) -> list:
+    async def _each(self, method: str, *args, before_load: bool | None = None) -> list:
         """`method` of every engine's client. An engine whose process died is restarted (with the
-        newest weights where they are kept) and gets the call once more."""
+        newest weights where they are kept) and gets the call once more, but for a resume of
+        memory: a fresh engine holds all of it, and SGLang fails a resume of a tag it never released
+        (its scheduler's offload_tags.remove raises). `before_load`: whether the sync's load is
+        still to come (default: by the method)."""
         async def one(server: _ServerHandle):
             try:
                 return await getattr(server.client, method)(*args)
@@ -249,7 +259,10 @@ class SGLangFleet:
                     raise
                 # only this engine: a health check of the others would wait on their pause
                 log.warning("rollout engine %s died during %s (%s): restarting it", server.name, method, e)
-                await self._restart(server, before_sync=method in self._UP_TO_THE_LOAD)
+                await self._restart(server, before_sync=method in self._UP_TO_THE_LOAD if before_load is None
+                                    else before_load)
+                if method == "resume_memory":
+                    return None
                 return await getattr(server.client, method)(*args)
         return await asyncio.gather(*[one(s) for s in self.servers])
 
@@ -297,8 +310,9 @@ class SGLangFleet:
         self.memory_released = True
 
     async def resume_memory(self, tags: list[str] | None = None) -> None:
-        """`tags` (all by default) back; with all of them the engines hold their memory again."""
-        await self._each("resume_memory", list(tags or sglang_api.MEMORY_TAGS))
+        """`tags` (all by default) back; with all of them the engines hold their memory again. The
+        weights alone come back before a sync's load; anything else after it."""
+        await self._each("resume_memory", list(tags or sglang_api.MEMORY_TAGS), before_load=tags == ["weights"])
         if tags is None:
             self.memory_released = False
 
@@ -317,6 +331,7 @@ class SGLangFleet:
     async def end_weight_update(self) -> None:
         """Close the sessions, flush the stale prefix cache, the KV cache back if released,
         then continue. An engine restarted during the sync has no session to close."""
+        self._after_load = True
         try:
             await self._each("close_update_session", True)
             await self.flush_cache()
@@ -325,6 +340,7 @@ class SGLangFleet:
                 self.memory_released = False
             await self.resume()
         finally:
+            self._after_load = False
             self._open.set()
 
     # -- weights -----------------------------------------------------------------------------

@@ -99,8 +99,11 @@ class Runtime(ABC):
 
     def engine_weights_lost(self) -> bool:
         """The engines released their weights' memory outside a weight sync and keep no copy to
-        resume them from: what they would generate with is not the trainer's weights."""
-        return False
+        resume them from: what they would generate with is not the trainer's weights. Colocated
+        SGLang servers release their weights with the rest (sglang_api.MEMORY_TAGS); started with
+        --enable-memory-saver alone they keep no copy, and a resume maps fresh pages."""
+        return (getattr(self.engine, "memory_released", False)
+                and "--enable-weights-cpu-backup" not in self.cfg.rollout.sglang.extra_args)
 
     def install_probe(self, prompts: list[list[int]]) -> None:
         """sync.probe: the probe's sequences from the run's training prompts, and the trainer's
@@ -200,6 +203,13 @@ class Runtime(ABC):
             else:
                 within(min(FAILED_PUSH_CLEANUP_S, self.cfg.cluster.liveness.timeout_s),
                        "the cleanup after a failed weight push", self._after_push)
+        restarted = getattr(self.engine, "need_weights", None)
+        if restarted:  # restarted at the sync's end with nothing kept to reload: a second sync for them
+            log.warning("engines %s restarted at the end of the weight sync: syncing version %d again",
+                        sorted(restarted), version)
+            restarted.clear()
+            self.sync_weights(version, check)
+            return
         if checksums is not None:
             run_async(verify_engine(self.engine, checksums))
         self._first_generation = False  # the sync's probe checks what the engines started with, too

@@ -246,12 +246,6 @@ class RayRuntime(Runtime):
             return True
         return False
 
-    def engine_weights_lost(self) -> bool:
-        """Colocated SGLang servers release their weights' memory with the rest (sglang_api.MEMORY_TAGS);
-        started with --enable-memory-saver alone they keep no copy, and a resume maps fresh pages."""
-        return (self.colocated and self.engine.memory_released
-                and "--enable-weights-cpu-backup" not in self.cfg.rollout.sglang.extra_args)
-
     def answered(self, actor) -> bool:
         """Whether `actor` answered `lost_parts`' question (all do before it is asked). One that
         did not (its node cut off, or busy) is stopped without being asked to close: a close
