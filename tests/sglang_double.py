@@ -26,6 +26,8 @@ It speaks the control API megarl uses with SGLang's semantics, not only its fiel
   its requests, running and new, until `/continue_generation`; `/abort_request` (`abort_all` or
   a `rid`) ends them with finish_reason abort and the tokens they have; `/flush_cache` answers 400
   while a request runs and the server is not paused (SGLang's `is_fully_idle`);
+- `/health_generate` generates a token: while paused it waits (SGLang parks it) and answers 503
+  after 20 s (`--health-park-s`) if still paused;
 - `/weight_checksums` (megarl's embedded server's route) over what it loaded, and `/calls`,
   the order of the control requests it served; `--exit-on-resume TAG=MARKER` makes it die at its
   first resume of TAG (a crash in the middle of a sync's end).
@@ -100,7 +102,7 @@ def enter_together(directory: str, group: str, seq: int, rank: int, engines: int
 
 def create_app(node: str, gpus: list[str], hold: dict[str, float], collective_dir: str | None = None,
                token_s: float = 0.0, weights_cpu_backup: bool = False,
-               exit_on_resume: tuple[str, str] | None = None) -> FastAPI:
+               exit_on_resume: tuple[str, str] | None = None, health_park_s: float = 20.0) -> FastAPI:
     app = FastAPI()
     devices = [device_uuid(node, g) for g in gpus]
     released: set[str] = set()
@@ -125,8 +127,14 @@ def create_app(node: str, gpus: list[str], hold: dict[str, float], collective_di
 
     @app.get("/health_generate")
     async def health_generate():
+        log("/health_generate", paused=state["paused"])
         if released:
             return JSONResponse({"message": f"memory released: {sorted(released)}"}, status_code=503)
+        parked_until = time.monotonic() + health_park_s  # SGLang parks the probe's generation while paused
+        while state["paused"] and time.monotonic() < parked_until:
+            await asyncio.sleep(0.05)
+        if state["paused"]:
+            return JSONResponse({"message": "health check timed out while the server is paused"}, status_code=503)
         return {}
 
     @app.post("/generate")
@@ -348,6 +356,7 @@ def main() -> None:
     parser.add_argument("--collective-dir")
     parser.add_argument("--token-s", type=float, default=0.0, help="seconds per generated token (0: one token at once)")
     parser.add_argument("--enable-weights-cpu-backup", action="store_true", help="keep the weights across a release")
+    parser.add_argument("--health-park-s", type=float, default=20.0, help="a paused server's health check fails after")
     parser.add_argument("--exit-on-resume", metavar="TAG=MARKER", help="exit at the first resume of TAG (then MARKER "
                         "exists: a restarted server with these arguments goes on)")
     args = parser.parse_args()
@@ -357,7 +366,7 @@ def main() -> None:
         parser.error("CUDA_VISIBLE_DEVICES names no GPU: set it to the simulated GPUs this server sees")
     app = create_app(args.node, visible.split(","), hold, args.collective_dir, args.token_s,
                      args.enable_weights_cpu_backup, tuple(args.exit_on_resume.split("=", 1)) if args.exit_on_resume
-                     else None)
+                     else None, args.health_park_s)
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart takes its predecessor's port
     sock.bind((args.host, args.port))  # bound here, so the port a test is told is this server's

@@ -470,6 +470,32 @@ def test_nccl_with_two_stages_and_two_engines_pushes_the_stages_in_turn(run):
 
 
 @pytest.mark.timeout(300)
+def test_a_generation_kept_across_a_long_sync_is_not_taken_for_a_stalled_engine(run):
+    """Partial rollouts (keep): a generation in flight when a sync pauses the engines outlives
+    cluster.liveness.progress_timeout_s. Before the fix its health check went to the paused engine,
+    which SGLang parks and fails after 20 s (here the double fails it after 3 s, past the fleet's
+    2 s health timeout): the fleet restarted a healthy engine mid-sync. Now no health check runs
+    while a sync holds the engines paused."""
+    from dataclasses import replace
+
+    from megarl.config_cluster import LivenessConfig
+
+    layout = Layout(tp=1, dp=1, pp=2)
+    r = run(nccl_config(), GroupTransport, layout, [], [["4"], ["5"]], token_s=0.05,
+            engine_args=[["--health-park-s", "3"]] * 2)
+    fleet = SGLangFleet(r.entries, replace(r.runtime.cfg.rollout.sglang, health_timeout_s=2.0),
+                        liveness=LivenessConfig(progress_timeout_s=1.0))
+    kept = generating(fleet, 60)  # 3 s of tokens
+    asyncio.run(fleet.begin_weight_update())
+    time.sleep(2.5)  # a sync longer than the progress deadline
+    asyncio.run(fleet.end_weight_update())
+    out = kept.result(timeout=60)
+    assert (len(out.token_ids), out.finish_reason) == (60, "length")
+    assert fleet.metrics()["rollout/engine_restarts"] == 0
+    assert not [c for u in r.urls() for c in calls(u) if c["route"] == "/health_generate" and c["paused"]]
+
+
+@pytest.mark.timeout(300)
 def test_nccl_from_megarls_megatron_stages_into_two_engines(run, tmp_path):
     # megarl's MegatronTrainWorker at PP 2, engines forced into the order that deadlocked
     tiny_hf_model("qwen2").save_pretrained(tmp_path)

@@ -100,6 +100,7 @@ class SGLangFleet:
         # engines restarted after a sync's load with nothing kept to reload: the runtime syncs them again
         self.need_weights: set[str] = set()
         self._after_load = False  # inside end_weight_update: the sync's weights are in
+        self.syncing = False  # between begin_ and end_weight_update: the engines are paused on purpose
         self._epoch = 0  # health passes so far; a request that failed before the latest one just retries
         self._locks: dict[int, asyncio.Lock] = {}
         # cleared by abort_requests until the sync ends; a threading.Event: the trainer's thread
@@ -141,10 +142,13 @@ class SGLangFleet:
     async def _progressing(self, call, suspects: Sequence[_ServerHandle]):
         """`call`'s result. Each time it has run cluster.liveness.progress_timeout_s, the engines
         it may be on get a health check (SGLang's passes while it still produces tokens): one
-        that fails makes the call fail (EngineStalled), so it is recovered and re-sent."""
+        that fails makes the call fail (EngineStalled), so it is recovered and re-sent. None while
+        a weight sync holds the engines paused: a sync finds a dead engine by itself."""
         task = asyncio.ensure_future(call)
         try:
             while not (await asyncio.wait({task}, timeout=self.liveness.progress_timeout_s))[0]:
+                if self.syncing:  # paused by the sync: SGLang parks a health check then and fails it after 20 s
+                    continue
                 healthy = await asyncio.gather(*[s.client.health(self.settings.health_timeout_s) for s in suspects])
                 stalled = [s.name for s, ok in zip(suspects, healthy) if not ok]
                 if stalled:
@@ -325,6 +329,7 @@ class SGLangFleet:
         else:
             await self.check_engines()
         self.synced = True
+        self.syncing = True
         await self.pause()
         await self._each("open_update_session")
 
@@ -340,7 +345,7 @@ class SGLangFleet:
                 self.memory_released = False
             await self.resume()
         finally:
-            self._after_load = False
+            self._after_load = self.syncing = False
             self._open.set()
 
     # -- weights -----------------------------------------------------------------------------
