@@ -108,6 +108,32 @@ def test_routing_goes_on_across_a_preempted_generation_and_the_turns_of_a_trajec
     assert torch.equal(ascending(traj.routing()), own_routing(model, whole)[:-1])
 
 
+def test_a_trajectory_that_ends_on_an_observation_has_the_routing_of_every_position():
+    """The first turn's invalid action gets the invalid-action message, cut to the 3 tokens the
+    budget has left: the trajectory ends on it. Before the fix its routing stopped at the last
+    generated token's predecessor, and the trainer's batch refused it (check_routing)."""
+    from megarl.backends.batch import check_routing
+
+    model = tiny_hf_model("qwen3_moe")
+    tok = tiny_tokenizer()
+    engine = LocalEngine(model, max_batch_size=2, eos_token_ids=[], record_routing=True, tokenizer=tok)
+    prompt = prompts_of([11])[0]
+    settings = AgentSettings(max_turns=2, max_turn_length=5, max_obs_length=8, max_response_length=5 + 3,
+                             routed_experts=True)
+
+    async def roll():
+        try:
+            return await run_trajectory(engine, tok, prompt, settings, searcher=NoSearches(), seed=3)
+        finally:
+            await engine.close()
+
+    traj = asyncio.run(roll())
+    assert traj.finish_reason == "length" and list(traj.loss_mask) == [1] * 5 + [0] * 3  # ends on the observation
+    whole = traj.prompt_ids + list(traj.response_ids)
+    check_routing([traj.routing()], [len(whole)])
+    assert torch.equal(ascending(traj.routing()), own_routing(model, whole)[:-1])
+
+
 def test_an_engine_asked_for_routing_it_does_not_record_says_so():
     with pytest.raises(ValueError, match="record_routing"):
         LocalEngine(tiny_hf_model("qwen3"), record_routing=True)  # dense: nothing to record

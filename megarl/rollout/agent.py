@@ -175,6 +175,8 @@ async def run_trajectory(engine: RolloutEngine, tokenizer, prompt_ids: list[int]
         budget = settings.max_response_length - len(traj.response_ids)
         if budget <= 0:
             traj.finish_reason = "length"
+            if settings.routed_experts:
+                await route_to_the_end(engine, traj)
             return traj
         params = SamplingParams(
             max_new_tokens=budget if single_turn else min(settings.max_turn_length, budget),
@@ -214,6 +216,23 @@ async def run_trajectory(engine: RolloutEngine, tokenizer, prompt_ids: list[int]
         room = settings.max_response_length - len(traj.response_ids)
         traj.extend(observation[:room], None)
     return traj  # not reached: the last turn always returns
+
+
+async def route_to_the_end(engine: RolloutEngine, traj: Trajectory) -> None:
+    """Routing replay: a trajectory that ends on an observation has no routing for its last
+    generated token and the observation (no forward pass of the engine ran over them, and the
+    trainer replays a routing for every position but the last). One prefill of the whole
+    sequence computes them; its one generated token is dropped."""
+    have, need = traj.routed_rows, len(traj.prompt_ids) + len(traj.response_ids) - 1
+    if have >= need:
+        return
+    out = await engine.generate(traj.prompt_ids + list(traj.response_ids),
+                                SamplingParams(max_new_tokens=1, temperature=0.0, routed_experts_from=have))
+    if out.routed_experts is None or out.routed_experts.shape[0] < need - have:
+        got = 0 if out.routed_experts is None else out.routed_experts.shape[0]
+        raise ValueError(f"the engine's prefill for the routing of a trajectory's last {need - have} positions "
+                         f"answered {got} rows ({out.finish_reason}: {out.message})")
+    traj.routed_experts.append(out.routed_experts[: need - have])
 
 
 async def generate_continued(engine: RolloutEngine, tokenizer, prompt_ids: list[int], params: SamplingParams,
