@@ -20,7 +20,8 @@ def test_storages_are_freed_and_come_back_bit_for_bit_views_included():
     assert sleep.asleep
     assert flat.untyped_storage().nbytes() == 0 and other.untyped_storage().nbytes() == 0
     assert grad.untyped_storage().nbytes() == 0
-    assert sleep.host_bytes == 100 * 4 + 7 * 2  # one copy of each storage, the dropped one not copied
+    assert sleep.host_bytes == 512 + 512  # one copy of each storage (400 and 14 bytes, each from a 512-byte
+    # boundary of the pool), the dropped one not copied
     sleep.wake()
     assert not sleep.asleep
     assert torch.equal(flat, want[0]) and torch.equal(other, want[1])
@@ -37,9 +38,38 @@ def test_host_buffers_are_reused_from_one_sleep_to_the_next():
     a.add_(1.0)  # a training phase changes the values in place
     want = [a.clone(), b.clone()]
     sleep.sleep([a, b])
-    assert {host.data_ptr() for _, _, host in sleep._kept} == buffers and sleep.host_bytes == 2 * 64 * 4
+    assert {host.data_ptr() for _, _, host in sleep._kept} == buffers and sleep.host_bytes == 2 * 512
     sleep.wake()
     assert torch.equal(a, want[0]) and torch.equal(b, want[1])
+
+
+def test_the_host_copies_are_one_pinned_pool_of_their_bytes_not_a_power_of_two_each():
+    """Before: one torch.empty(pin_memory=True) a storage, each rounded up by torch's pinned
+    allocator to a power of two (a 600 MB shard took 1 GiB). Now: one pool, its bytes those of the
+    storages (each from a 512-byte boundary), page-locked once; grown once when a later sleep holds
+    more (Adam's state appears at the first step), the first pool unpinned."""
+    registered, unpinned = [], []
+
+    def register(pool):
+        registered.append((pool.data_ptr(), pool.numel()))
+        return lambda: unpinned.append(pool.numel())
+
+    sizes = [3_000, 1_000_001, 77]  # odd sizes: torch's pinned blocks would be 4 KiB, 1 MiB... each
+    tensors = [torch.randn(n) for n in sizes]
+    want = [t.clone() for t in tensors]
+    sleep = TrainerSleep("cpu", pin=True, register=register)
+    sleep.sleep(tensors[:2])
+    first = sum(-(-4 * n // 512) * 512 for n in sizes[:2])  # 12,288 + 4,000,256 bytes
+    assert registered == [(registered[0][0], first)] and sleep.host_bytes == first
+    sleep.wake()
+    sleep.sleep(tensors[:2])  # the same state: the same pool, no second registration
+    assert len(registered) == 1
+    sleep.wake()
+    sleep.sleep(tensors)  # more state: one larger pool, the first one unpinned
+    assert [n for _, n in registered] == [first, first + 512] and unpinned == [first]
+    assert sleep.host_bytes == first + 512 < sum(1 << (4 * n - 1).bit_length() for n in sizes)
+    sleep.wake()
+    assert all(torch.equal(t, w) for t, w in zip(tensors, want))
 
 
 def test_a_mapped_tensor_gets_memory_of_its_own_and_a_tied_weight_is_kept_once(tmp_path):

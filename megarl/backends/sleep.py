@@ -5,28 +5,47 @@ first micro-batch), all of it back on the device, bit for bit, before the next t
 
 It works on storages, not tensors: every view of a storage (megatron's parameters and
 gradients are views into its contiguous buffers, a tied embedding is one tensor under two
-names) stays valid, since the storage object is resized in place and refilled. The host
-buffers are pinned where CUDA is (so the copies are asynchronous) and are kept from one sleep
-to the next, found again by size: the host holds one copy of the trainer's state, allocated
-once. After a sleep the allocator's cache is emptied, so that the engines can take what was
-freed. Main entry point: `TrainerSleep`.
+names) stays valid, since the storage object is resized in place and refilled. The host copies
+are slices of one pool, allocated at the first sleep (again only when a later sleep needs more,
+as when Adam's state appears at the first step) and kept: the host holds one copy of the
+trainer's state. Where CUDA is, the pool is page-locked with cudaHostRegister, so the copies are
+asynchronous: torch's pinned allocator (`pin_memory=True`) rounds every block up to a power of
+two, up to twice the bytes held when each tensor had a block of its own. After a sleep the
+allocator's cache is emptied, so that the engines can take what was freed. Main entry point:
+`TrainerSleep`.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
+POOL_ALIGN = 512  # bytes: each storage's slice of the pool starts at a multiple (what CUDA's copies like best)
+
+
+def cuda_host_register(pool: torch.Tensor) -> Callable[[], None]:
+    """Page-lock `pool`'s memory as it is (no rounding); the function that unlocks it."""
+    cudart = torch.cuda.cudart()
+    ptr, nbytes = pool.data_ptr(), pool.numel()
+    status = cudart.cudaHostRegister(ptr, nbytes, 0)
+    if int(status) != 0:
+        raise RuntimeError(f"cudaHostRegister of the trainer's {nbytes / 2**30:.1f} GiB sleep pool failed ({status})")
+    return lambda: cudart.cudaHostUnregister(ptr)
+
 
 class TrainerSleep:
-    """Moves the storages of the tensors it is given off `device` and back."""
+    """Moves the storages of the tensors it is given off `device` and back. `pin`: page-lock the
+    host pool (default: where CUDA is) with `register` (cuda_host_register by default)."""
 
-    def __init__(self, device: torch.device | str):
+    def __init__(self, device: torch.device | str, pin: bool | None = None,
+                 register: Callable[[torch.Tensor], Callable[[], None]] = cuda_host_register):
         self.device = torch.device(device)
-        self.pin = torch.cuda.is_available()
-        self._free: dict[int, list[torch.Tensor]] = {}  # host buffers not holding anything, by size
+        self.pin = torch.cuda.is_available() if pin is None else pin
+        self._register = register
+        self._pool: torch.Tensor | None = None  # the host copies' memory, one block
+        self._unpin: Callable[[], None] | None = None
         self._kept: list[tuple[torch.UntypedStorage, int, torch.Tensor]] = []  # (storage, bytes, host copy)
         self._dropped: list[tuple[torch.UntypedStorage, int]] = []
         self.asleep = False
@@ -39,9 +58,14 @@ class TrainerSleep:
         start = time.perf_counter()
         kept = self._storages(keep, set())
         dropped = self._storages(drop, {s.data_ptr() for s in kept})
+        offsets, total = [], 0
         for storage in kept:
+            offsets.append(total)
+            total += -(-storage.nbytes() // POOL_ALIGN) * POOL_ALIGN
+        pool = self._pool_of(total)
+        for storage, offset in zip(kept, offsets):
             nbytes = storage.nbytes()
-            host = self._host_buffer(nbytes)
+            host = pool[offset: offset + nbytes]
             host.copy_(_bytes(storage, nbytes), non_blocking=self.pin)
             self._kept.append((storage, nbytes, host))
         self._synchronize()  # every copy done before its source is freed
@@ -66,16 +90,33 @@ class TrainerSleep:
         for storage, nbytes in self._dropped:
             storage.resize_(nbytes)
             _bytes(storage, nbytes).zero_()
-        self._synchronize()  # the host buffers are free again only once copied from
-        for _, nbytes, host in self._kept:
-            self._free.setdefault(nbytes, []).append(host)
+        self._synchronize()  # the pool is free again only once copied from
         self._kept, self._dropped, self.asleep = [], [], False
         return time.perf_counter() - start
 
     @property
     def host_bytes(self) -> int:
-        """Bytes of host buffers held (in use or kept for the next sleep)."""
-        return (sum(n * len(b) for n, b in self._free.items()) + sum(n for _, n, _ in self._kept))
+        """Bytes of host memory held for the copies (the pool, in use or kept for the next sleep)."""
+        return 0 if self._pool is None else self._pool.numel()
+
+    def _pool_of(self, nbytes: int) -> torch.Tensor:
+        """The pool, made (or made anew, larger) to hold `nbytes`."""
+        if self._pool is not None and self._pool.numel() >= nbytes:
+            return self._pool
+        self.release_pool()
+        pool = torch.empty(nbytes, dtype=torch.uint8)
+        if self.pin and nbytes:
+            self._unpin = self._register(pool)
+        self._pool = pool
+        return pool
+
+    def release_pool(self) -> None:
+        """Give the host pool back (awake only)."""
+        if self.asleep:
+            raise RuntimeError("the trainer is asleep: its state is in the pool")
+        if self._unpin is not None:
+            self._unpin()
+        self._pool = self._unpin = None
 
     def _storages(self, tensors: Iterable[torch.Tensor | None], seen: set[int]) -> list[torch.UntypedStorage]:
         """The distinct, non-empty storages on the device behind `tensors` (each once: views and
@@ -94,12 +135,6 @@ class TrainerSleep:
                 seen.add(storage.data_ptr())
                 found.append(storage)
         return found
-
-    def _host_buffer(self, nbytes: int) -> torch.Tensor:
-        free = self._free.get(nbytes)
-        if free:
-            return free.pop()
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":
