@@ -3,6 +3,7 @@ tied weights intact, gradients back as zeros, host buffers allocated once and re
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megarl.backends.sleep import TrainerSleep, optimizer_tensors
@@ -130,3 +131,57 @@ def test_a_run_whose_trainer_sleeps_ends_on_the_same_weights_bit_for_bit(tiny_in
     assert len(mlflow_metric(out, "perf/trainer_offload_s")) == 2
     assert len(mlflow_metric(out, "perf/trainer_onload_s")) == 2
     assert "trainer asleep while the engines generated:" in capsys.readouterr().out  # the closing summary says it
+
+
+# -- Transformer Engine's quantized tensors, stood in for on the CPU: wrapper tensors whose bytes
+# live in inner buffers (_data, _scale_inv, _transpose), in TE's two shapes
+
+class Float8Before216(torch.Tensor):
+    """TE < 2.16: a wrapper subclass as torch makes it (its storage's data pointer raises)."""
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, scale_inv: torch.Tensor):
+        t = torch.Tensor._make_wrapper_subclass(cls, data.shape, dtype=torch.bfloat16, device=data.device)
+        t._data, t._scale_inv, t._transpose = data, scale_inv, None
+        return t
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(f"the stand-in computes nothing ({func})")
+
+
+class Float8From216(Float8Before216):
+    """TE >= 2.16: the wrapper answers an empty storage."""
+
+    def untyped_storage(self):
+        return torch.UntypedStorage(0)
+
+
+@pytest.mark.parametrize("kind", [Float8Before216, Float8From216], ids=["te<2.16", "te>=2.16"])
+def test_fp8_parameters_sleep_through_their_inner_buffers(kind):
+    # before: te<2.16 raised at the first sleep (the storage's data pointer), te>=2.16 was skipped
+    # (an empty storage): the FP8 weights stayed on the device
+    data = torch.randint(0, 255, (8, 16), dtype=torch.uint8)
+    param = kind(data, torch.tensor([0.5]))
+    want = data.clone()
+    sleep = TrainerSleep("cpu")
+    sleep.sleep([param])
+    assert param._data.untyped_storage().nbytes() == 0 and param._scale_inv.untyped_storage().nbytes() == 0
+    assert sleep.host_bytes == 512 + 512
+    sleep.wake()
+    assert torch.equal(param._data, want) and param._scale_inv.item() == 0.5
+
+
+def test_the_fp8_weight_workspaces_are_dropped_at_sleep():
+    class Linear(torch.nn.Module):  # what a TE layer holds: its weight, and the FP8 copy it caches
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(16, 8))
+            self._fp8_workspaces = {"weight": Float8From216(torch.zeros(16, 8, dtype=torch.uint8), torch.ones(1))}
+
+    from megarl.backends.sleep import free_fp8_workspaces
+
+    model = torch.nn.Sequential(Linear(), torch.nn.Sequential(Linear()))
+    assert free_fp8_workspaces([model]) == 2 * (16 * 8 + 4)  # each workspace's FP8 bytes and scale
+    assert all(m._fp8_workspaces == {} for m in model.modules() if isinstance(m, Linear))
+    assert free_fp8_workspaces([model]) == 0

@@ -32,7 +32,7 @@ from megarl.backends.megatron.routing import install_replay
 from megarl.backends.offload import HostOffloaded
 from megarl.backends.rng import rng_state, set_rng_state
 from megarl.backends.schedule import lr_factor
-from megarl.backends.sleep import TrainerSleep, trained_tensors
+from megarl.backends.sleep import TrainerSleep, free_fp8_workspaces, trained_tensors
 from megarl.config import RunConfig, TrainWorkerConfig
 from megarl.models import ModelSpec
 from megarl.models.hf_files import copy_config_and_tokenizer
@@ -370,7 +370,9 @@ class MegatronTrainWorker:
         reference off the device, the gradient buffers freed (megarl.backends.sleep)."""
         parts = self._parts().values()
         frozen = self.reference if self.reference is not None and self.reference_weights is None else []
-        keep, drop = trained_tensors([c for p in parts for c in p.chunks], [p.optimizer for p in parts], frozen)
+        chunks = [c for p in parts for c in p.chunks]
+        keep, drop = trained_tensors(chunks, [p.optimizer for p in parts], frozen)
+        free_fp8_workspaces([*chunks, *frozen])  # TE's FP8 weight caches: made again at the next forward
         return self._sleep.sleep(keep, drop)
 
     def wake(self) -> float:
