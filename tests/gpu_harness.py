@@ -328,8 +328,8 @@ class Trainer:
     def weight_checksums(self) -> dict[str, str]:
         return weight_checksums(sorted(self.tensors.items()))
 
-    def sleep(self) -> float:
-        self.calls.append(("sleep", time.time()))
+    def sleep(self, keep_weights: bool = False) -> float:
+        self.calls.append(("sleep all but the weights" if keep_weights else "sleep", time.time()))
         return 0.0
 
     def wake(self) -> float:

@@ -66,10 +66,11 @@ class TrainWorker(Protocol):
 
     def update_critic(self, batch: Batch) -> dict[str, float]: ...
 
-    def sleep(self) -> float:
-        """Hand the device memory to the engines: weights, optimizer state and reference to host
-        buffers, gradients freed (megarl.backends.sleep); the seconds it took. Nothing else may
-        be called until `wake`."""
+    def sleep(self, keep_weights: bool = False) -> float:
+        """Hand the device memory to the engines: optimizer state and reference to host buffers,
+        gradients freed, then the weights to host buffers too unless `keep_weights` (a later call
+        moves them; megarl.backends.sleep); the seconds it took. Asleep with its weights kept it
+        may still export them and compute log-probs; fully asleep nothing may be called until `wake`."""
 
     def wake(self) -> float:
         """Everything `sleep` moved back on the device, bit for bit; the seconds it took (0 awake)."""

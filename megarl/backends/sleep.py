@@ -50,13 +50,14 @@ class TrainerSleep:
         self._dropped: list[tuple[torch.UntypedStorage, int]] = []
         self.asleep = False
 
-    def sleep(self, keep: Iterable[torch.Tensor | None], drop: Iterable[torch.Tensor | None] = ()) -> float:
+    def sleep(self, keep: Iterable[torch.Tensor | None], drop: Iterable[torch.Tensor | None] = (),
+              spare: Iterable[torch.Tensor | None] = ()) -> float:
         """Free the device storage of `keep` (copied to the host first) and of `drop` (not
-        copied: zeros when it comes back); the seconds it took."""
+        copied: zeros when it comes back), but not the storages of `spare`; the seconds it took."""
         if self.asleep:
             raise RuntimeError("the trainer is asleep already: wake() it first")
         start = time.perf_counter()
-        kept = self._storages(keep, set())
+        kept = self._storages(keep, {s.data_ptr() for s in self._storages(spare, set())})
         dropped = self._storages(drop, {s.data_ptr() for s in kept})
         offsets, total = [], 0
         for storage in kept:
@@ -176,6 +177,37 @@ def free_fp8_workspaces(modules: Iterable[torch.nn.Module]) -> int:
 def _bytes(storage: torch.UntypedStorage, nbytes: int) -> torch.Tensor:
     """The storage's bytes as a uint8 tensor (a view: writing it writes the storage)."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (nbytes,), (1,))
+
+
+class WorkerSleep:
+    """A train worker's sleep in two parts: its state (optimizer state, gradients, the frozen
+    reference, TE's FP8 weight caches), which can go first, and its weights, which a colocated
+    sync still reads (megarl.runtime.base.Runtime.sync_weights: the engines' weights come back
+    with only the trainer's weights left on the GPU, as verl frees all but the weights there)."""
+
+    def __init__(self, device: torch.device | str, **pool):
+        self.state, self.weights = TrainerSleep(device, **pool), TrainerSleep(device, **pool)
+
+    def sleep(self, modules: list[torch.nn.Module], optimizers: list, frozen: list[torch.nn.Module] = (),
+              keep_weights: bool = False) -> float:
+        """The state off the device (unless it is already), then, unless `keep_weights`, the
+        weights (parameters and buffers of `modules`); the seconds it took."""
+        seconds = 0.0
+        weights = [t for m in modules for t in (*torch.nn.Module.parameters(m), *torch.nn.Module.buffers(m))]
+        if not self.state.asleep:
+            free_fp8_workspaces([*modules, *frozen])
+            keep, drop = trained_tensors(modules, optimizers, frozen)
+            seconds += self.state.sleep(keep, drop, spare=weights)
+        if not keep_weights and not self.weights.asleep:
+            seconds += self.weights.sleep(weights)
+        return seconds
+
+    def wake(self) -> float:
+        return self.weights.wake() + self.state.wake()
+
+    @property
+    def host_bytes(self) -> int:
+        return self.state.host_bytes + self.weights.host_bytes
 
 
 def optimizer_tensors(optimizer) -> list[torch.Tensor]:

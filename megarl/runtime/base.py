@@ -76,6 +76,7 @@ class Runtime(ABC):
     # generation phase: the engines' weights come back first (to be loaded), then the trainer
     # sleeps, then the engines take their KV cache and CUDA graphs back.
     _trainer_asleep = False
+    _state_asleep = False  # all but its weights (the first part of a colocated sync)
 
     probe: WeightProbe | None = None  # sync.probe: install_probe
     weights_version = 0  # the version of the trainer's weights the engines were last given
@@ -147,8 +148,8 @@ class Runtime(ABC):
     def for_training(self) -> None:
         """Before the trainer computes or saves: the engines' memory released, the trainer awake."""
         self.release_engine_memory()
-        if self._trainer_asleep:
-            self._trainer_asleep = False
+        if self._trainer_asleep or self._state_asleep:
+            self._trainer_asleep = self._state_asleep = False
             self._count("perf/trainer_onload_s", self.worker.wake())
 
     def sleep_metrics(self) -> dict[str, float]:
@@ -171,6 +172,9 @@ class Runtime(ABC):
         probe (sync.probe). Starts in the training phase, ends in the generation phase (the
         trainer asleep where it sleeps)."""
         self.for_training()
+        if self.cfg.trainer_sleeps():  # all but the weights it pushes off the GPU before the engines' weights return
+            self._count("perf/trainer_offload_s", self.worker.sleep(keep_weights=True))
+            self._state_asleep = True
         self.ranks.free_cache()  # before colocated engines take their memory back
         run_async(self.engine.begin_weight_update())
         checksums, pushed = None, False

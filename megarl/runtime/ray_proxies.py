@@ -125,8 +125,8 @@ class RemoteTrainWorker(_Ranks):
     def update_critic(self, batch: PackedBatch) -> dict[str, float]:
         return self._update("update_critic", "critic", batch)
 
-    def sleep(self) -> float:
-        return max(self.gather([a.run.remote("sleep") for a in self.actors]))  # the slowest rank's
+    def sleep(self, keep_weights: bool = False) -> float:
+        return max(self.gather([a.run.remote("sleep", keep_weights) for a in self.actors]))  # the slowest rank's
 
     def wake(self) -> float:
         return max(self.gather([a.run.remote("wake") for a in self.actors]))

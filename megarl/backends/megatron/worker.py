@@ -32,7 +32,7 @@ from megarl.backends.megatron.routing import install_replay
 from megarl.backends.offload import HostOffloaded
 from megarl.backends.rng import rng_state, set_rng_state
 from megarl.backends.schedule import lr_factor
-from megarl.backends.sleep import TrainerSleep, free_fp8_workspaces, trained_tensors
+from megarl.backends.sleep import WorkerSleep
 from megarl.config import RunConfig, TrainWorkerConfig
 from megarl.models import ModelSpec
 from megarl.models.hf_files import copy_config_and_tokenizer
@@ -148,7 +148,7 @@ class MegatronTrainWorker:
             load_hf_weights(critic_chunks, critic_spec, critic_path, skip=VALUE_HEAD)
             self.critic = trained(critic_chunks, cfg.critic, critic_options["impl"])
         self.mini = {"actor": cfg.actor.ppo_mini_batch_size * samples, "critic": cfg.critic.ppo_mini_batch_size * samples}
-        self._sleep = TrainerSleep(next(chunks[0].parameters()).device)
+        self._sleep = WorkerSleep(next(chunks[0].parameters()).device)
 
     # -- where this rank stands ------------------------------------------------------------
     @property
@@ -365,15 +365,14 @@ class MegatronTrainWorker:
         return str(directory)
 
     # -- the engines' turn on the GPUs ------------------------------------------------------------
-    def sleep(self) -> float:
-        """Weights (megatron's parameter buffers), optimizer state (masters and moments) and the
-        reference off the device, the gradient buffers freed (megarl.backends.sleep)."""
+    def sleep(self, keep_weights: bool = False) -> float:
+        """Optimizer state (masters and moments), the reference and TE's FP8 weight caches off the
+        device, the gradient buffers freed, then the weights (megatron's parameter buffers) unless
+        `keep_weights` (megarl.backends.sleep.WorkerSleep)."""
         parts = self._parts().values()
         frozen = self.reference if self.reference is not None and self.reference_weights is None else []
-        chunks = [c for p in parts for c in p.chunks]
-        keep, drop = trained_tensors(chunks, [p.optimizer for p in parts], frozen)
-        free_fp8_workspaces([*chunks, *frozen])  # TE's FP8 weight caches: made again at the next forward
-        return self._sleep.sleep(keep, drop)
+        return self._sleep.sleep([c for p in parts for c in p.chunks], [p.optimizer for p in parts], list(frozen),
+                                 keep_weights)
 
     def wake(self) -> float:
         return self._sleep.wake()

@@ -20,7 +20,7 @@ from megarl.backends.base import Batch  # a share comes only with its whole batc
 from megarl.backends.packed import as_rows
 from megarl.backends.offload import HostOffloaded
 from megarl.backends.rng import rng_state, set_rng_state
-from megarl.backends.sleep import TrainerSleep, trained_tensors
+from megarl.backends.sleep import WorkerSleep
 from megarl.backends.torch.actor import TorchActor
 from megarl.backends.torch.critic import TorchCritic
 from megarl.checkpoint import unreadable
@@ -51,7 +51,7 @@ class TorchTrainWorker:
                 mini_batch_samples=cfg.critic.ppo_mini_batch_size * samples,
                 micro_batch_samples=cfg.critic.ppo_micro_batch_size, ppo_epochs=cfg.critic.ppo_epochs,
                 total_steps=total_steps, norm_length=cfg.rollout.max_response_length)
-        self._sleep = TrainerSleep(next(model.parameters()).device)
+        self._sleep = WorkerSleep(next(model.parameters()).device)
 
     # -- TrainWorker ---------------------------------------------------------------------
     @property
@@ -100,13 +100,13 @@ class TorchTrainWorker:
             raise RuntimeError("no critic: set critic.enable=true")
         return self.critic.update_critic(as_rows(batch)[0])
 
-    def sleep(self) -> float:
-        """Weights, optimizer states and the reference off the device (megarl.backends.sleep)."""
+    def sleep(self, keep_weights: bool = False) -> float:
+        """Optimizer states, gradients and the reference off the device, then the weights unless
+        `keep_weights` (megarl.backends.sleep.WorkerSleep)."""
         parts = [self.actor] + ([self.critic] if self.critic is not None else [])
         # an offloaded reference is on the host already
         frozen = [self.reference] if self.reference is not None and self.reference_weights is None else []
-        keep, drop = trained_tensors([p.model for p in parts], [p.optimizer for p in parts], frozen)
-        return self._sleep.sleep(keep, drop)
+        return self._sleep.sleep([p.model for p in parts], [p.optimizer for p in parts], frozen, keep_weights)
 
     def wake(self) -> float:
         return self._sleep.wake()
