@@ -28,6 +28,11 @@ plus the rest / TP:
     training peak = weights + grads + optimizer + reference + critic + activations + logits + overhead
     a layout fits when its peak is within USABLE = 90% of the GPU (fragmentation, caches)
 
+    colocated, the weight sync's peak (the engines' weights back, the trainer pushing its own):
+      trainer kept + engine weights + sync buffers 1.5 GiB (the bucket gathered, two in flight) +
+      overhead + engine context, the trainer kept = its weights when it sleeps (the rest leaves the
+      GPU first), its static memory awake; within USABLE too
+
 Rollout: SGLang's --mem-fraction-static f is a fraction of the memory *free when the engine
 starts*, not of the GPU. SGLang 0.5.23 measures free = torch.cuda.mem_get_info before loading
 the weights (the least over the engine's GPUs) and, after loading them, sizes the KV cache as
@@ -80,6 +85,7 @@ OVERHEAD = 4 * GiB
 ENGINE_CONTEXT = 1 * GiB  # an engine server's CUDA context and NCCL communicators, before SGLang measures free memory
 ENGINE_RUNTIME = 3 * GiB  # its activations and CUDA graphs, in the (1 - mem_fraction_static) share SGLang leaves
 TRAINER_ASLEEP = 2 * GiB  # what a sleeping trainer keeps: its CUDA context and NCCL communicators
+SYNC_BUFFERS = 3 * 512 << 20  # a colocated sync's own: the bucket being gathered and two in flight (sync.bucket_mb)
 USABLE = 0.9  # of a GPU's memory
 
 @dataclass
@@ -131,6 +137,7 @@ class Estimate:
     ep: int = 1  # expert parallelism (a mixture of experts; expert TP 1)
     moe: bool = False
     sleep: bool = False  # colocated engines sized next to a sleeping trainer
+    sync_peak: int = 0  # colocated: when the engines' weights come back for a sync (0 = not colocated)
 
     @property
     def static(self) -> int:
@@ -191,6 +198,14 @@ def estimate(shape: ModelShape, world: int, gpus_per_node: int, gpu_bytes: int, 
                  logits, OVERHEAD, peak, rollout_gpus=rollout_gpus, problems=problems, ep=ep, moe=s.is_moe)
     e.sleep = work.sleep and not rollout_gpus
     _size_engines(e, shape, world, gpus_per_node, gpu_bytes, work)
+    if not rollout_gpus and e.engine_tp:
+        # the engines' weights back next to what the trainer keeps for the push: its weights alone
+        # when it sleeps (all the rest left first: megarl.backends.sleep.WorkerSleep), everything awake
+        kept = e.weights if e.sleep else e.static
+        e.sync_peak = kept + e.engine_weights + SYNC_BUFFERS + OVERHEAD + ENGINE_CONTEXT
+        if e.sync_peak > USABLE * gpu_bytes:
+            e.problems.append(f"the weight sync needs {e.sync_peak / GiB:.1f} GiB when the engines' weights come back "
+                              f"next to the trainer's {kept / GiB:.1f} GiB, more than {USABLE:.0%} of the GPU")
     return e
 
 

@@ -295,3 +295,23 @@ def test_qwen3_235b_a22b_engines_next_to_an_awake_trainer_span_nodes():
         assert not best.problems and best.engine_tp == 8 and best.ep > 1
 
 
+
+
+def test_the_colocated_syncs_peak_is_checked():
+    """When a colocated sync brings the engines' weights back, a sleeping trainer keeps only the
+    weights it pushes (its gradients and Adam state left first); awake it keeps everything."""
+    shape = ModelShape.load("Qwen2.5-32B")
+    e = estimate(shape, 64, 8, GPU, Workload(2048, 20480), tp=8, pp=2)  # asleep: the default
+    assert e.engine_tp == 2 and e.engine_weights == 32_763_876_352
+    assert e.sync_peak == e.weights + 32_763_876_352 + 1536 * 2**20 + 4 * GiB + 1 * GiB
+    assert not e.problems
+    awake = estimate(shape, 64, 8, GPU, Workload(2048, 20480, sleep=False), tp=8, pp=2)
+    assert awake.engine_tp == 4 and awake.static == 18_432_632_448  # weights, grads and Adam all stay
+    assert awake.sync_peak == 18_432_632_448 + 16_381_938_176 + 1536 * 2**20 + 5 * GiB
+    # Qwen3-235B-A22B on 4 nodes, asleep: room to generate, not to sync (test_plan_time.py)
+    moe = estimate(ModelShape.load("Qwen3-235B-A22B"), 32, 8, GPU, Workload(512, 7680, None, 512, True), tp=4, pp=2,
+                   ep=16, recompute=True, offload=True)  # training fits
+    assert moe.engine_tp == 8 and moe.problems == [
+        f"the weight sync needs {moe.sync_peak / GiB:.1f} GiB when the engines' weights come back next to the "
+        f"trainer's {moe.weights / GiB:.1f} GiB, more than 90% of the GPU"]
+    assert moe.sync_peak == moe.weights + moe.engine_weights + 1536 * 2**20 + 5 * GiB > 0.9 * GPU

@@ -97,11 +97,12 @@ def test_where_nothing_fits_the_plan_says_what_would():
     shape = ModelShape.load("Qwen3-235B-A22B")
     awake = Workload(512, 7680, None, 512, True, sleep=False)  # next to an awake trainer
     # on 4 nodes every layout leaves the engines too little room (on 8 and more, engines of 4
-    # nodes fit: test_plan.py); the trainer asleep, or 8 nodes, would do
+    # nodes fit: test_plan.py). The trainer asleep would give them room to generate, but not to
+    # sync: the engines' 54.7 GiB of weights come back next to the 15.1 GiB the trainer pushes,
+    # 76.3 GiB with the sync's buffers, over 90% of 80 (before the sync's peak was checked, the plan
+    # offered it). 8 nodes would do
     assert not [e for e in plan_layouts(shape, 4, 8, GPU, awake) if not e.problems]
-    assert what_would_fit(shape, 4, 8, GPU, awake) == [
-        "the trainer asleep while the engines generate (trainer.sleep_during_generation, without --no-sleep)",
-        "8 nodes"]
+    assert what_would_fit(shape, 4, 8, GPU, awake) == ["8 nodes"]
     small, dense = 24 * GiB, ModelShape.load("Qwen2.5-32B")
     fits = [n for n in (1, 2) if any(not e.problems for e in plan_layouts(dense, n, 8, small, Workload()))]
     assert fits == [2] and what_would_fit(dense, 1, 8, small, Workload()) == ["2 nodes"]  # the fewest that fit
