@@ -114,3 +114,44 @@ def test_asynchronous_partial_rollouts_of_search_survive_a_killed_sglang_server(
     # server are test_server.py's generation across a sync)
     assert min(metric(out, "rollout/search_calls_mean")) > 0.2  # multi-turn: the model searched
     assert_sglang_served(out)
+
+
+def test_an_sglang_engine_whose_weights_change_behind_the_runs_back_is_repaired_before_training(world, tmp_path,
+                                                                                                sglang_env,
+                                                                                                monkeypatch):
+    """After step 1's sync (and its probe), engine 0 is made to load other weights (the initial
+    model with one layer's MLP scaled 3x) under version 1, as a wrong load would: step 2's batch
+    comes from it. The gate (sync.probe.gate) finds its log-probs far from the trainer's, the
+    engines get the trainer's weights again (the probe passes) and the batch is generated anew:
+    nothing from the changed weights is trained on."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from megarl.driver_loop import run_async
+    from megarl.runtime.base import Runtime
+    from megarl.weights.buckets import group_tensors, hf_tensors
+    from megarl.weights.disk import write_buckets
+
+    monkeypatch.chdir(world)
+    monkeypatch.setenv("MEGARL_ENGINE_API_KEY", KEY)
+    other = AutoModelForCausalLM.from_pretrained(world / "outputs" / "quickstart" / "model", dtype=torch.float32)
+    with torch.no_grad():
+        for p in other.model.layers[0].mlp.parameters():
+            p.mul_(3.0)
+    changed = tmp_path / "changed"
+    write_buckets(group_tensors(hf_tensors(other), 64 << 20), changed, "bucket")
+    original, done = Runtime.sync_weights, []
+
+    def sync_then_change(self, version, check=True):
+        original(self, version, check)
+        if version == 1 and not done:
+            done.append(version)
+            run_async(self.engine.servers[0].client.load_from_disk(str(changed), 1))
+
+    monkeypatch.setattr(Runtime, "sync_weights", sync_then_change)
+    out = tmp_path / "run"
+    quickstart(sglang_env, out, 2, ["sync.transport=nccl", "trainer.val_before_train=false", "trainer.test_freq=0"])
+    assert done == [1]
+    assert metric(out, "rollout/gate_regenerations") == [1.0]  # step 2's first batch refused
+    assert all(m <= 1e-3 for m in metric(out, "rollout/logprob_mismatch_on_policy"))  # what was trained on
+    assert len(metric(out, "actor/pg_loss")) == 2
