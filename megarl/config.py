@@ -315,12 +315,14 @@ class RunConfig:
         return not (self.rollout.engine == "sglang" and self.rollout.sglang.server == "sglang")
 
     def probe_tolerance(self) -> float:
-        """sync.probe.tolerance with None resolved by model.dtype and device (megarl.weights.probe)."""
-        from megarl.weights.probe import default_tolerance
+        """sync.probe.tolerance with None resolved by model.dtype, device and whether the model is a
+        mixture of experts (megarl.weights.probe)."""
+        from megarl.weights.probe import default_tolerance, is_mixture_of_experts
 
         p = self.sync.probe
-        return p.tolerance if p.tolerance is not None else default_tolerance(self.model.dtype,
-                                                                              self.cluster.gpus_per_node > 0)
+        if p.tolerance is not None:
+            return p.tolerance
+        return default_tolerance(self.model.dtype, self.cluster.gpus_per_node > 0, is_mixture_of_experts(self.model.path))
 
     def gate_bound(self) -> float:
         """sync.probe.gate_bound with None resolved: 10 x the probe's tolerance."""

@@ -21,7 +21,8 @@ class ProbeConfig:
     tokens: int = param(64, "Tokens of each probe sequence at most.", gt=1)
     tolerance: float | None = param(
         None, "Largest mean |engine - trainer| log-prob a probe token (nats) that counts as the same weights; "
-        "None = by model.dtype and device: 1e-4 float32 on the CPU, 1e-3 float32 on GPUs, 0.05 bf16 / fp16.", gt=0)
+        "None = by model.dtype and device: 1e-4 float32 on the CPU, 1e-3 float32 on GPUs, 0.05 bf16 / fp16; 10x that "
+        "for a mixture of experts (its routers pick other experts for some tokens).", gt=0)
     gate: bool = param(
         True, "Each step, before training: where the trainer computes the old log-probs (algorithm.old_log_probs="
         "trainer), rollout/logprob_mismatch over the tokens sampled with the trainer's current weights above "

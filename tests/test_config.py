@@ -203,6 +203,14 @@ def test_probe_tolerance_and_gate_bound_by_dtype_and_device(overrides, tolerance
     assert cfg.probe_tolerance() == pytest.approx(tolerance) and cfg.gate_bound() == pytest.approx(bound)
 
 
+def test_a_mixture_of_experts_gets_ten_times_the_tolerance(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3_moe", "num_experts": 128}')
+    cfg = load_config(None, [f"model.path={tmp_path}", "model.dtype=bfloat16", "cluster.gpus_per_node=8"])
+    assert cfg.probe_tolerance() == pytest.approx(0.5) and cfg.gate_bound() == pytest.approx(5.0)
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3", "num_experts": 0}')
+    assert cfg.probe_tolerance() == pytest.approx(0.05)
+
+
 def test_engines_across_nodes():
     """An engine of 16 GPUs on nodes of 8 spans 2 of them; on the CPU its TP ranks are its nodes."""
     from megarl.config_rollout import engine_nodes

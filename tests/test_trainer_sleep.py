@@ -179,9 +179,18 @@ def test_the_fp8_weight_workspaces_are_dropped_at_sleep():
             self.weight = torch.nn.Parameter(torch.randn(16, 8))
             self._fp8_workspaces = {"weight": Float8From216(torch.zeros(16, 8, dtype=torch.uint8), torch.ones(1))}
 
-    from megarl.backends.sleep import free_fp8_workspaces
+    from megarl.backends.sleep import WorkerSleep, free_fp8_workspaces
 
     model = torch.nn.Sequential(Linear(), torch.nn.Sequential(Linear()))
     assert free_fp8_workspaces([model]) == 2 * (16 * 8 + 4)  # each workspace's FP8 bytes and scale
     assert all(m._fp8_workspaces == {} for m in model.modules() if isinstance(m, Linear))
     assert free_fp8_workspaces([model]) == 0
+    # a worker's sleep drops them before anything else (the first part, its weights still there)
+    model = torch.nn.Sequential(Linear(), torch.nn.Sequential(Linear()))
+    sleep = WorkerSleep("cpu")
+    sleep.sleep([model], [], keep_weights=True)
+    assert all(m._fp8_workspaces == {} for m in model.modules() if isinstance(m, Linear))
+    assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters())
+    sleep.sleep([model], [])  # then the weights
+    assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+    sleep.wake()
