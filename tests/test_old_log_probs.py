@@ -20,10 +20,10 @@ def test_the_engines_log_probs_replace_the_forward_and_end_on_the_reference_weig
     calls = []
     forward = TorchTrainWorker.compute_log_prob
 
-    def counted(self, batch, with_entropy=False, temperature=None):
+    def counted(self, batch, with_entropy=False, temperature=None, own_routing=False):
         if temperature is None:  # the step's forwards; the weights probe asks for temperature 1
             calls.append(batch.input_ids.shape)
-        return forward(self, batch, with_entropy, temperature)
+        return forward(self, batch, with_entropy, temperature, own_routing)
 
     monkeypatch.setattr(TorchTrainWorker, "compute_log_prob", counted)
     out = tmp_path / "run"

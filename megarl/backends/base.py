@@ -49,11 +49,12 @@ class TrainWorker(Protocol):
     def pipeline_stage(self) -> int:
         """The pipeline stage whose weights this process exports (0 without pipelining)."""
 
-    def compute_log_prob(self, batch: Batch, with_entropy: bool = False, temperature: float | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def compute_log_prob(self, batch: Batch, with_entropy: bool = False, temperature: float | None = None,
+                         own_routing: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(log-probs of the batch's tokens under the actor, entropies or None); softmax of the
-        logits / `temperature`, by default the rollout's (the weights probe asks for 1: SGLang's
-        prompt log-probs are never scaled)."""
+        logits / `temperature`, by default the rollout's; `own_routing`: a mixture of experts routes
+        by its own routers even under routing replay. The weights probe asks for both (SGLang's
+        prompt log-probs are never scaled, and its engines route the probe by themselves)."""
 
     def compute_ref_log_prob(self, batch: Batch) -> torch.Tensor:
         """Log-probs under the frozen reference."""

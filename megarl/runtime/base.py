@@ -251,7 +251,7 @@ def trainer_log_probs(worker: TrainWorker, sequences: list[list[int]]) -> list[t
     weights probe: megarl.weights.probe); the trainer awake."""
     batch = PackedBatch.from_sequences([s[:1] for s in sequences], [s[1:] for s in sequences],
                                        [[1] * (len(s) - 1) for s in sequences])
-    log_probs, _ = worker.compute_log_prob(batch, False, 1.0)
+    log_probs, _ = worker.compute_log_prob(batch, False, 1.0, True)
     return list(log_probs.float()[batch.loss_mask].split([len(s) - 1 for s in sequences]))
 
 

@@ -110,8 +110,9 @@ class RemoteTrainWorker(_Ranks):
         size = self.data_layout()[0][1]
         return self._shared(method, batch, iter_update_shares(batch, size, self.mini_rows[part]), answers=[0])[0]
 
-    def compute_log_prob(self, batch: PackedBatch, with_entropy: bool = False, temperature: float | None = None):
-        return self._forward("compute_log_prob", batch, with_entropy, temperature)
+    def compute_log_prob(self, batch: PackedBatch, with_entropy: bool = False, temperature: float | None = None,
+                         own_routing: bool = False):
+        return self._forward("compute_log_prob", batch, with_entropy, temperature, own_routing)
 
     def compute_ref_log_prob(self, batch: PackedBatch) -> torch.Tensor:
         return self._forward("compute_ref_log_prob", batch)

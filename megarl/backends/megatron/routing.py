@@ -107,11 +107,25 @@ def _micro_routing(config, routed: torch.Tensor) -> dict[int, torch.Tensor]:
     return routing_for_rank(routed, config.moe_router_topk, moe_layers, config.num_layers, share)
 
 
+_OWN_ROUTING = [False]  # inside routing_by_itself
+
+
+@contextmanager
+def routing_by_itself() -> Iterator[None]:
+    """Forwards in it route every token by the model's own routers, replay installed or not (the
+    weights probe: its engine side routes by itself too)."""
+    _OWN_ROUTING[0] = True
+    try:
+        yield
+    finally:
+        _OWN_ROUTING[0] = False
+
+
 def set_micro_routing(chunk: torch.nn.Module, routed: torch.Tensor | None) -> None:
     """Before `chunk` runs a micro-batch: its routers replay `routed` (a chunk without replay
-    installed routes by itself)."""
+    installed routes by itself, and any inside routing_by_itself)."""
     routers = _replaying_routers(chunk)
-    if not routers:
+    if not routers or _OWN_ROUTING[0]:
         return
     if routed is None:
         raise ValueError("actor.moe_routing_replay: the batch carries no routed experts from the rollout engine")

@@ -226,7 +226,13 @@ class MegatronTrainWorker:
             out = self._over_data_parallel(batch, fn)
         return out[0], (out[1] if with_entropy else None)
 
-    def compute_log_prob(self, batch: Batch, with_entropy: bool = False, temperature: float | None = None):
+    def compute_log_prob(self, batch: Batch, with_entropy: bool = False, temperature: float | None = None,
+                         own_routing: bool = False):
+        if own_routing:
+            from megarl.backends.megatron.routing import routing_by_itself
+
+            with routing_by_itself():
+                return self._log_probs(self.actor.chunks, batch, with_entropy, temperature)
         return self._log_probs(self.actor.chunks, batch, with_entropy, temperature)
 
     def compute_ref_log_prob(self, batch: Batch) -> torch.Tensor:

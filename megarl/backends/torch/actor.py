@@ -65,20 +65,22 @@ class TorchActor:
 
     @torch.no_grad()
     def compute_log_prob(self, batch: TrainBatch, with_entropy: bool = False, model: torch.nn.Module | None = None,
-                         temperature: float | None = None):
+                         temperature: float | None = None, own_routing: bool = False):
         """(log_probs, entropy or None), each (B, L), in micro-batches, without gradients;
-        `model` (e.g. the frozen reference) defaults to the actor's own, `temperature` to the rollout's."""
+        `model` (e.g. the frozen reference) defaults to the actor's own, `temperature` to the rollout's;
+        `own_routing`: the model's routers route, routing replay or not."""
         self.model.eval()
-        parts = [self._forward(batch.select(slice(i, i + self.micro)), with_entropy, model, temperature=temperature)
+        parts = [self._forward(batch.select(slice(i, i + self.micro)), with_entropy, model, temperature=temperature,
+                               own_routing=own_routing)
                  for i in range(0, len(batch), self.micro)]
         log_probs = torch.cat([p[0] for p in parts]).cpu()
         entropy = torch.cat([p[1] for p in parts]).cpu() if with_entropy else None
         return log_probs, entropy
 
     def _forward(self, batch: TrainBatch, with_entropy: bool, model: torch.nn.Module | None = None,
-                 router_logits: list | None = None, temperature: float | None = None):
+                 router_logits: list | None = None, temperature: float | None = None, own_routing: bool = False):
         model = model or self.model
-        with replayed_routing(model, self._replayed(batch) if model is self.model else None):
+        with replayed_routing(model, self._replayed(batch) if model is self.model and not own_routing else None):
             return token_log_probs(model, batch.input_ids.to(self.device), batch.attention_mask.to(self.device),
                                    temperature or self.temperature, with_entropy, router_logits, wanted=batch.loss_mask,
                                    entropy_grad=bool(self.algo.entropy_coeff))

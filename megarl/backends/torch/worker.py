@@ -74,9 +74,11 @@ class TorchTrainWorker:
         """(this rank's data-parallel rank, the data-parallel size): one rank holds everything."""
         return 0, 1
 
-    def compute_log_prob(self, batch: Batch, with_entropy: bool = False, temperature: float | None = None):
+    def compute_log_prob(self, batch: Batch, with_entropy: bool = False, temperature: float | None = None,
+                         own_routing: bool = False):
         rows, back = as_rows(batch)
-        log_probs, entropy = self.actor.compute_log_prob(rows, with_entropy, temperature=temperature)
+        log_probs, entropy = self.actor.compute_log_prob(rows, with_entropy, temperature=temperature,
+                                                         own_routing=own_routing)
         return back(log_probs), (back(entropy) if entropy is not None else None)
 
     def compute_ref_log_prob(self, batch: Batch) -> torch.Tensor:
