@@ -242,6 +242,7 @@ class ServerActor:
             old.wait()
             port = int(Path(argv[argv.index("--port-file") + 1]).read_text())
             fixed = [a if i == 0 or argv[i - 1] != "--port" else str(port) for i, a in enumerate(argv)]
+            self.restarted_at.append(time.time())
             with open(log_path, "ab") as log:
                 procs[index] = subprocess.Popen(fixed, stdout=log, stderr=subprocess.STDOUT, env=env)
             wait_healthy(procs[index], f"http://127.0.0.1:{port}", f"the restarted double of {log_path.stem}",
@@ -254,6 +255,7 @@ class ServerActor:
                 return False
             return True
 
+        self.restarted_at: list[float] = []  # when each restart began
         self.alive = self._Call(lambda: procs[index].poll() is None)
         self.gone_within = self._Call(gone_within)
         self.log_tail = self._Call(tail)
@@ -332,8 +334,8 @@ class Trainer:
         self.calls.append(("sleep all but the weights" if keep_weights else "sleep", time.time()))
         return 0.0
 
-    def wake(self) -> float:
-        self.calls.append(("wake", time.time()))
+    def wake(self, weights_only: bool = False) -> float:
+        self.calls.append(("wake the weights" if weights_only else "wake", time.time()))
         return 0.0
 
 

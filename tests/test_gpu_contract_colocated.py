@@ -84,3 +84,24 @@ def test_a_generation_kept_across_a_long_sync_is_not_taken_for_a_stalled_engine(
     assert (len(out.token_ids), out.finish_reason) == (60, "length")
     assert fleet.metrics()["rollout/engine_restarts"] == 0
     assert not [c for u in r.urls() for c in calls(u) if c["route"] == "/health_generate" and c["paused"]]
+
+
+@pytest.mark.timeout(300)
+def test_an_engine_restarted_before_the_push_starts_next_to_a_sleeping_trainer(run, tmp_path):
+    """Engine 1 dies when the sync brings its weights back, before the push: while the trainer
+    still holds the weights it is about to push. SGLang sizes a starting engine's KV cache from the
+    memory free then; next to the trainer's weights the cache comes out smaller than planned, or
+    not at all for a large model. Before the fix the restart ran right there; now the trainer's
+    weights leave the GPU for the restart and come back for the push."""
+    layout = Layout(tp=2, dp=2, pp=1)
+    r = run(ipc_config(layout), IpcTransport, layout, ["0", "1", "2", "3"], [["0", "1"], ["2", "3"]],
+            engine_args=[[], ["--exit-on-resume", f"weights={tmp_path / 'died'}"]])
+    trainer = r.runtime.worker
+    r.runtime.for_training()  # after a generation: the engines release everything
+    r.runtime.sync_weights(version=1)
+    assert (tmp_path / "died").exists() and r.fleet.metrics()["rollout/engine_restarts"] == 1
+    assert [name for name, _ in trainer.calls] == ["sleep all but the weights", "sleep", "wake the weights", "sleep"]
+    (restarted,) = r.entries[1][1].restarted_at
+    assert trainer.calls[1][1] <= restarted <= trainer.calls[2][1]  # the trainer fully asleep meanwhile
+    want = weight_checksums(sorted(all_tensors(layout.pp).items()))
+    assert [engine_sums(u) for u in r.urls()] == [want, want]

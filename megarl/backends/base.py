@@ -73,8 +73,9 @@ class TrainWorker(Protocol):
         moves them; megarl.backends.sleep); the seconds it took. Asleep with its weights kept it
         may still export them and compute log-probs; fully asleep nothing may be called until `wake`."""
 
-    def wake(self) -> float:
-        """Everything `sleep` moved back on the device, bit for bit; the seconds it took (0 awake)."""
+    def wake(self, weights_only: bool = False) -> float:
+        """Everything `sleep` moved back on the device, bit for bit (only the weights with
+        `weights_only`: the state stays asleep); the seconds it took (0 awake)."""
 
     def export_hf_weights(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
         """The actor's weights as HF-named full tensors, in buckets of about `bucket_bytes`

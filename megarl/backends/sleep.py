@@ -202,8 +202,9 @@ class WorkerSleep:
             seconds += self.weights.sleep(weights)
         return seconds
 
-    def wake(self) -> float:
-        return self.weights.wake() + self.state.wake()
+    def wake(self, weights_only: bool = False) -> float:
+        """The weights back on the device, and the state too unless `weights_only`; the seconds."""
+        return self.weights.wake() + (0.0 if weights_only else self.state.wake())
 
     @property
     def host_bytes(self) -> int:

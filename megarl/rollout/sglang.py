@@ -16,6 +16,7 @@ import logging
 import tempfile
 import threading
 from collections.abc import Iterable, Sequence
+from contextlib import nullcontext
 from pathlib import Path
 
 import httpx
@@ -52,6 +53,7 @@ class _ServerHandle:
         self.client = HTTPEngine(url, timeout_s=settings.request_timeout_s, api_key=api_key)
         self.in_flight = 0
         self.restarts = 0
+        self.released: set[str] = set()  # its memory tags released and not resumed (none after a restart)
 
     async def call(self, method: str, *args, timeout_s: float = 60.0):
         """`method` of the engine's EngineUnit (over its ServerActors), within `timeout_s`."""
@@ -101,6 +103,7 @@ class SGLangFleet:
         self.need_weights: set[str] = set()
         self._after_load = False  # inside end_weight_update: the sync's weights are in
         self.syncing = False  # between begin_ and end_weight_update: the engines are paused on purpose
+        self.around_restart = nullcontext  # the runtime's: what the GPU must be rid of while an engine starts
         self._epoch = 0  # health passes so far; a request that failed before the latest one just retries
         self._locks: dict[int, asyncio.Lock] = {}
         # cleared by abort_requests until the sync ends; a threading.Event: the trainer's thread
@@ -198,9 +201,12 @@ class SGLangFleet:
             raise ComponentDied(f"rollout engine {server.name} at {server.url} failed again after "
                                 f"{server.restarts} restarts (rollout.sglang.max_restarts); its log ends:\n{tail}")
         server.restarts += 1
+        server.released = set()  # a fresh engine holds all its memory
         log.warning("rollout engine %s at %s is not healthy: restart %d", server.name, server.url, server.restarts)
         try:
-            await server.call("restart", self.settings.startup_timeout_s, timeout_s=self.settings.startup_timeout_s + 60)
+            with self.around_restart():
+                await server.call("restart", self.settings.startup_timeout_s,
+                                  timeout_s=self.settings.startup_timeout_s + 60)
         except ComponentDied:
             raise
         except Exception as e:  # the actor's RuntimeError carries the log tail
@@ -249,12 +255,12 @@ class SGLangFleet:
     # from the sync itself; after them it needs a copy to reload (resume_memory says which it is)
     _UP_TO_THE_LOAD = frozenset({"pause", "open_update_session", "load_from_disk", "release_memory"})
 
-    async def _each(self, method: str, *args, before_load: bool | None = None) -> list:
+    async def _each(self, method: str, *args, before_load: bool | None = None, where=None) -> list:
         """`method` of every engine's client. An engine whose process died is restarted (with the
         newest weights where they are kept) and gets the call once more, but for a resume of
         memory: a fresh engine holds all of it, and SGLang fails a resume of a tag it never released
         (its scheduler's offload_tags.remove raises). `before_load`: whether the sync's load is
-        still to come (default: by the method)."""
+        still to come (default: by the method). `where`: only the engines it is true of."""
         async def one(server: _ServerHandle):
             try:
                 return await getattr(server.client, method)(*args)
@@ -268,7 +274,7 @@ class SGLangFleet:
                 if method == "resume_memory":
                     return None
                 return await getattr(server.client, method)(*args)
-        return await asyncio.gather(*[one(s) for s in self.servers])
+        return await asyncio.gather(*[one(s) for s in self.servers if where is None or where(s)])
 
     async def check_engines(self) -> None:
         """A health pass now, restarting dead engines: the router re-sends the requests of a
@@ -310,13 +316,22 @@ class SGLangFleet:
         if self.memory_released:
             return  # released already (a health check now would need the KV cache)
         await self.check_engines()
-        await self._each("release_memory", list(tags or sglang_api.MEMORY_TAGS))
+        tags = list(tags or sglang_api.MEMORY_TAGS)
+        await self._each("release_memory", tags)
+        for server in self.servers:
+            server.released |= set(tags)
         self.memory_released = True
 
     async def resume_memory(self, tags: list[str] | None = None) -> None:
         """`tags` (all by default) back; with all of them the engines hold their memory again. The
         weights alone come back before a sync's load; anything else after it."""
-        await self._each("resume_memory", list(tags or sglang_api.MEMORY_TAGS), before_load=tags == ["weights"])
+        named = list(tags or sglang_api.MEMORY_TAGS)
+        # an engine restarted since the release holds all its memory: SGLang fails a resume of a
+        # tag it never released (its scheduler's offload_tags.remove raises)
+        await self._each("resume_memory", named, before_load=named == ["weights"],
+                         where=lambda server: set(named) <= server.released)
+        for server in self.servers:
+            server.released -= set(named)
         if tags is None:
             self.memory_released = False
 

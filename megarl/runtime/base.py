@@ -15,6 +15,7 @@ import logging
 import os
 import threading
 from abc import ABC, abstractmethod
+from contextlib import contextmanager
 
 import torch
 
@@ -161,6 +162,19 @@ class Runtime(ABC):
         self._count("perf/trainer_offload_s", self.worker.sleep())
         self._trainer_asleep = True
 
+    @contextmanager
+    def _trainer_weights_away(self):
+        """While an engine (re)starts in a sync, before the push: the trainer's weights off the GPU
+        too (SGLang sizes a starting engine's KV cache from the memory free then), back after."""
+        if not self._state_asleep or self._trainer_asleep:
+            yield
+            return
+        self._count("perf/trainer_offload_s", self.worker.sleep())
+        try:
+            yield
+        finally:
+            self._count("perf/trainer_onload_s", self.worker.wake(weights_only=True))
+
     def _count(self, name: str, seconds: float) -> None:
         if not hasattr(self, "_sleep_s"):
             self._sleep_s = {}
@@ -175,6 +189,8 @@ class Runtime(ABC):
         if self.cfg.trainer_sleeps():  # all but the weights it pushes off the GPU before the engines' weights return
             self._count("perf/trainer_offload_s", self.worker.sleep(keep_weights=True))
             self._state_asleep = True
+            if hasattr(self.engine, "around_restart"):  # an engine restarted meanwhile starts next to nothing
+                self.engine.around_restart = self._trainer_weights_away
         self.ranks.free_cache()  # before colocated engines take their memory back
         run_async(self.engine.begin_weight_update())
         checksums, pushed = None, False

@@ -129,8 +129,8 @@ class RemoteTrainWorker(_Ranks):
     def sleep(self, keep_weights: bool = False) -> float:
         return max(self.gather([a.run.remote("sleep", keep_weights) for a in self.actors]))  # the slowest rank's
 
-    def wake(self) -> float:
-        return max(self.gather([a.run.remote("wake") for a in self.actors]))
+    def wake(self, weights_only: bool = False) -> float:
+        return max(self.gather([a.run.remote("wake", weights_only) for a in self.actors]))
 
     def export_hf_weights(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
         raise NotImplementedError("the rank actors send their weights themselves (RayRanks.push); "

@@ -380,8 +380,8 @@ class MegatronTrainWorker:
         return self._sleep.sleep([c for p in parts for c in p.chunks], [p.optimizer for p in parts], list(frozen),
                                  keep_weights)
 
-    def wake(self) -> float:
-        return self._sleep.wake()
+    def wake(self, weights_only: bool = False) -> float:
+        return self._sleep.wake(weights_only)
 
     # -- checkpoints ------------------------------------------------------------------------------
     def _parts(self) -> dict[str, _Part]:

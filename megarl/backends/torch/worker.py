@@ -110,8 +110,8 @@ class TorchTrainWorker:
         frozen = [self.reference] if self.reference is not None and self.reference_weights is None else []
         return self._sleep.sleep([p.model for p in parts], [p.optimizer for p in parts], frozen, keep_weights)
 
-    def wake(self) -> float:
-        return self._sleep.wake()
+    def wake(self, weights_only: bool = False) -> float:
+        return self._sleep.wake(weights_only)
 
     def export_hf_weights(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
         """The actor's HF-named tensors in buckets of about `bucket_bytes` (megarl.weights.buckets)."""
