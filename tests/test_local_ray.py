@@ -43,6 +43,9 @@ def test_a_local_ray_listens_on_loopback_only():
     if ray.is_initialized():
         pytest.skip("another test left Ray running in this process")
     before = os.environ.get(NO_CLUSTER_ENV)
+    # what this test process listened on before Ray started is another test's (a gloo store left
+    # by a test on the same xdist worker listens on "::"): not Ray's
+    earlier = listening({os.getpid()})
     init_local_ray(num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
         assert os.environ.get(NO_CLUSTER_ENV) == before  # put back for the rest of this process
@@ -56,7 +59,7 @@ def test_a_local_ray_listens_on_loopback_only():
         seen: set = set()
         deadline = time.monotonic() + 20  # Ray's agents open their ports a while after start
         while time.monotonic() < deadline:
-            seen |= listening(ours | {p.pid for p in psutil.Process().children(recursive=True)})
+            seen |= listening(ours | {p.pid for p in psutil.Process().children(recursive=True)}) - earlier
             time.sleep(2)
         names = {name for _, _, name in seen}
         assert {"gcs_server", "raylet"} <= names, seen  # the check saw Ray's own processes

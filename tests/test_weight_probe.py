@@ -143,3 +143,18 @@ def test_the_probe_can_be_turned_off(tiny_inputs, tmp_path):
         assert c.runtime.probe is None and c.runtime.weight_reloads == 0
     finally:
         c.close()
+
+
+def test_an_engine_that_does_not_answer_the_probe_is_named():
+    """The fleet's probe of a server that is gone: ComponentDied naming it, not an HTTP error."""
+    from megarl.config import load_config
+    from megarl.errors import ComponentDied
+    from megarl.rollout.sglang import SGLangFleet
+    from megarl.rollout.sglang_launch import free_port
+
+    settings = load_config(None, ["rollout.sglang.router=false"]).rollout.sglang
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    fleet = SGLangFleet([("engine0", object(), url, 1)], settings)
+    with pytest.raises(ComponentDied, match=rf"rollout engine engine0 at {url} did not answer the weights probe"):
+        asyncio.run(fleet.probe_log_probs([[1, 2, 3]]))
+    asyncio.run(fleet.close())

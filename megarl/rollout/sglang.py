@@ -406,9 +406,16 @@ class SGLangFleet:
 
     async def probe_log_probs(self, sequences: list[list[int]]) -> dict[str, list[list[float]]]:
         """Each engine's answer to the weights probe, by its name (not through the router: every
-        engine is probed)."""
+        engine is probed); ComponentDied naming an engine that does not answer within
+        cluster.liveness.timeout_s."""
         async def one(server: _ServerHandle) -> list[list[float]]:
-            return list(await asyncio.gather(*[server.client.prompt_log_probs(s) for s in sequences]))
+            try:
+                return list(await asyncio.gather(*[server.client.prompt_log_probs(s, self.liveness.timeout_s)
+                                                   for s in sequences]))
+            except (httpx.HTTPError, ServerError) as e:
+                raise ComponentDied(f"rollout engine {server.name} at {server.url} did not answer the weights probe "
+                                    f"(sync.probe) within {self.liveness.timeout_s:.0f} s: {type(e).__name__}: "
+                                    f"{e}") from e
         answers = await asyncio.gather(*[one(s) for s in self.servers])
         return {f"rollout engine {s.name} at {s.url}": a for s, a in zip(self.servers, answers)}
 
