@@ -111,6 +111,7 @@ class AsyncRollouts(SyncRollouts):
         self._generating = False
         self._error: BaseException | None = None
         self._stopping = False
+        c.for_generation()  # the engines' memory back and their weights probed before the producer starts
         self._thread = threading.Thread(target=serve_without_signals,
                                         args=(lambda: self._produce(first_step, c.total_steps),),
                                         name="megarl-rollouts", daemon=True)

@@ -131,6 +131,23 @@ def test_an_engine_that_keeps_other_weights_stops_the_run_by_name(runtime, monke
     assert runtime.weight_reloads == 1
 
 
+def test_asynchronous_rollouts_probe_the_engines_before_generating(tiny_inputs, tmp_path):
+    from megarl.async_rollouts import start_rollouts
+    from megarl.components import build_components
+    from megarl.config import load_config
+    from train_fixtures import tiny_overrides
+
+    c = build_components(load_config(None, tiny_overrides(tiny_inputs, tmp_path) + [
+        "trainer.async_rollout.enable=true", "algorithm.tis_cap=2.0"]))
+    try:
+        perturb(c.runtime.engine)  # the engine started from other weights than the trainer's
+        rollouts = start_rollouts(c, lambda *_: [], 0)  # a producer that generates nothing: only the start matters
+        rollouts.close()
+        assert c.runtime.weight_reloads == 1
+    finally:
+        c.close()
+
+
 def test_the_probe_can_be_turned_off(tiny_inputs, tmp_path):
     from megarl.components import build_components
     from megarl.config import load_config
