@@ -5,17 +5,14 @@ server whose weights were changed behind the run's back is told apart from one t
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from megarl.rollout import sglang_api
-from megarl.rollout.http import HTTPEngine
-from megarl.rollout.sglang_launch import CPU_SERVER_ENV, ServerProcess, server_command
 from megarl.weights.buckets import group_tensors, hf_tensors
 from megarl.weights.probe import WeightProbe
-from test_server import KEY, model_with, saved_model
+from test_server import cpu_server, model_with
 from tiny_models import reference_log_probs
 
 pytestmark = pytest.mark.sglang
@@ -23,15 +20,8 @@ SEQUENCES = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [40, 3, 77, 12, 9]]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, sglang_env):
-    root = tmp_path_factory.mktemp("sglang-probe")
-    model, vocab, cfg = saved_model(root, sglang_env)
-    process = ServerProcess(server_command(cfg, colocated=False), "sglang0", log_dir=str(root), api_key=KEY,
-                            env=dict(CPU_SERVER_ENV))
-    process.start(timeout_s=300)
-    client = HTTPEngine(process.url, api_key=KEY, weight_dir=str(root))
-    yield SimpleNamespace(process=process, client=client, model=model, vocab=vocab, root=root)
-    process.stop()
+def server(tmp_path_factory, sglang_env):  # a server of its own: test_server.py's changes its weights
+    yield from cpu_server(tmp_path_factory.mktemp("sglang-probe"), sglang_env)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0, 0.6])

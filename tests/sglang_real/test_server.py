@@ -61,9 +61,9 @@ def saved_model(root: Path, sglang_env: str, *overrides: str):
     return model, len(tok), cfg
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, sglang_env):
-    root = tmp_path_factory.mktemp("sglang")
+def cpu_server(root: Path, sglang_env: str):
+    """A CPU server of the tiny model of seed 0 (saved in root/model), started as the fleet starts
+    one, with a client; stopped when the generator closes (a module fixture's body)."""
     model, vocab, cfg = saved_model(root, sglang_env)
     process = ServerProcess(server_command(cfg, colocated=False), "sglang0", log_dir=str(root), api_key=KEY,
                             env=dict(CPU_SERVER_ENV))
@@ -71,6 +71,11 @@ def server(tmp_path_factory, sglang_env):
     client = HTTPEngine(process.url, api_key=KEY, weight_dir=str(root))
     yield SimpleNamespace(process=process, client=client, model=model, vocab=vocab, root=root)
     process.stop()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, sglang_env):
+    yield from cpu_server(tmp_path_factory.mktemp("sglang"), sglang_env)
 
 
 def served_is(client: HTTPEngine, model, version: int | None = None):
