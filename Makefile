@@ -99,11 +99,14 @@ test: $(STAMP) sandbox-tool
 test-slow: $(STAMP) sandbox-tool
 	$(BIN)/python -m pytest tests $(PARALLEL) -m 'slow and not ui and not sglang' $(PYTEST_ARGS)
 
-# SGLang 0.5.23's own servers on the CPU (tests/sglang_real): the launcher, every route megarl uses,
-# the weight transports that run on the CPU, partial rollouts, training through the fleet. One
+# SGLang 0.5.23's own servers on the CPU: first tools/sglang_cpu/smoke.py (the sgl_kernel stand-ins
+# against SGLang's kernels' semantics, then a tiny Qwen2, Qwen3 and Qwen3-MoE served against
+# transformers: about 80 s), then tests/sglang_real: the launcher, every route megarl uses, the
+# weight transports that run on the CPU, partial rollouts, training through the fleet. One
 # process: on two workers it was no faster (two SGLang servers starting at once on 2 cores).
 .PHONY: test-sglang
 test-sglang: $(STAMP) $(SGLANG_STAMP)
+	SGLANG_USE_CPU_ENGINE=1 $(SGLANG_VENV)/bin/python tools/sglang_cpu/smoke.py --model all
 	MEGARL_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python $(BIN)/python -m pytest tests/sglang_real -m sglang \
 		--durations=20 $(PYTEST_ARGS)
 
