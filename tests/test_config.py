@@ -207,7 +207,10 @@ def test_a_mixture_of_experts_gets_ten_times_the_tolerance(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "qwen3_moe", "num_experts": 128}')
     cfg = load_config(None, [f"model.path={tmp_path}", "model.dtype=bfloat16", "cluster.gpus_per_node=8"])
     assert cfg.probe_tolerance() == pytest.approx(0.5) and cfg.gate_bound() == pytest.approx(5.0)
-    (tmp_path / "config.json").write_text('{"model_type": "qwen3", "num_experts": 0}')
+    dense = tmp_path / "dense"
+    dense.mkdir()
+    (dense / "config.json").write_text('{"model_type": "qwen3", "num_experts": 0}')
+    cfg = load_config(None, [f"model.path={dense}", "model.dtype=bfloat16", "cluster.gpus_per_node=8"])
     assert cfg.probe_tolerance() == pytest.approx(0.05)
 
 

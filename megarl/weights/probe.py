@@ -18,15 +18,15 @@ Main entry points: `WeightProbe`, `probe_sequences`, `default_tolerance`, `Wrong
 
 from __future__ import annotations
 
-import logging
+import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
 from megarl.errors import ComponentDied
-
-log = logging.getLogger(__name__)
 
 
 class WrongWeights(ComponentDied):
@@ -50,11 +50,9 @@ def default_tolerance(dtype: str, on_gpu: bool, moe: bool = False) -> float:
     return TOLERANCES[dtype][on_gpu] * (MOE_FACTOR if moe else 1)
 
 
+@lru_cache(maxsize=8)  # the gate asks every step (RunConfig.gate_bound): the file is read once
 def is_mixture_of_experts(model_path: str) -> bool:
     """Whether the HF config in `model_path` routes tokens to experts (False when it cannot be read)."""
-    import json
-    import os
-
     try:
         with open(os.path.join(model_path, "config.json")) as f:
             config = json.load(f)
