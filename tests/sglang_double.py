@@ -146,7 +146,8 @@ def create_app(node: str, gpus: list[str], hold: dict[str, float], collective_di
         log("/generate")
         rid = body.get("rid") or uuid.uuid4().hex
         want = int(body.get("sampling_params", {}).get("max_new_tokens", 1)) if token_s else 1
-        request_state = requests[rid] = {"running": False, "abort": False}
+        request_state = requests[rid] = {"running": False, "abort": False, "made": 0,
+                                         "prompt": len(body["input_ids"])}
         made, versions = 0, []
         try:
             while made < want and not request_state["abort"]:
@@ -155,6 +156,7 @@ def create_app(node: str, gpus: list[str], hold: dict[str, float], collective_di
                 await asyncio.sleep(token_s or 0.005)
                 if request_state["running"] and not state["paused"]:
                     made += 1
+                    request_state["made"] = made
                     versions.append(state["version"])
         finally:
             del requests[rid]
@@ -170,6 +172,12 @@ def create_app(node: str, gpus: list[str], hold: dict[str, float], collective_di
                 "completion_tokens": made, "weight_version": state["version"], "weight_versions": spans,
                 "output_token_logprobs": [[-0.5, 7, None]] * made}
         return {"text": "", "output_ids": [7] * made, "meta_info": meta}
+
+    @app.get("/v1/loads")
+    async def loads():  # SGLang's load report, the fields tests poll for progress
+        running = [r for r in requests.values() if r["running"]]
+        return {"loads": [{"num_running_reqs": len(running),
+                           "num_used_tokens": sum(r["prompt"] + r["made"] for r in requests.values())}]}
 
     @app.post("/abort_request")
     async def abort_request(request: Request):

@@ -400,10 +400,17 @@ def generating(fleet, tokens: int) -> concurrent.futures.Future:
     pool = concurrent.futures.ThreadPoolExecutor(1)
     out = pool.submit(asyncio.run, fleet.generate([1, 2, 3], SamplingParams(max_new_tokens=tokens)))
     pool.shutdown(wait=False)
-    while sum(s.in_flight for s in fleet.servers) == 0:
+    deadline = time.monotonic() + 60
+    while not any(kv_tokens(s.url) >= 3 + 3 for s in fleet.servers):  # the prompt's 3 and some made
+        assert time.monotonic() < deadline and not out.done(), "the request made no tokens in 60 s"
         time.sleep(0.01)
-    time.sleep(0.3)  # some tokens made
     return out
+
+
+def kv_tokens(url: str) -> int:
+    """The tokens a double's requests hold, prompts included (its /v1/loads, as SGLang's)."""
+    (load,) = httpx.get(url + "/v1/loads", timeout=10).json()["loads"]
+    return load["num_used_tokens"]
 
 
 @pytest.mark.timeout(300)

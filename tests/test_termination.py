@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -30,6 +31,13 @@ TESTS = Path(__file__).resolve().parent
 STEP_CALLS = 8  # reward calls per step: data.train_batch_size 2 x rollout.n 4
 SLOW = ["trainer.val_before_train=false", "trainer.test_freq=0", "reward.num_workers=1",
         "reward.custom_function=slow_reward:noted_slow_score"]
+
+
+def to_this_thread(signum: int) -> None:
+    """The signal sent to the calling (main) thread itself, as the kernel gives a process-directed
+    one to a main thread that does not block it. A process-directed one (os.kill) may be taken by
+    any thread left running by an earlier test on the same worker, and reach Python late."""
+    signal.pthread_kill(threading.get_ident(), signum)
 
 
 @pytest.fixture(scope="module")
@@ -109,14 +117,21 @@ def metric_steps(client, run, name: str = "train/reward_mean") -> list[int]:
     return sorted(m.step for m in client.get_metric_history(run.info.run_id, name))
 
 
+def signal_masks(pid: int) -> str:
+    """The process's signal masks (blocked, ignored, caught) as the kernel reports them."""
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return ", ".join(line for line in lines if line.startswith(("SigBlk", "SigIgn", "SigCgt")))
+
+
 def stopped(run: Run, signum: int, limit_s: float) -> float:
     """Signal the run; its exit status must be 128 + signum within limit_s. The seconds it took."""
     started = time.monotonic()
+    masks = signal_masks(run.process.pid)  # a signal ignored or blocked where it was sent says why
     run.signal(signum)
     try:
         status = run.process.wait(timeout=limit_s)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"{signal.Signals(signum).name}: the run did not exit within {limit_s} s:\n{run.log()}")
+        pytest.fail(f"{signal.Signals(signum).name}: the run did not exit within {limit_s} s ({masks}):\n{run.log()}")
     assert status == 128 + signum, run.log()
     assert f"megarl: stopped by {signal.Signals(signum).name}" in run.log()
     return time.monotonic() - started
@@ -273,7 +288,7 @@ def test_a_first_signal_waits_for_a_deferred_block_and_a_second_raises_at_once()
     @termination.stop_on_signals
     def run():
         with termination.deferred():  # a checkpoint being written
-            os.kill(os.getpid(), signal.SIGTERM)
+            to_this_thread(signal.SIGTERM)
             events.append("the block went on")
         events.append("not reached")
 
@@ -284,8 +299,8 @@ def test_a_first_signal_waits_for_a_deferred_block_and_a_second_raises_at_once()
     @termination.stop_on_signals
     def insisted():
         with termination.deferred():
-            os.kill(os.getpid(), signal.SIGINT)
-            os.kill(os.getpid(), signal.SIGINT)  # the second
+            to_this_thread(signal.SIGINT)
+            to_this_thread(signal.SIGINT)  # the second
             events.append("not reached")
 
     with pytest.raises(termination.Stopped) as stopped_by:
@@ -299,7 +314,7 @@ def test_a_run_takes_its_signals_even_when_started_with_them_blocked():
     started with is back afterwards."""
     @termination.stop_on_signals
     def run():
-        os.kill(os.getpid(), signal.SIGINT)
+        to_this_thread(signal.SIGINT)
         time.sleep(5)  # not reached: the signal is taken at once
 
     before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
@@ -322,14 +337,14 @@ def test_a_repeated_sigterm_is_one_request_and_a_later_one_cuts_the_cleanup_shor
     @termination.stop_on_signals
     def run():
         try:
-            os.kill(os.getpid(), signal.SIGTERM)
+            to_this_thread(signal.SIGTERM)
             events.append("not reached")
         finally:
             with termination.closing():
-                os.kill(os.getpid(), signal.SIGTERM)  # slurm's and ray_on_slurm's: the same request
+                to_this_thread(signal.SIGTERM)  # slurm's and ray_on_slurm's: the same request
                 events.append("cleanup went on")
                 time.sleep(0.6)
-                os.kill(os.getpid(), signal.SIGTERM)  # a second request: the rest is cut short
+                to_this_thread(signal.SIGTERM)  # a second request: the rest is cut short
                 events.append("not reached")
             events.append("after the cleanup")
 

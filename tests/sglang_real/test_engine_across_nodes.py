@@ -96,8 +96,12 @@ def test_weights_over_a_gloo_update_group_reach_both_ranks(engine):
 def test_a_dead_rank_restarts_the_whole_engine_with_the_newest_weights_from_disk(engine):
     """Rank 1's processes killed: the engine is not alive, the health pass before a sync restarts
     both ranks (new processes, a new meeting port) and they reload the disk transport's newest
-    weights (version 1: the group's version 2 kept no copy)."""
+    weights (pushed here, whatever the tests before left loaded)."""
     fleet, processes, _, vocab = engine
+    newest = model_with(vocab, seed=3)
+    asyncio.run(fleet.begin_weight_update())
+    asyncio.run(fleet.update_weights(group_tensors(hf_tensors(newest), 40_000), version=3))
+    asyncio.run(fleet.end_weight_update())
     before = [p.pid() for p in processes]
     os.killpg(before[1], signal.SIGKILL)
     assert processes[1].gone_within(30)
@@ -106,5 +110,5 @@ def test_a_dead_rank_restarts_the_whole_engine_with_the_newest_weights_from_disk
     asyncio.run(fleet.check_engines())
     assert server.restarts == 1 and all(p.alive() for p in processes)
     assert all(new != old for new, old in zip([p.pid() for p in processes], before))
-    assert fleet.last_weights[1] == 1
-    served_is(server.client, model_with(vocab, seed=1), version=1)
+    assert fleet.last_weights[1] == 3
+    served_is(server.client, newest, version=3)

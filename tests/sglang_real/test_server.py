@@ -73,6 +73,20 @@ def cpu_server(root: Path, sglang_env: str):
     process.stop()
 
 
+async def generated(url: str, tokens: int, deadline_s: float = 300.0) -> None:
+    """Return once the server's running request holds at least `tokens` generated tokens (SGLang's
+    /v1/loads: the KV tokens in use, the prompt's included; refreshed every few decode steps):
+    progress polled, not guessed from a time."""
+    async with httpx.AsyncClient(base_url=url, headers=bearer(KEY), timeout=30) as client:
+        deadline = time.monotonic() + deadline_s
+        while True:
+            (load,) = (await client.get("/v1/loads")).json()["loads"]
+            if load["num_running_reqs"] and load["num_used_tokens"] >= len(PROMPT) + tokens:
+                return
+            assert time.monotonic() < deadline, f"{tokens} tokens not generated in {deadline_s:.0f} s: {load}"
+            await asyncio.sleep(0.05)
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, sglang_env):
     yield from cpu_server(tmp_path_factory.mktemp("sglang"), sglang_env)
@@ -235,9 +249,6 @@ def test_a_generation_across_a_weight_sync(server, mode):
     new, version = model_with(server.vocab, seed=20 + old_version), old_version + 1
     params = SamplingParams(max_new_tokens=800, temperature=0.0, ignore_eos=True)
 
-    started = time.monotonic()  # how long the whole generation takes on this machine now
-    asyncio.run(fleet.generate(PROMPT, params))
-    whole_s = time.monotonic() - started
     parts, generate = [], fleet.generate
 
     async def recorded(prompt_ids, p):
@@ -249,7 +260,7 @@ def test_a_generation_across_a_weight_sync(server, mode):
     async def across_a_sync():
         traj = Trajectory(prompt_ids=PROMPT)
         task = asyncio.ensure_future(generate_continued(fleet, None, PROMPT, params, traj))
-        await asyncio.sleep(whole_s / 4)  # a quarter of the tokens on the old weights (a fixed 2 s was all 800 once)
+        await generated(server.process.url, params.max_new_tokens // 4)  # a quarter on the old weights at least
         if mode == "abort":
             await fleet.abort_requests()
         await fleet.begin_weight_update()
@@ -281,7 +292,8 @@ def test_sglang_refuses_to_flush_its_cache_under_running_requests(server):
     async def go():
         task = asyncio.ensure_future(client.generate(PROMPT, SamplingParams(max_new_tokens=800, temperature=0.0,
                                                                             ignore_eos=True)))
-        await asyncio.sleep(1.0)
+        await generated(server.process.url, 1)
+        assert not task.done()
         with pytest.raises(RuntimeError, match="/flush_cache answered 400"):
             await client.flush_cache()
         await client.pause()
