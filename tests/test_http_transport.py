@@ -284,10 +284,10 @@ def test_a_server_that_accepts_and_never_answers_ends_in_httpx_s_read_timeout_in
             return e, asyncio.get_running_loop().time() - t0
 
     async def go():
-        engine = HTTPEngine(url, timeout_s=0.4)
+        engine = HTTPEngine(url, timeout_s=1.0)
         try:
             return (await timed(engine.generate([1, 2], SamplingParams(max_new_tokens=1))),
-                    await timed(engine.health(timeout_s=0.2)), await timed(engine.post("/pause_generation", {})))
+                    await timed(engine.health(timeout_s=0.1)), await timed(engine.post("/pause_generation", {})))
         finally:
             await engine.close()
 
@@ -297,10 +297,13 @@ def test_a_server_that_accepts_and_never_answers_ends_in_httpx_s_read_timeout_in
         sock.close()
     assert isinstance(lost, httpx.ReadTimeout) and _connection_lost(lost)
     assert f"{url}/generate" in str(lost) and str(lost.request.url) == f"{url}/generate"
-    assert 0.4 <= lost_s < 2.0
-    assert healthy is False and 0.2 <= health_s < 1.5
+    # each call ends at its own deadline (the lower bounds), not at another's or never: the
+    # upper bounds leave a loaded machine seconds of slack and are still far below a missing
+    # deadline (the server never answers; pytest's timeout would end the test)
+    assert 1.0 <= lost_s < 10
+    assert healthy is False and 0.1 <= health_s < 1.0
     assert isinstance(refused, RuntimeError) and _connection_lost(refused)
-    assert str(refused).startswith(f"{url}/pause_generation failed: ReadTimeout") and 0.4 <= post_s < 2.0
+    assert str(refused).startswith(f"{url}/pause_generation failed: ReadTimeout") and 1.0 <= post_s < 10
 
 
 class FailingSession:

@@ -81,11 +81,13 @@ def test_the_quickstart_learns_on_two_sglang_servers_synced_over_a_gloo_group(wo
     assert not sglang_servers("quickstart/model")  # the run stopped its servers
 
 
-def test_asynchronous_partial_rollouts_of_search_survive_a_killed_sglang_server(world, tmp_path, sglang_env,
-                                                                              monkeypatch):
-    """The quickstart's multi-turn search, asynchronous with partial rollouts (each sync aborts
-    what is in flight), and one engine's process group killed once the first sync is on disk:
-    the run restarts it, it reloads the newest weights, and every step trains."""
+def test_asynchronous_rollouts_of_search_survive_a_killed_sglang_server(world, tmp_path, sglang_env, monkeypatch):
+    """The quickstart's multi-turn search, asynchronous, and one engine's process group killed
+    once the first sync is on disk: the run restarts it, it reloads the newest weights, and every
+    step trains. Partial rollouts are set (each sync aborts what is in flight) but do not engage
+    here: the next batch is generated before the update ends, so each abort finds nothing. Their
+    abort and continuation across a sync on SGLang's server are test_server.py's
+    test_a_generation_across_a_weight_sync."""
     monkeypatch.chdir(world)
     monkeypatch.setenv("MEGARL_ENGINE_API_KEY", KEY)
     out, killed = tmp_path / "run", []
@@ -109,9 +111,6 @@ def test_asynchronous_partial_rollouts_of_search_survive_a_killed_sglang_server(
     assert len(metric(out, "actor/pg_loss")) == 3
     assert metric(out, "rollout/engine_restarts")[-1] >= 1
     assert all(0 <= s <= 1 for s in metric(out, "rollout/staleness_max"))
-    # (the next batch is generated in about 5 s, before the 8-13 s update ends: each sync's abort
-    # finds nothing in flight here; the abort and continuation of generations in flight on this
-    # server are test_server.py's generation across a sync)
     assert min(metric(out, "rollout/search_calls_mean")) > 0.2  # multi-turn: the model searched
     assert_sglang_served(out)
 
