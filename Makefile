@@ -181,5 +181,13 @@ quickstart-megatron: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python tools/bench/rewards.py
 
+# Mutation testing (tools/mutants.py): killed / survived / equivalent per module of megarl/algo,
+# the DAPO and Search-R1 rewards, the step's order and packing, megarl/weights and resume.
+# MUTANTS_ARGS='--group algo' for one group; CI runs a sample: --sample 300 --seed <commit>.
+MUTANTS_ARGS ?=
+.PHONY: mutants
+mutants: $(STAMP)
+	$(BIN)/python tools/mutants.py $(MUTANTS_ARGS)
+
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,292 @@
+"""Mutation testing of the code whose silent errors would cost a run (`make mutants`): mutmut
+changes one operator, constant or call at a time in the modules below and runs the tests that
+reach the changed function; a mutant the tests do not fail on ("survived") is a change nobody
+would notice. Prints, per module, the mutants killed (a test failed, or the change made a test
+hang past mutmut's deadline), survived, equivalent (the change alters no behaviour: listed with
+the reason in docs/testing.md, "Equivalent mutants") and the share killed of the rest.
+
+    python tools/mutants.py                      # every group, every mutant (make mutants)
+    python tools/mutants.py --group algo         # one group
+    python tools/mutants.py --sample 300 --seed "$(git rev-parse HEAD)"   # .ci/run's bounded sample
+
+Each group runs in its own copy of the working tree under build/mutants/<group> (mutmut writes
+its mutated copy, `mutants/`, there). The mutated code is what the test process and its forks
+import (mutmut puts it first on sys.path; a PYTHONPATH pointing there stops mutmut from finding
+which tests reach which function), so the groups' tests are those that call the code in-process. The full run exits 1 when a module is under --target (90%);
+the sample, which runs the mutants of functions drawn by the seed until its time is up, exits 1
+on any survivor that is not listed as equivalent: in these modules every survivor is either
+killed by a test or explained.
+
+Why mutmut: it is maintained, runs pytest in forked workers on the tests that cover each
+function (measured once per run), so a group of several hundred mutants takes minutes on two
+cores; cosmic-ray runs the whole test command for every mutant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORK = ROOT / "build" / "mutants"
+EQUIVALENTS_DOC = ROOT / "docs" / "testing.md"
+NOT_IN_MAKE_TEST = "not slow and not ui and not sglang and not gpu"
+
+
+@dataclass(frozen=True)
+class Group:
+    mutate: tuple[str, ...]  # files (globs) whose functions are mutated
+    tests: tuple[str, ...]  # the test files mutmut chooses from
+    functions: tuple[str, ...] = ()  # only these functions of the files (all when empty)
+
+
+GROUPS = {
+    "algo": Group(("megarl/algo/*.py",),
+                  ("tests/test_algo_advantages.py", "tests/test_algo_aggregation.py",
+                   "tests/test_algo_dynamic_sampling.py", "tests/test_algo_kl.py", "tests/test_algo_masked.py",
+                   "tests/test_algo_overlong.py", "tests/test_algo_policy_loss.py", "tests/test_algo_groups.py",
+                   "tests/test_experience.py", "tests/test_moe_loss.py")),
+    "rewards": Group(("megarl/reward/dapo_math.py", "megarl/reward/search_r1.py", "megarl/reward/registry.py"),
+                     ("tests/test_reward_dapo_math.py", "tests/test_reward_search_r1.py",
+                      "tests/test_reward_registry.py", "tests/test_reward_scoring.py")),
+    "step": Group(("megarl/backends/packed.py", "megarl/backends/epochs.py", "megarl/train.py"),
+                  ("tests/test_packed_batch.py", "tests/test_mini_batch_order.py", "tests/test_rank_shares.py",
+                   "tests/test_backend_torch_actor.py", "tests/test_backend_torch_worker.py"),
+                  functions=("megarl/backends/packed.py:*", "megarl/backends/epochs.py:*",
+                             "megarl/train.py:in_update_order", "megarl/train.py:one_update_order",
+                             "megarl/train.py:update_order", "megarl/train.py:updates")),
+    "weights": Group(("megarl/weights/*.py",),
+                     ("tests/test_sync.py", "tests/test_weight_probe.py", "tests/test_sglang_fleet.py")),
+    "resume": Group(("megarl/checkpoint.py", "megarl/data/prompts.py"),
+                    ("tests/test_checkpoint.py", "tests/test_checkpoint_faults.py", "tests/test_data_prompts.py",
+                     "tests/test_train_loop.py")),
+}
+
+KILLED = {"killed", "timeout"}  # a test failed, or the mutant made it hang past mutmut's deadline
+
+
+@dataclass
+class Tally:
+    killed: int = 0
+    survived: list[str] = field(default_factory=list)
+    equivalent: int = 0
+    other: dict[str, int] = field(default_factory=dict)  # no tests, not checked, ...
+
+    def score(self) -> float | None:
+        tried = self.killed + len(self.survived)
+        return None if tried == 0 else self.killed / tried
+
+
+def mutmut_python() -> str:
+    return sys.executable
+
+
+def tracked_files() -> list[str]:
+    out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, check=True,
+                         capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if line and (ROOT / line).is_file()]
+
+
+def prepare(name: str, group: Group) -> Path:
+    """A fresh copy of the working tree for the group, with its mutmut settings."""
+    work = WORK / name
+    if work.exists():
+        shutil.rmtree(work)
+    for rel in tracked_files():
+        target = work / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / rel, target)
+    quoted = lambda items: "[" + ", ".join(f'"{i}"' for i in items) + "]"  # noqa: E731
+    with open(work / "pyproject.toml", "a") as f:
+        f.write(f"""
+[tool.mutmut]
+source_paths = ["megarl"]
+only_mutate = {quoted(group.mutate)}
+pytest_add_cli_args_test_selection = {quoted(t for t in group.tests if (ROOT / t).exists())}
+pytest_add_cli_args = ["-p", "no:cacheprovider", "-q", "-m", "{NOT_IN_MAKE_TEST}"]
+also_copy = ["examples", "tools", "ckpt_convert"]
+debug = true
+""")  # pytest's output in the log
+    return work
+
+
+def module_of(path: str) -> str:
+    return path.removesuffix(".py").replace("/", ".")
+
+
+def functions_of(group: Group) -> list[str]:
+    """mutmut's name patterns of the group's functions: module.x_function__mutmut_* and, for a
+    method, module.xǁClassǁmethod__mutmut_*."""
+    patterns = []
+    for spec in group.functions or tuple(f"{g}:*" for g in group.mutate):
+        glob, wanted = spec.split(":")
+        for path in sorted(ROOT.glob(glob)):
+            rel = path.relative_to(ROOT).as_posix()
+            tree = ast.parse(path.read_text())
+            for node in tree.body:
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and wanted in ("*", node.name):
+                    patterns.append(f"{module_of(rel)}.x_{node.name}__mutmut_*")
+                elif isinstance(node, ast.ClassDef) and wanted == "*":
+                    patterns += [f"{module_of(rel)}.xǁ{node.name}ǁ{item.name}__mutmut_*" for item in node.body
+                                 if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    return patterns
+
+
+def run_mutmut(work: Path, patterns: list[str], deadline: float | None, log) -> bool:
+    """mutmut run in `work`; False when it was stopped at the deadline (the results so far stay)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONDONTWRITEBYTECODE", "PYTHONPATH")}
+    cmd = [mutmut_python(), "-m", "mutmut", "run", "--max-children", str(os.cpu_count() or 2), *patterns]
+    process = subprocess.Popen(cmd, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    while process.poll() is None:
+        if deadline is not None and time.monotonic() > deadline:
+            os.killpg(process.pid, signal.SIGINT)  # mutmut keeps what it has finished
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+            return False
+        time.sleep(1)
+    if process.returncode:
+        raise SystemExit(f"mutmut failed ({process.returncode}) in {work}; its log: {log.name}")
+    return True
+
+
+def results(work: Path) -> dict[str, str]:
+    out = subprocess.run([mutmut_python(), "-m", "mutmut", "results", "--all", "true"], cwd=work,
+                         capture_output=True, text=True, check=True).stdout
+    found = {}
+    for line in out.splitlines():
+        name, _, status = line.strip().rpartition(": ")
+        if name:
+            found[name] = status
+    return found
+
+
+def mutant_module(name: str) -> str:
+    return re.split(r"\.xǁ|\.x_", name, maxsplit=1)[0]
+
+
+def mutant_function(name: str) -> str:
+    rest = re.split(r"\.(?=xǁ|x_)", name, maxsplit=1)[1]
+    rest = rest.rsplit("__mutmut_", 1)[0]
+    return rest.removeprefix("x_").strip("ǁ").replace("ǁ", ".")
+
+
+def changed_lines(work: Path, name: str) -> tuple[str, str]:
+    """The mutant's (removed, added) source lines, stripped, as `mutmut show` gives them."""
+    out = subprocess.run([mutmut_python(), "-m", "mutmut", "show", name], cwd=work, capture_output=True,
+                         text=True).stdout
+    minus = [line[1:].strip() for line in out.splitlines() if line.startswith("-") and not line.startswith("---")]
+    plus = [line[1:].strip() for line in out.splitlines() if line.startswith("+") and not line.startswith("+++")]
+    return " / ".join(minus), " / ".join(plus)
+
+
+def equivalents() -> dict[tuple[str, str, str], str]:
+    """docs/testing.md's table of equivalent mutants: (module, function, mutated line) -> why."""
+    text = EQUIVALENTS_DOC.read_text()
+    start = text.find("### Equivalent mutants")
+    found = {}
+    if start < 0:
+        return found
+    for line in text[start:].splitlines()[1:]:
+        if line.startswith("#"):
+            break
+        cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else []
+        if len(cells) == 3 and cells[0].startswith("`"):
+            where, mutated, why = (c.strip("`") for c in cells)
+            module, _, function = where.partition(":")
+            found[(module, function, mutated.replace("\\|", "|"))] = why
+    return found
+
+
+def tally(work: Path, statuses: dict[str, str], known: dict) -> dict[str, Tally]:
+    per_module: dict[str, Tally] = {}
+    for name, status in sorted(statuses.items()):
+        t = per_module.setdefault(mutant_module(name), Tally())
+        if status in KILLED:
+            t.killed += 1
+        elif status == "survived":
+            _, added = changed_lines(work, name)
+            if (mutant_module(name), mutant_function(name), added) in known:
+                t.equivalent += 1
+            else:
+                t.survived.append(name)
+        else:
+            t.other[status] = t.other.get(status, 0) + 1
+    return per_module
+
+
+def report(work: Path, per_module: dict[str, Tally], target: float) -> list[str]:
+    """Print the figures and the survivors; the modules under target."""
+    under = []
+    print(f"{'module':42} {'killed':>7} {'survived':>9} {'equivalent':>11} {'killed %':>9}  other")
+    for module, t in per_module.items():
+        score = t.score()
+        shown = "-" if score is None else f"{100 * score:.1f}"
+        other = ", ".join(f"{k} {v}" for k, v in t.other.items())
+        print(f"{module:42} {t.killed:7} {len(t.survived):9} {t.equivalent:11} {shown:>9}  {other}")
+        if score is not None and score < target:
+            under.append(module)
+    for module, t in per_module.items():
+        for name in t.survived:
+            removed, added = changed_lines(work, name)
+            print(f"survived {name}\n    - {removed}\n    + {added}")
+    return under
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--group", action="append", choices=sorted(GROUPS), help="(repeatable) default: all")
+    parser.add_argument("--sample", type=float, default=0.0,
+                        help="seconds: run the mutants of functions drawn by --seed until then (CI)")
+    parser.add_argument("--seed", default="0", help="what draws the sample (CI: the commit)")
+    parser.add_argument("--target", type=float, default=0.9, help="share of non-equivalent mutants to kill")
+    args = parser.parse_args()
+    names = args.group or list(GROUPS)
+    known = equivalents()
+    failed = []
+    deadline = time.monotonic() + args.sample if args.sample else None
+    if args.sample:  # one group at a time, drawn by the seed, until the time is up
+        random.Random(args.seed).shuffle(names)
+    for name in names:
+        if deadline is not None and time.monotonic() > deadline - 30:
+            break
+        group = GROUPS[name]
+        patterns = functions_of(group)
+        if args.sample:  # a quarter of the group's functions, drawn by the seed
+            patterns = random.Random(f"{args.seed}/{name}").sample(patterns, max(1, len(patterns) // 4))
+        elif not group.functions:
+            patterns = []  # all of the group's files
+        print(f"== {name}: {', '.join(group.mutate)} against {len(group.tests)} test files", flush=True)
+        work = prepare(name, group)
+        started = time.monotonic()
+        with open(work / "mutmut.log", "w") as log:
+            whole = run_mutmut(work, patterns, deadline, log)
+        statuses = {k: v for k, v in results(work).items() if v != "not checked"}
+        print(f"   {len(statuses)} mutants in {time.monotonic() - started:.0f} s"
+              f"{'' if whole else ' (stopped at the sample time)'}; log: {work / 'mutmut.log'}")
+        per_module = tally(work, statuses, known)
+        under = report(work, per_module, args.target)
+        if args.sample:
+            failed += [f"{m}: {len(t.survived)} survived" for m, t in per_module.items() if t.survived]
+        else:
+            failed += [f"{m}: under {100 * args.target:.0f}%" for m in under]
+    if failed:
+        print("mutants: " + "; ".join(failed))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
