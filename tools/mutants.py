@@ -55,7 +55,7 @@ GROUPS = {
                   ("tests/test_algo_advantages.py", "tests/test_algo_aggregation.py",
                    "tests/test_algo_dynamic_sampling.py", "tests/test_algo_kl.py", "tests/test_algo_masked.py",
                    "tests/test_algo_overlong.py", "tests/test_algo_policy_loss.py", "tests/test_algo_groups.py",
-                   "tests/test_experience.py", "tests/test_moe_loss.py")),
+                   "tests/test_experience.py", "tests/test_moe_loss.py", "tests/test_algo_edges.py")),
     "rewards": Group(("megarl/reward/dapo_math.py", "megarl/reward/search_r1.py", "megarl/reward/registry.py"),
                      ("tests/test_reward_dapo_math.py", "tests/test_reward_search_r1.py",
                       "tests/test_reward_registry.py", "tests/test_reward_scoring.py")),
