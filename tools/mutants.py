@@ -58,7 +58,7 @@ GROUPS = {
                    "tests/test_experience.py", "tests/test_moe_loss.py", "tests/test_algo_edges.py")),
     "rewards": Group(("megarl/reward/dapo_math.py", "megarl/reward/search_r1.py", "megarl/reward/registry.py"),
                      ("tests/test_reward_dapo_math.py", "tests/test_reward_search_r1.py",
-                      "tests/test_reward_registry.py", "tests/test_reward_scoring.py")),
+                      "tests/test_reward_registry.py", "tests/test_reward_scoring.py", "tests/test_reward_edges.py")),
     "step": Group(("megarl/backends/packed.py", "megarl/backends/epochs.py", "megarl/train.py"),
                   ("tests/test_packed_batch.py", "tests/test_mini_batch_order.py", "tests/test_rank_shares.py",
                    "tests/test_backend_torch_actor.py", "tests/test_backend_torch_worker.py"),
@@ -202,11 +202,11 @@ def equivalents() -> dict[tuple[str, str, str], str]:
     for line in text[start:].splitlines()[1:]:
         if line.startswith("#"):
             break
-        cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else []
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]] if line.startswith("|") else []
         if len(cells) == 3 and cells[0].startswith("`"):
-            where, mutated, why = (c.strip("`") for c in cells)
+            where, mutated, why = (c.strip("`").replace("\\|", "|") for c in cells)
             module, _, function = where.partition(":")
-            found[(module, function, mutated.replace("\\|", "|"))] = why
+            found[(module, function, mutated)] = why
     return found
 
 
