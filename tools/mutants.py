@@ -61,7 +61,7 @@ GROUPS = {
                      ("tests/test_reward_dapo_math.py", "tests/test_reward_search_r1.py",
                       "tests/test_reward_registry.py", "tests/test_reward_scoring.py", "tests/test_reward_edges.py")),
     "packing": Group(("megarl/backends/packed.py", "megarl/backends/epochs.py"),
-                     ("tests/test_packed_batch.py", "tests/test_rank_shares.py"),
+                     ("tests/test_packed_batch.py", "tests/test_rank_shares.py", "tests/test_packing_edges.py"),
                      deselect=("tests/test_rank_shares.py::test_each_rank_gets_its_share_and_one_answer_per_share_"
                                "comes_back",)),
     "order": Group(("megarl/train.py",), ("tests/test_mini_batch_order.py",),
