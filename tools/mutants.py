@@ -14,8 +14,8 @@ its mutated copy, `mutants/`, there). The mutated code is what the test process 
 import (mutmut puts it first on sys.path; a PYTHONPATH pointing there stops mutmut from finding
 which tests reach which function), so the groups' tests are those that call the code in-process. The full run exits 1 when a module is under --target (90%);
 the sample, which runs the mutants of functions drawn by the seed until its time is up, exits 1
-on any survivor that is not listed as equivalent: in these modules every survivor is either
-killed by a test or explained.
+on a survivor listed in neither of docs/testing.md's tables (equivalent; not yet killed): a new
+survivor is code no test checks, or a check that stopped checking.
 
 Why mutmut: it is maintained, runs pytest in forked workers on the tests that cover each
 function (measured once per run), so a group of several hundred mutants takes minutes on two
@@ -76,7 +76,8 @@ GROUPS = {
                     deselect=("tests/test_train_loop.py::test_ray_launcher_trains_exactly_like_one_process",)),
 }
 
-KILLED = {"killed", "timeout"}  # a test failed, or the mutant made it hang past mutmut's deadline
+KILLED = {"killed", "timeout", "segfault"}  # a test failed, or hung past mutmut's deadline, or crashed
+SURVIVED = {"survived", "no tests"}  # no test failed: none ran, or all passed
 
 
 @dataclass
@@ -85,6 +86,7 @@ class Tally:
     survived: list[str] = field(default_factory=list)
     equivalent: int = 0
     other: dict[str, int] = field(default_factory=dict)  # no tests, not checked, ...
+    known: list[str] = field(default_factory=list)  # survivors listed as not yet killed
 
     def score(self) -> float | None:
         tried = self.killed + len(self.survived)
@@ -198,10 +200,11 @@ def changed_lines(work: Path, name: str) -> tuple[str, str]:
     return " / ".join(minus), " / ".join(plus)
 
 
-def equivalents() -> dict[tuple[str, str, str], str]:
-    """docs/testing.md's table of equivalent mutants: (module, function, mutated line) -> why."""
+def listed(heading: str) -> dict[tuple[str, str, str], str]:
+    """A table of docs/testing.md under `heading` (Equivalent mutants, Survivors not yet killed):
+    (module, function, mutated line) -> the reason given."""
     text = EQUIVALENTS_DOC.read_text()
-    start = text.find("### Equivalent mutants")
+    start = text.find(heading)
     found = {}
     if start < 0:
         return found
@@ -216,18 +219,20 @@ def equivalents() -> dict[tuple[str, str, str], str]:
     return found
 
 
-def tally(work: Path, statuses: dict[str, str], known: dict) -> dict[str, Tally]:
+def tally(work: Path, statuses: dict[str, str], equivalent: dict, known: dict) -> dict[str, Tally]:
     per_module: dict[str, Tally] = {}
     for name, status in sorted(statuses.items()):
         t = per_module.setdefault(mutant_module(name), Tally())
         if status in KILLED:
             t.killed += 1
-        elif status == "survived":
-            _, added = changed_lines(work, name)
-            if (mutant_module(name), mutant_function(name), added) in known:
+        elif status in SURVIVED:
+            key = (mutant_module(name), mutant_function(name), changed_lines(work, name)[1])
+            if key in equivalent:
                 t.equivalent += 1
             else:
                 t.survived.append(name)
+                if key in known:
+                    t.known.append(name)
         else:
             t.other[status] = t.other.get(status, 0) + 1
     return per_module
@@ -247,7 +252,8 @@ def report(work: Path, per_module: dict[str, Tally], target: float) -> list[str]
     for module, t in per_module.items():
         for name in t.survived:
             removed, added = changed_lines(work, name)
-            print(f"survived {name}\n    - {removed}\n    + {added}")
+            print(f"survived {name}{' (listed: not yet killed)' if name in t.known else ''}"
+                  f"\n    - {removed}\n    + {added}")
     return under
 
 
@@ -258,9 +264,11 @@ def main() -> int:
                         help="seconds: run the mutants of functions drawn by --seed until then (CI)")
     parser.add_argument("--seed", default="0", help="what draws the sample (CI: the commit)")
     parser.add_argument("--target", type=float, default=0.9, help="share of non-equivalent mutants to kill")
+    parser.add_argument("--tally", action="store_true",
+                        help="count the results of the last run again (after docs/testing.md's lists changed)")
     args = parser.parse_args()
     names = args.group or list(GROUPS)
-    known = equivalents()
+    equivalent, known = listed("### Equivalent mutants"), listed("### Survivors not yet killed")
     failed = []
     deadline = time.monotonic() + args.sample if args.sample else None
     if args.sample:  # one group at a time, drawn by the seed, until the time is up
@@ -275,17 +283,19 @@ def main() -> int:
         elif not group.functions:
             patterns = []  # all of the group's files
         print(f"== {name}: {', '.join(group.mutate)} against {len(group.tests)} test files", flush=True)
-        work = prepare(name, group)
-        started = time.monotonic()
-        with open(work / "mutmut.log", "w") as log:
-            whole = run_mutmut(work, patterns, deadline, log)
+        work, started, whole = WORK / name, time.monotonic(), True
+        if not args.tally:
+            work = prepare(name, group)
+            with open(work / "mutmut.log", "w") as log:
+                whole = run_mutmut(work, patterns, deadline, log)
         statuses = {k: v for k, v in results(work).items() if v != "not checked"}
         print(f"   {len(statuses)} mutants in {time.monotonic() - started:.0f} s"
               f"{'' if whole else ' (stopped at the sample time)'}; log: {work / 'mutmut.log'}")
-        per_module = tally(work, statuses, known)
+        per_module = tally(work, statuses, equivalent, known)
         under = report(work, per_module, args.target)
         if args.sample:
-            failed += [f"{m}: {len(t.survived)} survived" for m, t in per_module.items() if t.survived]
+            failed += [f"{m}: {len(t.survived) - len(t.known)} survived, not listed" for m, t in per_module.items()
+                       if len(t.survived) > len(t.known)]
         else:
             failed += [f"{m}: under {100 * args.target:.0f}%" for m in under]
     if failed:
