@@ -153,6 +153,10 @@ def functions_of(group: Group) -> list[str]:
 def run_mutmut(work: Path, patterns: list[str], deadline: float | None, log) -> bool:
     """mutmut run in `work`; False when it was stopped at the deadline (the results so far stay)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONDONTWRITEBYTECODE", "PYTHONPATH")}
+    # mutmut forks its workers from a process that ran the tests: a torch OpenMP pool in that parent
+    # deadlocks the children (every mutant of a function a training step calls "timed out", a false
+    # kill); one thread each, and no pool to inherit
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     cmd = [mutmut_python(), "-m", "mutmut", "run", "--max-children", str(os.cpu_count() or 2), *patterns]
     process = subprocess.Popen(cmd, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     while process.poll() is None:
