@@ -109,3 +109,80 @@ def test_a_default_step_updates_the_actor_on_mini_batches_that_mix_the_prompts(t
     prompts = sorted(set(rows))
     assert len(rows) == 8 and len(prompts) == 2 and all(rows.count(p) == 4 for p in prompts)
     assert [len(set(rows[i:i + 4])) for i in (0, 4)] == [2, 2]  # each mini-batch mixes the two prompts
+
+
+def order_config(*overrides: str):
+    return load_config(None, ["trainer.seed=11", *overrides])
+
+
+class RecordingWorker:
+    """Records what each update gets: (row lengths in order, the per-token fields sent)."""
+
+    def __init__(self):
+        self.got = {}
+
+    def _record(self, name, batch):
+        fields = sorted(f for f in ("old_log_probs", "ref_log_probs", "rollout_log_probs", "advantages", "returns",
+                                    "values") if getattr(batch, f) is not None)
+        self.got[name] = (batch.lengths.tolist(), fields)
+        return {"loss": 0.5}
+
+    def update_critic(self, batch):
+        return self._record("critic", batch)
+
+    def update_actor(self, batch):
+        return self._record("actor", batch)
+
+
+def full_batch():
+    from test_packed_batch import packed
+
+    batch = packed()
+    n = batch.num_tokens
+    return batch.with_fields(**{f: torch.zeros(n) for f in ("old_log_probs", "ref_log_probs", "advantages",
+                                                           "returns", "values")})
+
+
+@pytest.mark.parametrize("critic, actor_shuffles, critic_shuffles, built_shuffled", [
+    (False, True, True, True),  # the default: the batch is built in the update's order
+    (False, False, True, False),  # the actor in generation order (the critic is off: its setting is not asked)
+    (True, True, True, True),  # both shuffle: one order
+    (True, True, False, False),  # they disagree: the batch stays in generation order, each update gets its own
+])
+def test_the_update_order_of_each_worker(critic, actor_shuffles, critic_shuffles, built_shuffled):
+    from types import SimpleNamespace
+
+    from megarl.backends.epochs import update_permutation
+    from megarl.train import in_update_order, updates
+
+    cfg = order_config(f"critic.enable={str(critic).lower()}", f"actor.shuffle_mini_batches={str(actor_shuffles).lower()}",
+                       f"critic.shuffle_mini_batches={str(critic_shuffles).lower()}")
+    permutation = update_permutation(6, 11, 5).tolist()
+    assert in_update_order(cfg, list("abcdef"), 5) == ([list("abcdef")[i] for i in permutation] if built_shuffled
+                                                       else list("abcdef"))
+    batch, worker, metrics = full_batch(), RecordingWorker(), {}
+    updates(SimpleNamespace(cfg=cfg, worker=worker), batch, 5, metrics)
+    lengths = batch.lengths.tolist()
+    shuffled_lengths = [lengths[i] for i in permutation]
+    assert shuffled_lengths != lengths  # the two orders can be told apart
+    # a batch built in one order is sent as it is; otherwise each update shuffles its copy itself
+    actor_order = shuffled_lengths if actor_shuffles and not built_shuffled and critic else lengths
+    assert worker.got["actor"] == (actor_order, ["advantages", "old_log_probs"])
+    assert metrics["actor/loss"] == 0.5 and metrics["timing/update_actor_s"] >= 0
+    if critic:
+        critic_order = shuffled_lengths if critic_shuffles and not built_shuffled else lengths
+        assert worker.got["critic"] == (critic_order, ["returns", "values"])
+        assert metrics["critic/loss"] == 0.5 and metrics["timing/update_critic_s"] >= 0
+    else:
+        assert "critic" not in worker.got and not any(k.startswith("critic/") for k in metrics)
+
+
+def test_the_actor_gets_the_fields_its_loss_reads():
+    from types import SimpleNamespace
+
+    from megarl.train import updates
+
+    worker = RecordingWorker()
+    cfg = order_config("algorithm.tis_cap=2.0", "algorithm.use_kl_loss=true", "actor.shuffle_mini_batches=false")
+    updates(SimpleNamespace(cfg=cfg, worker=worker), full_batch(), 0, {})
+    assert worker.got["actor"][1] == ["advantages", "old_log_probs", "ref_log_probs", "rollout_log_probs"]
