@@ -12,7 +12,13 @@ import re
 import pytest
 import torch
 
-from megarl.algo.advantages import _positions, compute_gae_advantages, scores_to_token_rewards
+from megarl.algo.advantages import (
+    _positions,
+    compute_gae_advantages,
+    compute_grpo_advantages,
+    scores_to_token_rewards,
+)
+from megarl.algo.groups import group_index
 from megarl.algo.aggregation import agg_loss
 from megarl.algo.dynamic_sampling import DynamicSamplingError, InformativeGroupBuffer, informative_group_mask
 from megarl.algo.kl import kl_penalty
@@ -217,3 +223,16 @@ def test_every_bad_setting_gets_its_own_message(call, message):
 def test_settings_just_inside_the_limits_are_taken():
     loss_of(0.0, 1.0, clip_ratio_c=1.5)
     loss_of(0.0, 1.0, tis_cap=0.5, rollout_log_prob=t([0.0]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.int64])
+def test_group_statistics_of_half_or_integer_scores_are_taken_in_float32(dtype):
+    # scores 1000 and 1001 in one group: mean 1000.5, std √0.5, A = ±0.5/√0.5 = ±√0.5
+    adv = compute_grpo_advantages(torch.tensor([1000, 1001], dtype=dtype), [0, 0], eps=0.0)
+    assert adv.dtype == torch.float32
+    torch.testing.assert_close(adv, torch.tensor([-math.sqrt(0.5), math.sqrt(0.5)]), rtol=0, atol=1e-6)
+
+
+def test_group_ids_of_the_wrong_shape_are_refused_by_name():
+    with pytest.raises(ValueError, match=r"^group_ids must be one id per sample, shape \(B,\); got shape \(2, 1\)$"):
+        group_index(torch.tensor([[0], [1]]))
