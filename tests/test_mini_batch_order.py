@@ -155,8 +155,9 @@ def test_the_update_order_of_each_worker(critic, actor_shuffles, critic_shuffles
     from megarl.backends.epochs import update_permutation
     from megarl.train import in_update_order, updates
 
-    cfg = order_config(f"critic.enable={str(critic).lower()}", f"actor.shuffle_mini_batches={str(actor_shuffles).lower()}",
-                       f"critic.shuffle_mini_batches={str(critic_shuffles).lower()}")
+    on = {True: "true", False: "false"}
+    cfg = order_config(f"critic.enable={on[critic]}", f"actor.shuffle_mini_batches={on[actor_shuffles]}",
+                       f"critic.shuffle_mini_batches={on[critic_shuffles]}")
     permutation = update_permutation(6, 11, 5).tolist()
     assert in_update_order(cfg, list("abcdef"), 5) == ([list("abcdef")[i] for i in permutation] if built_shuffled
                                                        else list("abcdef"))
