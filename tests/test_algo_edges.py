@@ -24,7 +24,7 @@ from megarl.algo.dynamic_sampling import DynamicSamplingError, InformativeGroupB
 from megarl.algo.kl import kl_penalty
 from megarl.algo.masked import masked_var, masked_whiten, zero_outside_mask
 from megarl.algo.overlong import overlong_penalty
-from megarl.algo.policy_loss import policy_loss, value_loss
+from megarl.algo.policy_loss import entropy_from_logits, policy_loss, value_loss
 
 F64 = torch.float64
 
@@ -236,3 +236,10 @@ def test_group_statistics_of_half_or_integer_scores_are_taken_in_float32(dtype):
 def test_group_ids_of_the_wrong_shape_are_refused_by_name():
     with pytest.raises(ValueError, match=r"^group_ids must be one id per sample, shape \(B,\); got shape \(2, 1\)$"):
         group_index(torch.tensor([[0], [1]]))
+
+
+def test_entropy_shifts_each_row_by_its_own_maximum():
+    # two uniform rows of 4 tokens, far apart: each has entropy log 4. Shifted by the batch's
+    # maximum, the second row's two terms would be near −1e5 and cancel to within float32's 0.01
+    logits = torch.tensor([[1e5, 1e5, 1e5, 1e5], [0.0, 0.0, 0.0, 0.0]])
+    torch.testing.assert_close(entropy_from_logits(logits), torch.full((2,), math.log(4.0)), rtol=0, atol=1e-6)
