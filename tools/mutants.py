@@ -63,7 +63,8 @@ GROUPS = {
     "packing": Group(("megarl/backends/packed.py", "megarl/backends/epochs.py"),
                      ("tests/test_packed_batch.py", "tests/test_rank_shares.py", "tests/test_packing_edges.py"),
                      deselect=("tests/test_rank_shares.py::test_each_rank_gets_its_share_and_one_answer_per_share_"
-                               "comes_back",)),
+                               "comes_back", "tests/test_rank_shares.py::test_the_routing_crosses_once_for_the_"
+                               "log_probs_and_the_update")),
     "order": Group(("megarl/train.py",), ("tests/test_mini_batch_order.py",),
                    functions=("megarl/train.py:in_update_order", "megarl/train.py:one_update_order",
                               "megarl/train.py:update_order", "megarl/train.py:updates")),
@@ -76,7 +77,10 @@ GROUPS = {
                     deselect=("tests/test_train_loop.py::test_ray_launcher_trains_exactly_like_one_process",)),
 }
 
-KILLED = {"killed", "timeout", "segfault"}  # a test failed, or hung past mutmut's deadline, or crashed
+KILLED = {"killed", "segfault"}  # a test failed, or the test process crashed
+# "timeout" (a test ran past mutmut's deadline) is counted apart, as neither: a mutant can hang a test,
+# and so can a fork of a process that held threads or a Ray connection (what made every mutant of a
+# function a training step calls "time out" before the workers ran with one OpenMP thread)
 SURVIVED = {"survived", "no tests"}  # no test failed: none ran, or all passed
 
 
@@ -245,7 +249,7 @@ def tally(work: Path, statuses: dict[str, str], equivalent: dict, known: dict) -
 def report(work: Path, per_module: dict[str, Tally], target: float) -> list[str]:
     """Print the figures and the survivors; the modules under target."""
     under = []
-    print(f"{'module':42} {'killed':>7} {'survived':>9} {'equivalent':>11} {'killed %':>9}  other")
+    print(f"{'module':42} {'killed':>7} {'survived':>9} {'equivalent':>11} {'killed %':>9}  other (not counted)")
     for module, t in per_module.items():
         score = t.score()
         shown = "-" if score is None else f"{100 * score:.1f}"
