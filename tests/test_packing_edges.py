@@ -9,10 +9,12 @@ import pickle
 import warnings
 
 import numpy as np
+import pytest
 import torch
 
 from megarl.backends.epochs import mean_metrics, run_epochs, shuffled, update_permutation
-from megarl.backends.packed import DataShare, PackedBatch, read_only_rows
+from megarl.backends.batch import TrainBatch
+from megarl.backends.packed import DataShare, PackedBatch, as_rows, forward_shares, read_only_rows, update_shares
 from test_packed_batch import packed
 
 
@@ -105,3 +107,65 @@ def test_the_update_order_is_a_permutation_drawn_from_seed_and_step_alone():
     assert update_permutation(8, 1, 3).tolist() == orders[(1, 3)]
     batch = shuffled(Rows(range(8)), 1, 3)
     assert batch.ids == orders[(1, 3)]
+
+
+def test_the_mean_of_one_step_is_that_step():
+    assert mean_metrics([{"a": 4.0}]) == {"a": 4.0}
+
+
+def test_a_rank_with_nothing_in_a_mini_batch_gets_only_its_own_tokens():
+    # 6 rows, 2 ranks, mini-batches of 5 rows: the first gives each rank 2 rows (row 4 left out),
+    # the second (row 5 alone) gives each none
+    batch = packed()
+    shares = update_shares(batch, 2, 5)
+    assert [s.batch.lengths.tolist() for s in shares] == [[5, 2], [5, 5]]
+    assert [(s.dp_rank, s.dp_size) for s in shares] == [(0, 2), (1, 2)]
+    # (this rank's rows, the mini-batch's loss tokens, its rows): 2+1+2+3+1 tokens in rows 0-4, 1 in row 5
+    assert [s.minis for s in shares] == [((2, 9, 5), (0, 1, 1))] * 2
+    assert [s.rows for s in shares] == [(slice(0, 2), slice(5, 5)), (slice(2, 4), slice(5, 5))]
+    ids = batch.input_ids.tolist()
+    assert shares[0].batch.input_ids.tolist() == ids[0:7] and shares[1].batch.input_ids.tolist() == ids[7:17]
+
+
+def test_forward_shares_name_their_rank_and_rows():
+    shares = forward_shares(packed(), 2)
+    assert [(s.dp_rank, s.dp_size, s.rows, s.minis) for s in shares] == [(0, 2, (slice(0, 3),), ()),
+                                                                         (1, 2, (slice(3, 6),), ())]
+    assert [s.batch.lengths.tolist() for s in shares] == [[5, 2, 5], [5, 3, 3]]
+
+
+def test_an_empty_batch_has_typed_empty_fields_and_empty_shares():
+    empty = PackedBatch.from_sequences([], [], [])
+    assert (empty.input_ids.dtype, empty.loss_mask.dtype, empty.input_ids.numel()) == (torch.int32, torch.bool, 0)
+    shares = update_shares(empty, 2, 4)
+    assert [(len(s.batch), s.minis) for s in shares] == [(0, ()), (0, ())]
+
+
+def test_selecting_no_rows_gives_an_empty_batch():
+    batch = packed()
+    for none in (slice(2, 2), []):
+        picked = batch.select(none)
+        assert len(picked) == 0 and picked.input_ids.numel() == 0 and picked.rollout_log_probs.numel() == 0
+    assert batch.select(slice(0, 6, 2)).lengths.tolist() == [5, 5, 3]
+
+
+def test_a_worker_computes_on_a_shares_rows_and_a_plain_batch_as_it_is():
+    share = forward_shares(packed(), 2)[1]
+    rows, back = as_rows(share)
+    assert rows.input_ids.shape == (3, 5)
+    assert torch.equal(back(rows.input_ids).to(torch.int32), share.batch.input_ids)
+    plain = TrainBatch.from_sequences([[1]], [[2]], [[1]])
+    rows, back = as_rows(plain)
+    marker = torch.ones(1, 2)
+    assert rows is plain and back(marker) is marker
+
+
+def test_bad_rows_and_fields_are_named():
+    with pytest.raises(ValueError, match=r"^2 prompts, 1 responses, 1 masks$"):
+        PackedBatch.from_sequences([[1], [2]], [[3]], [[1]])
+    with pytest.raises(ValueError, match=r"^row 0: response of 1 tokens but a mask of 2$"):
+        PackedBatch.from_sequences([[1]], [[3]], [[1, 1]])
+    with pytest.raises(ValueError, match=r"^row 0: empty prompt \(the first response token needs a context\)$"):
+        PackedBatch.from_sequences([[]], [[3]], [[1]])
+    with pytest.raises(KeyError, match=r"unknown PackedBatch fields \['logits'\]; valid: \("):
+        packed().with_fields(logits=torch.zeros(23))
