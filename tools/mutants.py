@@ -163,19 +163,37 @@ def run_mutmut(work: Path, patterns: list[str], deadline: float | None, log) -> 
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     cmd = [mutmut_python(), "-m", "mutmut", "run", "--max-children", str(os.cpu_count() or 2), *patterns]
     process = subprocess.Popen(cmd, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    while process.poll() is None:
-        if deadline is not None and time.monotonic() > deadline:
-            os.killpg(process.pid, signal.SIGINT)  # mutmut keeps what it has finished
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-            return False
-        time.sleep(1)
+    try:
+        while process.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                os.killpg(process.pid, signal.SIGINT)  # mutmut keeps what it has finished
+                try:
+                    process.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    pass
+                return False
+            time.sleep(1)
+    finally:
+        stragglers(work)
     if process.returncode:
         raise SystemExit(f"mutmut failed ({process.returncode}) in {work}; its log: {log.name}")
     return True
+
+
+def stragglers(work: Path) -> None:
+    """Kill what a run left behind: workers of a mutant that hung, and what their tests started
+    (servers, ranks) when the test process was killed first. Found by their working directory or
+    command line under `work` (a test's servers start sessions of their own)."""
+    import psutil
+
+    inside = str(work)
+    for p in psutil.process_iter(["pid", "cmdline", "cwd"]):
+        try:
+            if p.pid != os.getpid() and (inside in " ".join(p.info["cmdline"] or ()) or
+                                         (p.info["cwd"] or "").startswith(inside)):
+                p.kill()
+        except psutil.Error:
+            pass
 
 
 def results(work: Path) -> dict[str, str]:
