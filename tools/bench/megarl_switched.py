@@ -10,6 +10,10 @@ NAME is one of SWITCHES:
   generate     rollouts sampled by transformers' generate (as TRL does) on the engine's model, which
                holds the weights megarl synced to it, instead of the embedded engine's own decoder;
                the log-probs of the sampled tokens come from generate's logits
+  trl-draws    all of the above, and every random draw TRL's would take, in its order: torch seeded as TRL's
+               trainer seeds it (trainer.seed, then the one draw its data loader takes), each step's samples
+               from generate, then the step's mini-batch order from the same stream (TRL's shuffle). megarl
+               then runs TRL's run itself, up to float rounding
   none         nothing switched (the baseline of the switches, in the same launcher)
 
 The switches patch megarl in this process, so the run takes the in-process launcher
@@ -21,7 +25,7 @@ from __future__ import annotations
 
 import sys
 
-SWITCHES = ("adv-eps", "step-tokens", "generate", "none")
+SWITCHES = ("adv-eps", "step-tokens", "generate", "trl-draws", "none")
 
 
 def switch_adv_eps() -> None:
@@ -50,18 +54,26 @@ def switch_step_tokens() -> None:
     TorchActor.update_actor = update_actor
 
 
-def switch_generate() -> None:
+def switch_generate(trl_seed: int | None = None) -> None:
+    """`trl_seed` (trl-draws): one torch stream for the whole run, seeded as TRL's trainer seeds it, and the
+    step's mini-batch order drawn from it after generation, as TRL shuffles its generation batch."""
     import torch
 
     import megarl.train as train
     from megarl.rollout.agent import Trajectory
     from megarl.rollout.token_rows import VersionRuns
 
+    shuffle = {}
+
     async def generated(engine, tokenizer, prompts, settings, searcher=None, seeds=None):
         if settings.max_turns:
             raise ValueError("the generate switch is for single-turn runs")
         model, pad, eos = engine.model, tokenizer.pad_token_id, tokenizer.eos_token_id
-        torch.manual_seed(seeds[0] if seeds else 0)
+        if trl_seed is None:
+            torch.manual_seed(seeds[0] if seeds else 0)
+        elif not shuffle:
+            torch.manual_seed(trl_seed)  # transformers' set_seed, which TRL's trainer calls
+            torch.empty((), dtype=torch.int64).random_()  # the base seed its data loader draws
         width = max(map(len, prompts))
         ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
@@ -70,7 +82,8 @@ def switch_generate() -> None:
             out = model.generate(input_ids=ids, attention_mask=mask, do_sample=settings.temperature > 0,
                                  temperature=settings.temperature or None, top_p=settings.top_p,
                                  top_k=max(settings.top_k, 0), max_new_tokens=settings.max_response_length,
-                                 eos_token_id=eos, pad_token_id=pad, return_dict_in_generate=True, output_logits=True)
+                                 eos_token_id=eos, pad_token_id=pad, bos_token_id=tokenizer.bos_token_id,
+                                 return_dict_in_generate=True, output_logits=True)
         tokens = out.sequences[:, width:]
         log_probs = torch.log_softmax(torch.stack(out.logits, 1).float() / temperature, -1)
         log_probs = log_probs.gather(-1, tokens[:, :, None]).squeeze(-1)
@@ -84,9 +97,22 @@ def switch_generate() -> None:
             versions.append_run(engine.weight_version, n)
             t.extend(row[:n], log_probs[i, :n].tolist(), versions)
             trajectories.append(t)
+        if trl_seed is not None:
+            shuffle["order"] = torch.randperm(len(prompts))
         return trajectories
 
     train.run_trajectories = generated
+    if trl_seed is not None:
+        train.update_permutation = lambda rows, seed, step: shuffle["order"]
+
+
+def switch_trl_draws(args: list[str]) -> None:
+    seeds = [a.split("=", 1)[1] for a in args if a.startswith("trainer.seed=")]
+    if not seeds:
+        raise SystemExit("trl-draws needs trainer.seed=S among the overrides (TRL's seed)")
+    switch_adv_eps()
+    switch_step_tokens()
+    switch_generate(trl_seed=int(seeds[-1]))
 
 
 def main(argv: list[str]) -> None:
@@ -94,7 +120,7 @@ def main(argv: list[str]) -> None:
         raise SystemExit(f"usage: megarl_switched.py {{{','.join(SWITCHES)}}} CONFIG.yaml [key=value ...]")
     name, rest = argv[0], argv[1:]
     {"adv-eps": switch_adv_eps, "step-tokens": switch_step_tokens, "generate": switch_generate,
-     "none": lambda: None}[name]()
+     "trl-draws": lambda: switch_trl_draws(rest), "none": lambda: None}[name]()
     print(f"megarl_switched: {name}", file=sys.stderr, flush=True)
     from megarl.cli import main as megarl_main
 

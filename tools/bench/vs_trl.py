@@ -50,7 +50,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 TRL_PYTHON = ROOT / ".venv-trl" / "bin" / "python"  # make bench-trl-env (TRL_VENV=...: --trl-python)
 TRL_PACKAGES = ("torch", "transformers", "trl", "accelerate", "datasets", "numpy", "safetensors")
-SWITCHES = ("adv-eps", "step-tokens", "generate", "none")  # tools/bench/megarl_switched.py's
+SWITCHES = ("adv-eps", "step-tokens", "generate", "trl-draws", "none")  # tools/bench/megarl_switched.py's
 EVAL_SEED = 7_777_777  # one sampling seed for every evaluated model: differences come from the weights
 NOT_EQUAL = """settings that could not be made equal:
   - generation: megarl's embedded engine vs TRL's transformers generate (the engines are what is compared)
