@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "bench"))
 import megarl_switched  # noqa: E402
 from vs_trl import (SideRun, collapsed, mlflow_metrics, report, steady_mean, steady_steps,  # noqa: E402
-                    step_intervals)
+                    step_intervals, steps_alike)
 
 
 @pytest.mark.parametrize("begin, ends, expected", [
@@ -109,3 +109,11 @@ def test_the_step_tokens_switch_divides_each_mini_batch_by_the_steps_tokens_over
                                     micro_batch_samples=1)
     actor.update_actor(batch)
     assert seen == [6.0, 6.0, 6.0, 6.0]  # each micro-batch of both mini-batches
+
+
+def test_steps_alike_counts_the_first_steps_that_logged_the_same_samples():
+    trl = {"reward": [-0.609375, -0.65625, -0.65625, -0.951], "length": [14.09375, 13.7578125, 13.703, 15.05]}
+    megarl = {"reward": [-0.6094, -0.6562, -0.6562, -0.96], "length": [14.0938, 13.7578, 13.703, 15.05]}
+    assert steps_alike(megarl, trl) == 3  # step 4's reward differs by 0.009
+    assert steps_alike({"reward": [-0.5], "length": [14.0]}, trl) == 0
+    assert steps_alike({}, trl) == 0  # a record from before the curves were kept

@@ -79,6 +79,9 @@ class SideRun:
     exit: float
     checkpoints: dict[int, Path] = field(default_factory=dict)  # step -> HF model directory
     val: dict[int, float] = field(default_factory=dict)
+    # per step, what each side logged of its samples: the mean reward (overlong shaping included) and length
+    reward: list[float] = field(default_factory=list)
+    length: list[float] = field(default_factory=list)
 
 
 def side_record(r: SideRun, keep: list[int]) -> dict:
@@ -86,7 +89,18 @@ def side_record(r: SideRun, keep: list[int]) -> dict:
     return {"s_per_step_steady": steady_mean(r.step_s, keep), "wall_s": r.exit - r.launch,
             "startup_s": r.loop_start - r.launch, "end_s": r.exit - r.last_step_end, "step_s": r.step_s,
             "phases_steady": {p: steady_mean(v, keep) for p, v in r.phases.items()},
-            "val": {str(s): a for s, a in r.val.items()}}
+            "val": {str(s): a for s, a in r.val.items()}, "reward": r.reward, "length": r.length}
+
+
+def steps_alike(a: dict, b: dict, reward_tol: float = 5e-4, length_tol: float = 5e-3) -> int:
+    """How many first steps two results records logged the same mean reward and length (to the digits TRL
+    prints): two runs that took the same samples."""
+    steps = 0
+    for ra, rb, la, lb in zip(a.get("reward", []), b.get("reward", []), a.get("length", []), b.get("length", [])):
+        if abs(ra - rb) > reward_tol or abs(la - lb) > length_tol:
+            break
+        steps += 1
+    return steps
 
 
 def collapsed(val: dict[int, float]) -> bool:
@@ -202,7 +216,8 @@ def run_megarl(config: str, overrides: list[str], out: Path, steps: int, groups:
         step = int(step_dir.name.split("_")[1])
         ckpts[step] = megarl_step_to_hf(step_dir, base_model, out / "hf_steps" / f"step_{step}")
     return SideRun(step_s, phases, launch, m["perf/step_s"][1][1] - step_s[0], m["perf/step_s"][steps][1], end,
-                   ckpts)
+                   ckpts, reward=[m["train/reward_mean"][s][0] for s in range(1, steps + 1)],
+                   length=[m["train/response_length_mean"][s][0] for s in range(1, steps + 1)])
 
 
 def megarl_trained_prompts(out: Path) -> dict[int, list[str]]:
@@ -229,7 +244,9 @@ def run_trl(python: Path, config: str, overrides: list[str], rows: list[dict], o
     phases = {p: [s.get(p, 0.0) for s in side["phase_s"]] for p in names}
     phases["other"] = [t - sum(phases[p][i] for p in names) for i, t in enumerate(step_s)]
     ckpts = {int(k): Path(v) for k, v in side["checkpoints"].items()}
-    return SideRun(step_s, phases, launch, side["train_begin"], side["step_ends"][-1], end, ckpts), side
+    logged = [x for x in side["log_history"] if "reward" in x]  # one entry a generation batch
+    return SideRun(step_s, phases, launch, side["train_begin"], side["step_ends"][-1], end, ckpts,
+                   reward=[x["reward"] for x in logged], length=[x["completions/mean_length"] for x in logged]), side
 
 
 def evaluate(model_dir: Path, cfg, val_records, n: int) -> float:
@@ -429,6 +446,14 @@ def report(results: dict[str, dict[int, SideRun]], keep: list[int], compare: Pat
               + f"  ({sum(map(collapsed, by_seed.values()))} of {len(by_seed)} collapsed: final under half the start)")
     if set(vals) != {"megarl", "trl"}:
         return
+    records = {side: {seed: side_record(r, keep) for seed, r in runs.items()} for side, runs in results.items()}
+    if compare is not None:
+        records = read_results(compare) | records
+    alike = {s: steps_alike(records["megarl"][s], records["trl"][s]) for s in sorted(set(records["megarl"])
+                                                                                     & set(records["trl"]))}
+    if any(alike.values()):
+        print("steps whose mean reward and length megarl logged as TRL did (the same samples), per seed: "
+              + ", ".join(f"{s}: {n}" for s, n in alike.items()))
     common = sorted(set(vals["megarl"]) & set(vals["trl"]))
     last = max(vals["megarl"][common[0]])
     final = {side: statistics.mean(vals[side][s][last] for s in common) for side in vals}
