@@ -53,14 +53,18 @@ TRL_PACKAGES = ("torch", "transformers", "trl", "accelerate", "datasets", "numpy
 SWITCHES = ("adv-eps", "step-tokens", "generate", "trl-draws", "none")  # tools/bench/megarl_switched.py's
 EVAL_SEED = 7_777_777  # one sampling seed for every evaluated model: differences come from the weights
 NOT_EQUAL = """settings that could not be made equal:
-  - generation: megarl's embedded engine vs TRL's transformers generate (the engines are what is compared)
+  - generation: megarl's embedded engine vs TRL's transformers generate (the engines are what is compared;
+    --switch generate samples megarl's rollouts with generate)
   - phases: megarl's rollout is generation and reward together (it does not time them apart)
   - megarl validates nothing in the run either (test_freq=0); both are evaluated afterwards by one evaluator
   - megarl checkpoints hold weights, optimizer and data order; TRL's weights, optimizer, scheduler, RNG
   - megarl logs every step's metrics to its MLflow store (its default); TRL logs to the console only
-  - advantage: megarl (r - mean) / (std + 1e-6), TRL (r - mean) / (std + 1e-4) (both Bessel-corrected std)
+  - advantage: megarl (r - mean) / (std + 1e-6), TRL (r - mean) / (std + 1e-4) (both Bessel-corrected std;
+    --switch adv-eps gives megarl TRL's)
   - token-mean: megarl divides each mini-batch's loss by its own loss tokens, TRL 'dapo' by the step's loss
     tokens / mini-batches (its generation batch's mean); equal when the mini-batches hold as many tokens
+    (--switch step-tokens gives megarl TRL's)
+  - the random draws: each side its own (--switch trl-draws has megarl take TRL's, and run TRL's run)
   - dual clip: megarl's is set out of reach (algorithm.clip_ratio_c=1e9); TRL has none
   - the megarl run's own data order: TRL is fed megarl's order (shuffle_dataset=False), not its own
   - old log-probs: megarl takes the engine's (--old-log-probs engine, its default here: exact in float32 on
