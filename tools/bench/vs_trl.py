@@ -402,7 +402,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"(start-up {r.loop_start - r.launch:.1f} s, end {r.exit - r.last_step_end:.1f} s); {checked}",
                   flush=True)
             print(f"  s/step: {fmt(r.step_s)}")
-            print(f"  val:    " + ", ".join(f"{s}: {a:.3f}" for s, a in r.val.items()), flush=True)
+            print("  val:    " + ", ".join(f"{s}: {a:.3f}" for s, a in r.val.items()), flush=True)
     record = {"label": label, "date": time.strftime("%Y-%m-%d %H:%M"), "argv": sys.argv[1:] if argv is None else argv,
               "versions": versions, "old_log_probs": args.old_log_probs, "megarl_override": args.megarl_override, "switch": args.switch,
               "steps": args.steps, "save_every": args.save_every, "val_n": n_val,
@@ -446,7 +446,7 @@ def report(results: dict[str, dict[int, SideRun]], keep: list[int], compare: Pat
         print(f"{side} val acc per seed (steps " + ", ".join(map(str, steps)) + "):")
         for seed, val in by_seed.items():
             print(f"    seed {seed}: " + fmt([val[s] for s in steps]) + ("  collapsed" if collapsed(val) else ""))
-        print(f"    mean:   " + fmt([statistics.mean(v[s] for v in by_seed.values()) for s in steps])
+        print("    mean:   " + fmt([statistics.mean(v[s] for v in by_seed.values()) for s in steps])
               + f"  ({sum(map(collapsed, by_seed.values()))} of {len(by_seed)} collapsed: final under half the start)")
     if set(vals) != {"megarl", "trl"}:
         return
