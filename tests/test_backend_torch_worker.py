@@ -131,3 +131,20 @@ def test_an_offloaded_reference_is_on_the_device_only_while_it_computes():
         assert not set(inside) & set(hosts)  # a device copy of every parameter (here: another CPU tensor)
         assert all(torch.equal(t, w) for t, w in zip(model.parameters(), want))
     assert [t.data_ptr() for t in model.parameters()] == hosts  # back to the host copies, the device copy freed
+
+
+def test_the_cosine_schedule_spans_the_optimizer_steps_of_the_whole_run():
+    # 2 training steps of 8 prompts in mini-batches of 4 prompts, 2 epochs: 2 x 2 x 2 = 8 optimizer
+    # steps, over which the cosine (no warm-up, floor 0) runs: the factor of optimizer step k is
+    # (1 + cos(pi k / 8)) / 2, worked out by hand below. Counting the training steps (2) instead had
+    # it at the floor from optimizer step 2 on, three quarters of the run.
+    cfg = load_config(None, CFG + ["data.train_batch_size=8", "data.gen_batch_size=8", "actor.optim.lr=1.0",
+                                   "actor.optim.lr_scheduler=cosine", "actor.optim.min_lr_ratio=0.0",
+                                   "actor.ppo_mini_batch_size=4", "actor.ppo_epochs=2"])
+    worker = TorchTrainWorker(tiny_model("qwen2"), cfg, total_steps=2)
+    seen = []
+    for _ in range(8):
+        seen.append(worker.actor.scheduler.get_last_lr()[0])
+        worker.actor.optimizer.step()
+        worker.actor.scheduler.step()
+    assert seen == pytest.approx([1.0, 0.961940, 0.853553, 0.691342, 0.5, 0.308658, 0.146447, 0.038060], abs=1e-6)

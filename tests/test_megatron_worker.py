@@ -217,3 +217,20 @@ def TrainBatchCat(a, b):
     pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[1])) if t is not None else None  # noqa: E731
     return TrainBatch(**{f: (torch.cat([pad(getattr(a, f)), pad(getattr(b, f))]) if getattr(a, f) is not None else None)
                          for f in ("input_ids", "attention_mask", "loss_mask", "old_log_probs", "advantages")})
+
+
+def test_the_cosine_schedule_spans_the_optimizer_steps_of_the_whole_run():
+    # as the torch backend's (test_backend_torch_worker.py): 2 training steps of 8 prompts in
+    # mini-batches of 4, 2 epochs = 8 optimizer steps; factor (1 + cos(pi k / 8)) / 2 at step k
+    from megarl.backends.megatron.worker import _Part
+    from megarl.config import load_config
+
+    cfg = load_config(None, ["data.train_batch_size=8", "data.gen_batch_size=8", "actor.optim.lr=1.0",
+                             "actor.optim.lr_warmup_steps=0", "actor.optim.lr_scheduler=cosine",
+                             "actor.optim.min_lr_ratio=0.0", "actor.ppo_mini_batch_size=4", "actor.ppo_epochs=2"])
+    part = _Part(chunks=[], model=[], optimizer=None, cfg=cfg.actor, batching={})
+    seen = []
+    for k in range(8):
+        part.steps = k
+        seen.append(part.lr(cfg, total_steps=2))
+    assert seen == pytest.approx([1.0, 0.961940, 0.853553, 0.691342, 0.5, 0.308658, 0.146447, 0.038060], abs=1e-6)

@@ -3,6 +3,14 @@ where each spends them, and the validation accuracy each reaches.
 
     make bench-trl-env                                   # once: .venv-trl, TRL's own venv
     python tools/bench/vs_trl.py [--seeds 5] [--steps 20]
+    python tools/bench/vs_trl.py --side megarl --switch step-tokens --label step_tokens   # one switch
+
+--side runs one side only (the other side's figures can be read back with --compare, a results file
+of an earlier run); --megarl-override adds key=value overrides to megarl's run only (TRL reads the
+overrides both share), to switch one megarl setting at a time; --switch NAME runs megarl through
+tools/bench/megarl_switched.py with one of the settings megarl has no key for switched to TRL's.
+Each invocation writes its per-seed figures to OUT/results/LABEL.json (--label; default the sides
+and the date) and keeps its runs' directories under OUT/runs/LABEL/.
 
 The work is `make quickstart-math`'s: the warmed-up tiny model and arithmetic problems of
 `python -m megarl.quickstart prepare-math` (built once, under --out), examples/quickstart/dapo_math_tiny.yaml
@@ -42,16 +50,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 TRL_PYTHON = ROOT / ".venv-trl" / "bin" / "python"  # make bench-trl-env (TRL_VENV=...: --trl-python)
 TRL_PACKAGES = ("torch", "transformers", "trl", "accelerate", "datasets", "numpy", "safetensors")
+SWITCHES = ("adv-eps", "step-tokens", "generate", "trl-draws", "none")  # tools/bench/megarl_switched.py's
 EVAL_SEED = 7_777_777  # one sampling seed for every evaluated model: differences come from the weights
 NOT_EQUAL = """settings that could not be made equal:
-  - generation: megarl's embedded engine vs TRL's transformers generate (the engines are what is compared)
+  - generation: megarl's embedded engine vs TRL's transformers generate (the engines are what is compared;
+    --switch generate samples megarl's rollouts with generate)
   - phases: megarl's rollout is generation and reward together (it does not time them apart)
   - megarl validates nothing in the run either (test_freq=0); both are evaluated afterwards by one evaluator
   - megarl checkpoints hold weights, optimizer and data order; TRL's weights, optimizer, scheduler, RNG
   - megarl logs every step's metrics to its MLflow store (its default); TRL logs to the console only
-  - advantage: megarl (r - mean) / (std + 1e-6), TRL (r - mean) / (std + 1e-4) (both Bessel-corrected std)
+  - advantage: megarl (r - mean) / (std + 1e-6), TRL (r - mean) / (std + 1e-4) (both Bessel-corrected std;
+    --switch adv-eps gives megarl TRL's)
   - token-mean: megarl divides each mini-batch's loss by its own loss tokens, TRL 'dapo' by the step's loss
     tokens / mini-batches (its generation batch's mean); equal when the mini-batches hold as many tokens
+    (--switch step-tokens gives megarl TRL's)
+  - the random draws: each side its own (--switch trl-draws has megarl take TRL's, and run TRL's run)
   - dual clip: megarl's is set out of reach (algorithm.clip_ratio_c=1e9); TRL has none
   - the megarl run's own data order: TRL is fed megarl's order (shuffle_dataset=False), not its own
   - old log-probs: megarl takes the engine's (--old-log-probs engine, its default here: exact in float32 on
@@ -70,6 +83,33 @@ class SideRun:
     exit: float
     checkpoints: dict[int, Path] = field(default_factory=dict)  # step -> HF model directory
     val: dict[int, float] = field(default_factory=dict)
+    # per step, what each side logged of its samples: the mean reward (overlong shaping included) and length
+    reward: list[float] = field(default_factory=list)
+    length: list[float] = field(default_factory=list)
+
+
+def side_record(r: SideRun, keep: list[int]) -> dict:
+    """What the results file keeps of one side's run of one seed."""
+    return {"s_per_step_steady": steady_mean(r.step_s, keep), "wall_s": r.exit - r.launch,
+            "startup_s": r.loop_start - r.launch, "end_s": r.exit - r.last_step_end, "step_s": r.step_s,
+            "phases_steady": {p: steady_mean(v, keep) for p, v in r.phases.items()},
+            "val": {str(s): a for s, a in r.val.items()}, "reward": r.reward, "length": r.length}
+
+
+def steps_alike(a: dict, b: dict, reward_tol: float = 5e-4, length_tol: float = 5e-3) -> int:
+    """How many first steps two results records logged the same mean reward and length (to the digits TRL
+    prints): two runs that took the same samples."""
+    steps = 0
+    for ra, rb, la, lb in zip(a.get("reward", []), b.get("reward", []), a.get("length", []), b.get("length", [])):
+        if abs(ra - rb) > reward_tol or abs(la - lb) > length_tol:
+            break
+        steps += 1
+    return steps
+
+
+def collapsed(val: dict[int, float]) -> bool:
+    """The run's final validation accuracy is under half its start (step 0)."""
+    return val[max(val)] < 0.5 * val[0]
 
 
 def step_intervals(begin: float, ends: list[float]) -> list[float]:
@@ -163,10 +203,12 @@ def megarl_step_to_hf(step_dir: Path, base_model: Path, out: Path) -> Path:
 
 
 def run_megarl(config: str, overrides: list[str], out: Path, steps: int, groups: int, base_model: Path,
-               timeout_s: float) -> SideRun:
+               timeout_s: float, switch: str | None = None) -> SideRun:
+    """`megarl train`, or with `switch` tools/bench/megarl_switched.py's run with that setting switched."""
     fresh(out)
-    launch, end = run([sys.executable, "-m", "megarl.cli", "train", config, *overrides], out.with_suffix(".log"),
-                      timeout_s)
+    start = ["-m", "megarl.cli", "train"] if switch is None else [str(ROOT / "tools" / "bench" / "megarl_switched.py"),
+                                                                     switch]
+    launch, end = run([sys.executable, *start, config, *overrides], out.with_suffix(".log"), timeout_s)
     m = mlflow_metrics(out / "mlflow.db")
     step_s = [m["perf/step_s"][s][0] for s in range(1, steps + 1)]
     if any(m["train/kept_groups"][s][0] != groups or m["train/gen_batches"][s][0] != 1 for s in range(1, steps + 1)):
@@ -178,7 +220,8 @@ def run_megarl(config: str, overrides: list[str], out: Path, steps: int, groups:
         step = int(step_dir.name.split("_")[1])
         ckpts[step] = megarl_step_to_hf(step_dir, base_model, out / "hf_steps" / f"step_{step}")
     return SideRun(step_s, phases, launch, m["perf/step_s"][1][1] - step_s[0], m["perf/step_s"][steps][1], end,
-                   ckpts)
+                   ckpts, reward=[m["train/reward_mean"][s][0] for s in range(1, steps + 1)],
+                   length=[m["train/response_length_mean"][s][0] for s in range(1, steps + 1)])
 
 
 def megarl_trained_prompts(out: Path) -> dict[int, list[str]]:
@@ -205,7 +248,9 @@ def run_trl(python: Path, config: str, overrides: list[str], rows: list[dict], o
     phases = {p: [s.get(p, 0.0) for s in side["phase_s"]] for p in names}
     phases["other"] = [t - sum(phases[p][i] for p in names) for i, t in enumerate(step_s)]
     ckpts = {int(k): Path(v) for k, v in side["checkpoints"].items()}
-    return SideRun(step_s, phases, launch, side["train_begin"], side["step_ends"][-1], end, ckpts), side
+    logged = [x for x in side["log_history"] if "reward" in x]  # one entry a generation batch
+    return SideRun(step_s, phases, launch, side["train_begin"], side["step_ends"][-1], end, ckpts,
+                   reward=[x["reward"] for x in logged], length=[x["completions/mean_length"] for x in logged]), side
 
 
 def evaluate(model_dir: Path, cfg, val_records, n: int) -> float:
@@ -255,7 +300,8 @@ def fmt(values: list[float]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seeds", type=int, default=5, help="runs of each side, seeds 0..N-1 (at least 5 for the target)")
+    p.add_argument("--seeds", type=int, default=5, help="runs of each side (at least 5 for the target)")
+    p.add_argument("--first-seed", type=int, default=0, help="the seeds are first-seed .. first-seed + seeds - 1")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--save-every", type=int, default=5, help="checkpoint (and evaluate) every k steps")
     p.add_argument("--config", default="examples/quickstart/dapo_math_tiny.yaml")
@@ -265,8 +311,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--trl-python", type=Path, default=TRL_PYTHON, help="the Python of TRL's venv")
     p.add_argument("--old-log-probs", choices=("engine", "trainer"), default="engine",
                    help="megarl's algorithm.old_log_probs (engine: the engine's log-probs, exact in float32 on the CPU)")
+    p.add_argument("--side", choices=("both", "megarl", "trl"), default="both", help="which side(s) to run")
+    p.add_argument("--megarl-override", action="append", default=[], metavar="KEY=VALUE",
+                   help="an override of megarl's run only (repeatable): one setting switched, e.g. to TRL's")
+    p.add_argument("--switch", choices=SWITCHES, default=None,
+                   help="megarl's run through tools/bench/megarl_switched.py with this setting switched to TRL's "
+                        "(in-process launcher; none: the same launcher, nothing switched)")
+    p.add_argument("--label", default=None, help="name of the results file, OUT/results/LABEL.json")
+    p.add_argument("--compare", type=Path, default=None,
+                   help="a results file of an earlier run whose side(s) this run did not run, compared with")
     args = p.parse_args(argv)
-    if not args.trl_python.exists():
+    if args.side != "megarl" and not args.trl_python.exists():
         raise SystemExit(f"{args.trl_python} is missing: build TRL's venv with `make bench-trl-env`")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from transformers.utils import logging as hf_logging
@@ -278,12 +333,15 @@ def main(argv: list[str] | None = None) -> None:
     from megarl.quickstart.inputs import prepare_math
     from megarl.versions import installed_versions
 
-    print(f"megarl venv: {installed_versions()}")
-    print(f"TRL venv:    {trl_versions(args.trl_python)}", flush=True)
+    versions = {"megarl": installed_versions()}
+    print(f"megarl venv: {versions['megarl']}")
+    if args.side != "megarl":
+        versions["trl"] = trl_versions(args.trl_python)
+        print(f"TRL venv:    {versions['trl']}", flush=True)
     out = (ROOT / args.out).resolve()
     world = prepare_math(out / "world")
     base = load_config(str(ROOT / args.config), run_overrides(world, out, 0, args.steps, args.save_every,
-                                                                    args.old_log_probs))
+                                                                    args.old_log_probs) + args.megarl_override)
     tok = eval_tokenizer(world / "model")
     d = base.data
     train, _ = load_prompts(d.train_files, tok, prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
@@ -296,12 +354,20 @@ def main(argv: list[str] | None = None) -> None:
           f"{d.train_batch_size // base.actor.ppo_mini_batch_size} optimizer steps, {args.steps} steps, "
           f"{base.rollout.max_response_length} new tokens at most; val: avg@{n_val} of {len(val)} prompts at "
           f"T={base.rollout.val.temperature}, top_p={base.rollout.val.top_p} (evaluator seed {EVAL_SEED})")
+    if args.megarl_override or args.switch:
+        print(f"megarl's run only: {' '.join(args.megarl_override)}"
+              + (f" switched to TRL's: {args.switch} (tools/bench/megarl_switched.py)" if args.switch else ""))
     print(NOT_EQUAL, flush=True)
     step0 = evaluate(world / "model", base, val, n_val)
     keep = steady_steps(args.steps, args.save_every)
-    results: dict[str, list[SideRun]] = {"megarl": [], "trl": []}
-    for seed in range(args.seeds):
-        overrides = run_overrides(world, out / f"megarl_seed{seed}", seed, args.steps, args.save_every,
+    seeds = list(range(args.first_seed, args.first_seed + args.seeds))
+    label = args.label or f"{args.side}_{time.strftime('%Y%m%d_%H%M%S')}"
+    runs_dir = out / "runs" / label  # each run's directory (logs, MLflow store, checkpoints) kept per label
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    ran = ("megarl", "trl") if args.side == "both" else (args.side,)
+    results: dict[str, dict[int, SideRun]] = {side: {} for side in ran}
+    for seed in seeds:
+        overrides = run_overrides(world, runs_dir / f"megarl_seed{seed}", seed, args.steps, args.save_every,
                                   args.old_log_probs)  # TRL's too
         cfg = load_config(str(ROOT / args.config), overrides)
         order = prompt_order(cfg, len(train), args.steps)
@@ -309,12 +375,12 @@ def main(argv: list[str] | None = None) -> None:
                  "ground_truth": train[i].ground_truth, "extra_info": train[i].extra_info}
                 for step in order for i in step]
         sides = ["megarl", "trl"] if seed % 2 == 0 else ["trl", "megarl"]
-        for side in sides:
+        for side in (s for s in sides if s in ran):
             print(f"seed {seed}: running {side}...", flush=True)
-            run_dir = out / f"{side}_seed{seed}"
+            run_dir = runs_dir / f"{side}_seed{seed}"
             if side == "megarl":
-                r = run_megarl(str(ROOT / args.config), overrides, run_dir, args.steps, d.train_batch_size,
-                               world / "model", args.timeout)
+                r = run_megarl(str(ROOT / args.config), overrides + args.megarl_override, run_dir, args.steps,
+                               d.train_batch_size, world / "model", args.timeout, args.switch)
                 logged = megarl_trained_prompts(run_dir)
                 for step, texts in logged.items():  # the table's first rows: the step's first prompts, n each
                     want = [tok.decode(train[i].prompt_ids) for i in order[step - 1] for _ in range(cfg.rollout.n)]
@@ -331,42 +397,82 @@ def main(argv: list[str] | None = None) -> None:
                 checked = f"TRL's prompt token ids of all {len(got)} steps match"
             assert len(r.step_s) == args.steps, f"{side} ran {len(r.step_s)} steps, not {args.steps}"
             r.val = {0: step0} | {s: evaluate(path, cfg, val, n_val) for s, path in sorted(r.checkpoints.items())}
-            results[side].append(r)
+            results[side][seed] = r
             print(f"seed {seed} {side}: {steady_mean(r.step_s, keep):.3f} s/step steady, wall {r.exit - r.launch:.1f} s "
                   f"(start-up {r.loop_start - r.launch:.1f} s, end {r.exit - r.last_step_end:.1f} s); {checked}",
                   flush=True)
             print(f"  s/step: {fmt(r.step_s)}")
-            print(f"  val:    " + ", ".join(f"{s}: {a:.3f}" for s, a in r.val.items()), flush=True)
-    report(results, keep, args.seeds)
+            print("  val:    " + ", ".join(f"{s}: {a:.3f}" for s, a in r.val.items()), flush=True)
+    record = {"label": label, "date": time.strftime("%Y-%m-%d %H:%M"), "argv": sys.argv[1:] if argv is None else argv,
+              "versions": versions, "old_log_probs": args.old_log_probs, "megarl_override": args.megarl_override, "switch": args.switch,
+              "steps": args.steps, "save_every": args.save_every, "val_n": n_val,
+              "sides": {side: {str(seed): side_record(r, keep) for seed, r in runs.items()}
+                        for side, runs in results.items()}}
+    path = out / "results" / f"{label}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1))
+    print(f"\nper-seed results: {path}")
+    report(results, keep, args.compare)
 
 
-def report(results: dict[str, list[SideRun]], keep: list[int], seeds: int) -> None:
-    print(f"\n=== summary over {seeds} seeds; steady state = steps {keep} ===")
+def read_results(path: Path) -> dict[str, dict[int, dict]]:
+    """{side: {seed: record}} of a results file."""
+    sides = json.loads(path.read_text())["sides"]
+    return {side: {int(seed): rec for seed, rec in runs.items()} for side, runs in sides.items()}
+
+
+def report(results: dict[str, dict[int, SideRun]], keep: list[int], compare: Path | None = None) -> None:
+    print(f"\n=== summary; steady state = steps {keep} ===")
     for side, runs in results.items():
         print(f"{side}:")
-        print("  s/step (steady) per seed: " + fmt([steady_mean(r.step_s, keep) for r in runs]))
-        print("  wall s per seed:          " + " ".join(f"{r.exit - r.launch:.1f}" for r in runs))
-        print("  start-up s per seed:      " + " ".join(f"{r.loop_start - r.launch:.1f}" for r in runs)
+        print("  s/step (steady) per seed: " + fmt([steady_mean(r.step_s, keep) for r in runs.values()]))
+        print("  wall s per seed:          " + " ".join(f"{r.exit - r.launch:.1f}" for r in runs.values()))
+        print("  start-up s per seed:      " + " ".join(f"{r.loop_start - r.launch:.1f}" for r in runs.values())
               + ("  (imports, Ray, actors, model load)" if side == "megarl" else "  (imports, model load)"))
-        print("  end s per seed:           " + " ".join(f"{r.exit - r.last_step_end:.1f}" for r in runs))
-        mean_step = statistics.mean(steady_mean(r.step_s, keep) for r in runs)
+        print("  end s per seed:           " + " ".join(f"{r.exit - r.last_step_end:.1f}" for r in runs.values()))
+        mean_step = statistics.mean(steady_mean(r.step_s, keep) for r in runs.values())
         print("  phases, mean s/step over steady steps and seeds:")
-        for phase in runs[0].phases:
-            mean = statistics.mean(steady_mean(r.phases[phase], keep) for r in runs)
+        for phase in next(iter(runs.values())).phases:
+            mean = statistics.mean(steady_mean(r.phases[phase], keep) for r in runs.values())
             print(f"    {phase:<14} {mean:7.3f} s  {mean / mean_step:5.1%}")
-        steps = sorted(runs[0].val)
-        print("  val acc per seed (steps " + ", ".join(map(str, steps)) + "):")
-        for seed, r in enumerate(runs):
-            print(f"    seed {seed}: " + fmt([r.val[s] for s in steps]))
-        print(f"    mean:   " + fmt([statistics.mean(r.val[s] for r in runs) for s in steps]))
-    ratios = [steady_mean(t.step_s, keep) / steady_mean(m.step_s, keep) for t, m in zip(results["trl"], results["megarl"])]
-    walls = [(t.exit - t.launch) / (m.exit - m.launch) for t, m in zip(results["trl"], results["megarl"])]
-    last = max(results["megarl"][0].val)
-    final = {side: statistics.mean(r.val[last] for r in runs) for side, runs in results.items()}
-    print(f"\nwall time ratio (TRL / megarl, whole runs): median {statistics.median(walls):.2f}x "
+    vals = {side: {seed: r.val for seed, r in runs.items()} for side, runs in results.items()}
+    if compare is not None:
+        for side, runs in read_results(compare).items():
+            if side not in vals:
+                vals[side] = {seed: {int(s): a for s, a in rec["val"].items()} for seed, rec in runs.items()}
+                print(f"{side}: from {compare}")
+    for side, by_seed in vals.items():
+        steps = sorted(next(iter(by_seed.values())))
+        print(f"{side} val acc per seed (steps " + ", ".join(map(str, steps)) + "):")
+        for seed, val in by_seed.items():
+            print(f"    seed {seed}: " + fmt([val[s] for s in steps]) + ("  collapsed" if collapsed(val) else ""))
+        print("    mean:   " + fmt([statistics.mean(v[s] for v in by_seed.values()) for s in steps])
+              + f"  ({sum(map(collapsed, by_seed.values()))} of {len(by_seed)} collapsed: final under half the start)")
+    if set(vals) != {"megarl", "trl"}:
+        return
+    records = {side: {seed: side_record(r, keep) for seed, r in runs.items()} for side, runs in results.items()}
+    if compare is not None:
+        records = read_results(compare) | records
+    alike = {s: steps_alike(records["megarl"][s], records["trl"][s]) for s in sorted(set(records["megarl"])
+                                                                                     & set(records["trl"]))}
+    if any(alike.values()):
+        print("steps whose mean reward and length megarl logged as TRL did (the same samples), per seed: "
+              + ", ".join(f"{s}: {n}" for s, n in alike.items()))
+    common = sorted(set(vals["megarl"]) & set(vals["trl"]))
+    last = max(vals["megarl"][common[0]])
+    final = {side: statistics.mean(vals[side][s][last] for s in common) for side in vals}
+    falls = {side: sum(collapsed(vals[side][s]) for s in common) for side in vals}
+    met = final["megarl"] >= final["trl"] and falls["megarl"] <= falls["trl"]
+    print(f"\nfinal val acc (step {last}, mean of seeds {common}): megarl {final['megarl']:.3f}, TRL {final['trl']:.3f}; "
+          f"collapsed: megarl {falls['megarl']}, TRL {falls['trl']} -> target (megarl's mean >= TRL's, no more "
+          f"collapses): {'met' if met else 'missed'}")
+    if "trl" not in results or "megarl" not in results:
+        return
+    pairs = [(results["trl"][s], results["megarl"][s]) for s in common]
+    ratios = [steady_mean(t.step_s, keep) / steady_mean(m.step_s, keep) for t, m in pairs]
+    walls = [(t.exit - t.launch) / (m.exit - m.launch) for t, m in pairs]
+    print(f"wall time ratio (TRL / megarl, whole runs): median {statistics.median(walls):.2f}x "
           f"(range {min(walls):.2f}-{max(walls):.2f}x)")
-    print(f"final val acc (step {last}, mean of {seeds} seeds): megarl {final['megarl']:.3f}, TRL {final['trl']:.3f}"
-          f" -> target (megarl >= TRL): {'met' if final['megarl'] >= final['trl'] else 'missed'}")
     median = statistics.median(ratios)
     print(f"megarl vs TRL, s/step ratio (TRL s/step / megarl s/step, steady state): {median:.2f}x (median of "
           f"{len(ratios)} alternating runs; range {min(ratios):.2f}-{max(ratios):.2f}x) -> target (>= 2x): "

@@ -31,7 +31,7 @@ from megarl.backends.megatron.optim_state import load_optimizer_state, model_key
 from megarl.backends.megatron.routing import install_replay
 from megarl.backends.offload import HostOffloaded
 from megarl.backends.rng import rng_state, set_rng_state
-from megarl.backends.schedule import lr_factor
+from megarl.backends.schedule import lr_factor, optimizer_steps
 from megarl.backends.sleep import WorkerSleep
 from megarl.config import RunConfig, TrainWorkerConfig
 from megarl.models import ModelSpec
@@ -95,8 +95,10 @@ class _Part:
     batching: dict  # split_batch's keyword arguments
     steps: int = 0  # optimizer steps taken (the LR schedule's position)
 
-    def lr(self, total_steps: int) -> float:
-        return self.cfg.optim.lr * lr_factor(self.cfg.optim, total_steps, self.steps)
+    def lr(self, run: RunConfig, total_steps: int) -> float:
+        """The learning rate of its next optimizer step; `total_steps`: the run's training steps."""
+        optimizer_total = optimizer_steps(total_steps, run.data.train_batch_size, self.cfg)
+        return self.cfg.optim.lr * lr_factor(self.cfg.optim, optimizer_total, self.steps)
 
 
 class MegatronTrainWorker:
@@ -270,7 +272,8 @@ class MegatronTrainWorker:
             counts = {"num_tokens": int(mini.loss_mask.sum()), "num_seqs": len(mini),
                       "norm_length": self.cfg.rollout.max_response_length}
             share = len(mini) // size
-            metrics = step_fn(mini.select(slice(rank * share, (rank + 1) * share)), counts, part.lr(self.total_steps))
+            metrics = step_fn(mini.select(slice(rank * share, (rank + 1) * share)), counts,
+                              part.lr(self.cfg, self.total_steps))
             if not metrics.get("skipped_steps"):
                 part.steps += 1  # a skipped step leaves the schedule where it was (as the torch backend)
             return metrics
@@ -280,7 +283,7 @@ class MegatronTrainWorker:
     def _update_share(self, part: _Part, share: DataShare, step_fn) -> dict[str, float]:
         def one_step(rows: PackedBatch, counts: dict) -> dict[str, float]:
             metrics = step_fn(rows.padded(), counts | {"norm_length": self.cfg.rollout.max_response_length},
-                              part.lr(self.total_steps))
+                              part.lr(self.cfg, self.total_steps))
             if not metrics.get("skipped_steps"):
                 part.steps += 1
             return metrics

@@ -20,6 +20,7 @@ from megarl.backends.base import Batch  # a share comes only with its whole batc
 from megarl.backends.packed import as_rows
 from megarl.backends.offload import HostOffloaded
 from megarl.backends.rng import rng_state, set_rng_state
+from megarl.backends.schedule import optimizer_steps
 from megarl.backends.sleep import WorkerSleep
 from megarl.backends.torch.actor import TorchActor
 from megarl.backends.torch.critic import TorchCritic
@@ -30,14 +31,18 @@ from megarl.weights.buckets import group_tensors, hf_tensors, weight_checksums
 
 class TorchTrainWorker:
     def __init__(self, model: torch.nn.Module, cfg: RunConfig, total_steps: int, critic_model: torch.nn.Module | None = None):
+        """`total_steps`: the run's training steps (each actor and critic learning-rate schedule
+        counts its own optimizer steps: megarl.backends.schedule.optimizer_steps)."""
         a = cfg.algorithm
         samples = cfg.rollout.n
         self.cfg = cfg
         self.actor = TorchActor(
             model, a, cfg.actor.optim, mini_batch_samples=cfg.actor.ppo_mini_batch_size * samples,
             micro_batch_samples=cfg.actor.ppo_micro_batch_size, ppo_epochs=cfg.actor.ppo_epochs,
-            temperature=cfg.rollout.temperature, total_steps=total_steps, norm_length=cfg.rollout.max_response_length,
-            moe_aux_loss_coeff=cfg.actor.moe_aux_loss_coeff, routing_replay=cfg.actor.moe_routing_replay)
+            temperature=cfg.rollout.temperature,
+            total_steps=optimizer_steps(total_steps, cfg.data.train_batch_size, cfg.actor),
+            norm_length=cfg.rollout.max_response_length, moe_aux_loss_coeff=cfg.actor.moe_aux_loss_coeff,
+            routing_replay=cfg.actor.moe_routing_replay)
         needs_reference = a.use_kl_loss or a.use_kl_in_reward
         self.reference = copy.deepcopy(model).eval().requires_grad_(False) if needs_reference else None
         self.reference_weights = None  # HostOffloaded with actor.reference_offload
@@ -50,7 +55,8 @@ class TorchTrainWorker:
                 cliprange_value=cfg.critic.cliprange_value, loss_agg_mode=a.loss_agg_mode,
                 mini_batch_samples=cfg.critic.ppo_mini_batch_size * samples,
                 micro_batch_samples=cfg.critic.ppo_micro_batch_size, ppo_epochs=cfg.critic.ppo_epochs,
-                total_steps=total_steps, norm_length=cfg.rollout.max_response_length)
+                total_steps=optimizer_steps(total_steps, cfg.data.train_batch_size, cfg.critic),
+                norm_length=cfg.rollout.max_response_length)
         self._sleep = WorkerSleep(next(model.parameters()).device)
 
     # -- TrainWorker ---------------------------------------------------------------------
