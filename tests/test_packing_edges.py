@@ -169,3 +169,9 @@ def test_bad_rows_and_fields_are_named():
         PackedBatch.from_sequences([[]], [[3]], [[1]])
     with pytest.raises(KeyError, match=r"unknown PackedBatch fields \['logits'\]; valid: \("):
         packed().with_fields(logits=torch.zeros(23))
+
+
+def test_a_rank_without_rows_gets_no_tokens():
+    # mini-batches of 3 rows over 4 ranks: no rank gets a row (the rows past a multiple of 4 are left out)
+    shares = update_shares(packed(), 4, 3)
+    assert [(len(s.batch), s.batch.input_ids.numel()) for s in shares] == [(0, 0)] * 4

@@ -214,7 +214,7 @@ def mutant_module(name: str) -> str:
 def mutant_function(name: str) -> str:
     rest = re.split(r"\.(?=xǁ|x_)", name, maxsplit=1)[1]
     rest = rest.rsplit("__mutmut_", 1)[0]
-    return rest.removeprefix("x_").strip("ǁ").replace("ǁ", ".")
+    return rest.removeprefix("xǁ").removeprefix("x_").replace("ǁ", ".")
 
 
 def changed_lines(work: Path, name: str) -> tuple[str, str]:
