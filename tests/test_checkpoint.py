@@ -211,3 +211,16 @@ def test_a_train_ranks_full_disk_reaches_the_driver_as_text_and_is_named(tmp_pat
 
     with pytest.raises(RuntimeError, match="^a bug$"):  # not taken for a full disk
         save_atomically(tmp_path, 1, other_failure, {})
+
+
+def test_checkpoints_are_ordered_by_step_past_six_digits(tmp_path):
+    from megarl.checkpoint import META, checkpoint_dir, list_checkpoints, prune
+
+    for step in (999_999, 1_000_000, 5):
+        checkpoint_dir(tmp_path, step).mkdir()
+        (checkpoint_dir(tmp_path, step) / META).write_text("{}")
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_000005", "step_999999", "step_1000000"]
+    prune(tmp_path, keep=1)  # the newest is the one kept
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_1000000"]
+    with pytest.raises(ValueError, match=r"^keep=0 must be >= 1$"):
+        prune(tmp_path, keep=0)
