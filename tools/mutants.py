@@ -42,6 +42,7 @@ WORK = ROOT / "build" / "mutants"
 EQUIVALENTS_DOC = ROOT / "docs" / "testing.md"  # "Equivalent mutants"
 SURVIVORS_DOC = ROOT / "docs" / "mutation-survivors.md"  # "Survivors not yet killed"
 NOT_IN_MAKE_TEST = "not slow and not ui and not sglang and not gpu"
+CALL_S = 120  # the deadline of each git and mutmut query (the run itself has the sample's or none)
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ SURVIVED = {"survived", "no tests"}  # no test failed: none ran, or all passed
 @dataclass
 class Tally:
     killed: int = 0
-    survived: list[str] = field(default_factory=list)
+    survived: list[tuple[str, str, str]] = field(default_factory=list)  # (name, removed line, added line)
     equivalent: int = 0
     other: dict[str, int] = field(default_factory=dict)  # no tests, not checked, ...
     known: list[str] = field(default_factory=list)  # survivors listed as not yet killed
@@ -99,13 +100,9 @@ class Tally:
         return None if tried == 0 else self.killed / tried
 
 
-def mutmut_python() -> str:
-    return sys.executable
-
-
 def tracked_files() -> list[str]:
     out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, check=True,
-                         capture_output=True, text=True).stdout
+                         capture_output=True, text=True, timeout=CALL_S).stdout
     return [line for line in out.splitlines() if line and (ROOT / line).is_file()]
 
 
@@ -163,7 +160,7 @@ def run_mutmut(work: Path, patterns: list[str], deadline: float | None, log) -> 
     # deadlocks the children (every mutant of a function a training step calls "timed out", a false
     # kill); one thread each, and no pool to inherit
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    cmd = [mutmut_python(), "-m", "mutmut", "run", "--max-children", str(os.cpu_count() or 2), *patterns]
+    cmd = [sys.executable, "-m", "mutmut", "run", "--max-children", str(os.cpu_count() or 2), *patterns]
     process = subprocess.Popen(cmd, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         while process.poll() is None:
@@ -199,8 +196,8 @@ def stragglers(work: Path) -> None:
 
 
 def results(work: Path) -> dict[str, str]:
-    out = subprocess.run([mutmut_python(), "-m", "mutmut", "results", "--all", "true"], cwd=work,
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-m", "mutmut", "results", "--all", "true"], cwd=work,
+                         capture_output=True, text=True, check=True, timeout=CALL_S).stdout
     found = {}
     for line in out.splitlines():
         name, _, status = line.strip().rpartition(": ")
@@ -221,8 +218,8 @@ def mutant_function(name: str) -> str:
 
 def changed_lines(work: Path, name: str) -> tuple[str, str]:
     """The mutant's (removed, added) source lines, stripped, as `mutmut show` gives them."""
-    out = subprocess.run([mutmut_python(), "-m", "mutmut", "show", name], cwd=work, capture_output=True,
-                         text=True).stdout
+    out = subprocess.run([sys.executable, "-m", "mutmut", "show", name], cwd=work, capture_output=True,
+                         text=True, timeout=CALL_S).stdout
     minus = [line[1:].strip() for line in out.splitlines() if line.startswith("-") and not line.startswith("---")]
     plus = [line[1:].strip() for line in out.splitlines() if line.startswith("+") and not line.startswith("+++")]
     return " / ".join(minus), " / ".join(plus)
@@ -254,11 +251,12 @@ def tally(work: Path, statuses: dict[str, str], equivalent: dict, known: dict) -
         if status in KILLED:
             t.killed += 1
         elif status in SURVIVED:
-            key = (mutant_module(name), mutant_function(name), changed_lines(work, name)[1])
+            removed, added = changed_lines(work, name)
+            key = (mutant_module(name), mutant_function(name), added)
             if key in equivalent:
                 t.equivalent += 1
             else:
-                t.survived.append(name)
+                t.survived.append((name, removed, added))
                 if key in known:
                     t.known.append(name)
         else:
@@ -266,7 +264,7 @@ def tally(work: Path, statuses: dict[str, str], equivalent: dict, known: dict) -
     return per_module
 
 
-def report(work: Path, per_module: dict[str, Tally], target: float) -> list[str]:
+def report(per_module: dict[str, Tally], target: float) -> list[str]:
     """Print the figures and the survivors; the modules under target."""
     under = []
     print(f"{'module':42} {'killed':>7} {'survived':>9} {'equivalent':>11} {'killed %':>9}  other (not counted)")
@@ -278,8 +276,7 @@ def report(work: Path, per_module: dict[str, Tally], target: float) -> list[str]
         if score is not None and score < target:
             under.append(module)
     for module, t in per_module.items():
-        for name in t.survived:
-            removed, added = changed_lines(work, name)
+        for name, removed, added in t.survived:
             print(f"survived {name}{' (listed: not yet killed)' if name in t.known else ''}"
                   f"\n    - {removed}\n    + {added}")
     return under
@@ -321,7 +318,7 @@ def main() -> int:
         print(f"   {len(statuses)} mutants in {time.monotonic() - started:.0f} s"
               f"{'' if whole else ' (stopped at the sample time)'}; log: {work / 'mutmut.log'}")
         per_module = tally(work, statuses, equivalent, known)
-        under = report(work, per_module, args.target)
+        under = report(per_module, args.target)
         if args.sample:
             failed += [f"{m}: {len(t.survived) - len(t.known)} survived, not listed" for m, t in per_module.items()
                        if len(t.survived) > len(t.known)]
