@@ -185,8 +185,8 @@ class ServerError(RuntimeError):
 
 
 def _loads(text: bytes):
-    """A /generate answer's JSON: orjson (6x json's speed on token-id lists, at thousands of answers
-    a second), or json where the text has what only json reads (NaN, Infinity)."""
+    """A /generate answer's JSON: orjson (thousands of answers a second; against json:
+    `python tools/bench/codecs.py`), or json where the text has what only json reads (NaN, Infinity)."""
     try:
         return orjson.loads(text)
     except orjson.JSONDecodeError:

@@ -100,8 +100,8 @@ def encode_routed_experts(routed: torch.Tensor) -> str:
 
 def decode_routed_experts(text: str, rows: int) -> torch.Tensor:
     """(rows, layers x top-k) int16 from meta_info.routed_experts, `rows` the positions it covers.
-    pybase64 decodes it 20x faster than the standard library: a 6,000-token answer of
-    Qwen3-30B-A3B carries 12 MB of it (1 ms against 25)."""
+    A 6,000-token answer of Qwen3-30B-A3B carries 12 MB of it; pybase64 against the standard
+    library on it: `python tools/bench/codecs.py`."""
     try:
         flat = np.frombuffer(pybase64.b64decode(text, validate=True), dtype="<i4")
     except (binascii.Error, ValueError) as error:
