@@ -43,7 +43,29 @@ def test_the_bench_runs_a_small_fleet_and_prints_its_target_last():
     assert "do not serve were called" not in text  # the router and the fleet call only routes the engines have
     wall, ideal = map(float, re.search(r"wall time ([\d.]+) s, ideal time ([\d.]+) s", text).groups())
     assert 0 < ideal <= wall
+    # the least-loaded ideal: its own choices, the same turns; the run measured against it too
+    balanced, router_share, vs_balanced = map(float, re.search(
+        r"least-loaded ideal time ([\d.]+) s .*: the router's choices replayed take ([\d.]+)% of it; utilisation vs "
+        r"the least-loaded ideal ([\d.]+)%", text).groups())
+    assert balanced > 0 and router_share / 100 == pytest.approx(ideal / balanced, abs=0.025)  # times printed to 0.1 s
+    assert vs_balanced / 100 == pytest.approx(balanced / wall, abs=0.025)
     target = lines[-1]
     ratio = float(re.search(r"target utilisation vs ideal >= 90%: ([\d.]+)%", target).group(1)) / 100
     assert ratio == pytest.approx(ideal / wall, abs=0.015)  # the times are printed to 0.1 s
     assert out.returncode == (0 if ratio >= 0.9 else 1) and ("MISSED" in target) == (ratio < 0.9)
+
+
+def test_the_least_loaded_ideal_shows_a_router_that_sent_every_turn_to_one_engine():
+    """Eight one-turn trajectories (100 input tokens, 50 new) all served by engine 0 of 2. A
+    decode step costs 0.01 s + 0.001 s a token of context, prefill nothing: on one engine the 8
+    decode 50 steps at 800 + 8 j tokens of context (step j), 0.5 + 0.001 x (800 x 50 + 8 x 1,225)
+    = 50.3 s; split 4 and 4 by the least-loaded choice, 0.5 + 0.001 x (400 x 50 + 4 x 1,225) = 25.4 s."""
+    from fleet_engines import LatencyModel
+    from fleet_scale import ideal
+
+    model = LatencyModel(decode_s=0.01, kv_s=0.001, prefill_s=0.0, kv_capacity=10**6)
+    served = [[(k, 0, 100, 50, 500) for k in range(8)], []]
+    router_s, router_busy = ideal(served, model, search_latency_s=0.0)
+    balanced_s, balanced_busy = ideal(served, model, search_latency_s=0.0, least_loaded=True)
+    assert router_s == pytest.approx(50.3) and router_busy == [pytest.approx(50.3), 0.0]
+    assert balanced_s == pytest.approx(25.4) and balanced_busy == [pytest.approx(25.4)] * 2

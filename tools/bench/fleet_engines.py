@@ -128,6 +128,7 @@ class _Request:
     new_tokens: int
     reserved: int  # KV tokens it takes: input + max_new_tokens
     done: asyncio.Future
+    prefill: int = 0  # input tokens the cache did not hold when it arrived
     joined: int = 0  # the step it joined at
 
 
@@ -135,7 +136,8 @@ class SimEngine:
     """One engine's continuous batching in (simulated) GPU time: see the module docstring.
     `generate` returns the tokens of the input the cache held. `records`: [trajectory, turn,
     input tokens, new tokens, max_new_tokens, arrival, end] of every request, in arrival order
-    (times of the event loop's clock: time.monotonic in a live process)."""
+    (times of the event loop's clock: time.monotonic in a live process). `outstanding()`: the
+    tokens it has yet to compute (what a least-loaded router weighs)."""
 
     def __init__(self, model: LatencyModel):
         self.model = model
@@ -148,19 +150,31 @@ class SimEngine:
         self.cache: dict[int, int] = {}  # trajectory -> tokens of it the cache holds
         self.busy_s = 0.0  # GPU seconds with a step running
         self.records: list[tuple] = []
+        self.queued_tokens = 0  # prefill + new tokens of the waiting requests
+        self.finish_sum = 0  # sum of the running requests' finishing steps
         self.wake = asyncio.Event()
 
     async def generate(self, key: int | None, turn: int, input_len: int, new_tokens: int, max_new: int) -> int:
         loop = asyncio.get_running_loop()
         record = [key, turn, input_len, new_tokens, max_new, loop.time(), 0.0]
         self.records.append(record)
-        cached = min(self.cache.get(key, 0), input_len) if key is not None else 0
+        cached = input_len - self.uncached(key, input_len)
         done = loop.create_future()
-        self.waiting.append(_Request(key, input_len, new_tokens, input_len + max_new, done))
+        self.waiting.append(_Request(key, input_len, new_tokens, input_len + max_new, done, input_len - cached))
+        self.queued_tokens += input_len - cached + max(new_tokens, 1)
         self.wake.set()
         await done
         record[-1] = loop.time()
         return cached
+
+    def uncached(self, key: int | None, input_len: int) -> int:
+        """Input tokens a request would prefill here: those the radix cache does not hold."""
+        return input_len - (min(self.cache.get(key, 0), input_len) if key is not None else 0)
+
+    def outstanding(self) -> int:
+        """Tokens still to compute: the waiting requests' prefill and new tokens, and the running
+        ones' new tokens not yet decoded."""
+        return self.queued_tokens + self.finish_sum - len(self.finishing) * self.step
 
     def _admit(self) -> int:
         """Admit what fits at this step boundary; the tokens to prefill."""
@@ -171,7 +185,9 @@ class SimEngine:
             r.joined = self.step
             self.reserved += r.reserved
             self.context_base += r.input_len - self.step
-            prefill += r.input_len - (min(self.cache.get(r.key, 0), r.input_len) if r.key is not None else 0)
+            prefill += r.prefill
+            self.queued_tokens -= r.prefill + max(r.new_tokens, 1)
+            self.finish_sum += self.step + max(r.new_tokens, 1)
             heapq.heappush(self.finishing, (self.step + max(r.new_tokens, 1), next(self.order), r))
         return prefill
 
@@ -190,7 +206,8 @@ class SimEngine:
             await asyncio.sleep(max(deadline - loop.time(), 0.0))
             self.step += 1
             while self.finishing and self.finishing[0][0] <= self.step:
-                _, _, r = heapq.heappop(self.finishing)
+                end, _, r = heapq.heappop(self.finishing)
+                self.finish_sum -= end
                 self.reserved -= r.reserved
                 self.context_base -= r.input_len - r.joined
                 if r.key is not None:

@@ -24,6 +24,14 @@ real retrieval call's time, the engine process's lateness) is the system's. A ra
 the engines were kept as busy as a free driver could keep them. The engines' busy fraction
 (GPU time with a step running over wall time) is printed for both, as context.
 
+That ideal keeps the router's choices, so it cannot show bad routing. A second ideal is printed
+beside it: the same replay with each turn sent, when it arrives, to the engine with the fewest
+tokens still to compute once it is added (waiting prefill and new tokens, running requests'
+new tokens not yet decoded, and this turn's prefill on that engine, so a trajectory's cache
+counts), chosen from the replay's own state and not from what the router did. The run's wall
+time is printed against it too, and the router's replay against it: above 100% the router's
+choices cost time a least-loaded router would not have spent.
+
 Time scale: the default runs in simulated GPU time as is (`--time-scale 1`): 8,000
 trajectories all start at once, so the run lasts about as long as the longest trajectory's
 turns (a few minutes with start-up). `--time-scale s` multiplies every simulated GPU time and
@@ -123,9 +131,13 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         return self.now
 
 
-def ideal(served: list[list], model: LatencyModel, search_latency_s: float) -> tuple[float, list[float]]:
+def ideal(served: list[list], model: LatencyModel, search_latency_s: float,
+          least_loaded: bool = False) -> tuple[float, list[float]]:
     """(seconds, each engine's busy seconds) of the replay the module docstring defines;
-    `served[e]`: engine e's (trajectory, turn, input tokens, new tokens, max_new_tokens)."""
+    `served[e]`: engine e's (trajectory, turn, input tokens, new tokens, max_new_tokens). With
+    `least_loaded`, each turn goes to the engine with the fewest tokens still to compute once it
+    is added (its prefill there counted: the engine holding the trajectory's cache prefills
+    less), not to the engine that served it."""
     turns: dict[int, list] = {}
     for e, records in enumerate(served):
         for key, turn, *sizes in records:
@@ -136,10 +148,16 @@ def ideal(served: list[list], model: LatencyModel, search_latency_s: float) -> t
         engines = [SimEngine(model) for _ in served]
         tasks = [asyncio.ensure_future(e.run()) for e in engines]
 
+        def least_loaded_engine(key, input_len):
+            return min(range(len(engines)),
+                       key=lambda i: engines[i].outstanding() + engines[i].uncached(key, input_len))
+
         async def trajectory(key, steps):
             for i, (turn, e, *sizes) in enumerate(sorted(steps)):
                 if i:
                     await asyncio.sleep(search_latency_s)
+                if least_loaded:
+                    e = least_loaded_engine(key, sizes[0])
                 await engines[e].generate(key, turn, *sizes)
         await asyncio.gather(*[trajectory(k, s) for k, s in turns.items()])
         end = asyncio.get_running_loop().time()
@@ -263,6 +281,11 @@ def report(args, run: dict, used: dict, longest: int, searcher: DelayedSearcher)
           f"{run['cpu'] / run['wall']:.0%} of a core), router {used['router']:.1f}, engines process "
           f"{used['engines']:.1f}, retrieval server {used['retrieval']:.1f}")
     print(waits(stats["engines"], run["start"], args.search_latency * args.time_scale))
+    balanced_s, balanced_busy = ideal([e["records"] for e in stats["engines"]], model,
+                                      args.search_latency * args.time_scale, least_loaded=True)
+    print(f"least-loaded ideal time {balanced_s:.1f} s (engines busy {sum(balanced_busy) / len(balanced_busy) / balanced_s:.1%}): "
+          f"the router's choices replayed take {ideal_s / balanced_s:.1%} of it; utilisation vs the least-loaded "
+          f"ideal {balanced_s / run['wall']:.1%}")
     ratio = ideal_s / run["wall"]
     met = ratio >= TARGET
     print(f"target utilisation vs ideal >= {TARGET:.0%}: {ratio:.1%} ({'met' if met else 'MISSED'})")
