@@ -69,3 +69,16 @@ def test_a_contender_that_times_itself_is_taken_at_its_word():
     assert result.seconds == {"base": [50.0] * 3, "run": [10.0, 20.0, 5.0]}
     assert result.summary("base", "run") == "run vs base: 5.00x (median of 3 alternating runs; range 2.50-10.00x)"
     assert lines[1] == "what is measured" and "run 2/3 run: 20.000 s, work 7" in lines
+
+
+def test_work_a_second_where_the_work_differs_within_its_tolerance():
+    # repeat by repeat: base 100 tokens in 10 s (10/s), new 90 tokens in 6 s (15/s): time 1.67x, tokens/s 1.50x
+    runs = {"base": iter([Measured(100.0, 10.0), Measured(100.0, 10.0), Measured(100.0, 10.0)]),
+            "new": iter([Measured(90.0, 6.0), Measured(95.0, 5.0), Measured(100.0, 4.0)])}
+    result = compare({n: (lambda n=n: next(runs[n])) for n in runs}, warmups=0, work_tolerance=0.2,
+                     show=lambda _: None)
+    assert result.rate_ratio("base", "new") == pytest.approx([1.5, 1.9, 2.5])
+    assert result.summary("base", "new", per="token") == ("new vs base, tokens a second: 1.90x (median of 3 "
+                                                          "alternating runs; range 1.50-2.50x)")
+    assert result.summary("base", "new") == "new vs base: 2.00x (median of 3 alternating runs; range 1.67-2.50x)"
+    assert result.work_differs("base", "new") and not result.work_differs("base", "base")

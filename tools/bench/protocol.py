@@ -10,7 +10,9 @@ Each contender is a function of no argument that does the work once and returns 
 (tokens generated, samples scored): the same amount from every contender and every repeat, or
 the comparison stops, naming who did what. A contender that times itself (a training run whose
 first step, its start-up, is left out) returns `Measured(work, seconds)` instead. `result.ratio("baseline", "megarl")` is the baseline's
-time over megarl's, per repeat.
+time over megarl's, per repeat; where the work is equal only within a tolerance,
+`result.rate_ratio("baseline", "megarl")` compares work a second instead (megarl's over the
+baseline's), so a side that did less work is not counted faster for it.
 """
 
 from __future__ import annotations
@@ -40,11 +42,21 @@ class Comparison:
         """`slower`'s time over `faster`'s, repeat by repeat (> 1: `faster` is faster)."""
         return [s / f for s, f in zip(self.seconds[slower], self.seconds[faster], strict=True)]
 
-    def summary(self, slower: str, faster: str) -> str:
-        """The line a bench prints last: the median ratio and its range."""
-        ratios = self.ratio(slower, faster)
-        return (f"{faster} vs {slower}: {statistics.median(ratios):.2f}x (median of {len(ratios)} alternating "
-                f"runs; range {min(ratios):.2f}-{max(ratios):.2f}x)")
+    def rate_ratio(self, slower: str, faster: str) -> list[float]:
+        """`faster`'s work a second over `slower`'s, repeat by repeat."""
+        return [(fw / fs) / (sw / ss) for sw, ss, fw, fs in
+                zip(self.work[slower], self.seconds[slower], self.work[faster], self.seconds[faster], strict=True)]
+
+    def work_differs(self, a: str, b: str) -> bool:
+        """Whether `a` and `b` did different work in any repeat."""
+        return any(x != y for x, y in zip(self.work[a], self.work[b], strict=True))
+
+    def summary(self, slower: str, faster: str, per: str = "") -> str:
+        """The line a bench prints last: the median ratio and its range; with `per` (the work's
+        unit, "token"), of work a second instead of time."""
+        ratios = self.rate_ratio(slower, faster) if per else self.ratio(slower, faster)
+        return (f"{faster} vs {slower}{f', {per}s a second' if per else ''}: {statistics.median(ratios):.2f}x "
+                f"(median of {len(ratios)} alternating runs; range {min(ratios):.2f}-{max(ratios):.2f}x)")
 
 
 def compare(contenders: Mapping[str, Callable[[], float | Measured]], repeats: int = 3, warmups: int = 1,
