@@ -75,8 +75,8 @@ GROUPS = {
                      ("tests/test_sync.py", "tests/test_weight_probe.py", "tests/test_gpu_contract.py",
                       "tests/test_sglang_contract.py"), sampled=False),
     "resume": Group(("megarl/checkpoint.py", "megarl/data/prompts.py"),
-                    ("tests/test_checkpoint.py", "tests/test_checkpoint_faults.py", "tests/test_data_prompts.py",
-                     "tests/test_train_loop.py"),
+                    ("tests/test_checkpoint.py", "tests/test_checkpoint_edges.py", "tests/test_checkpoint_faults.py",
+                     "tests/test_data_prompts.py", "tests/test_prompts_edges.py", "tests/test_train_loop.py"),
                     deselect=("tests/test_train_loop.py::test_ray_launcher_trains_exactly_like_one_process",)),
 }
 
