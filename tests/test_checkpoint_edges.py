@@ -2,7 +2,6 @@
 disk told by errno or by free space, cleanup that cannot fail a save, and each message's words."""
 
 import errno
-import json
 import logging
 import os
 import pickle
