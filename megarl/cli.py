@@ -6,6 +6,7 @@
     megarl retrieval serve --index DIR [--host 127.0.0.1 --port 8000 --topk 3]
     megarl plan --model HF_CONFIG_OR_NAME --nodes N [--gpus-per-node 8 --gpu-memory 80GB ...]
     megarl sandbox serve [--host 127.0.0.1 --port 8100 --max-concurrency N --max-queue 64]
+    megarl --version
 
 Configuration errors are reported (every problem, with its key and fix) before anything
 heavy is imported, with exit status 2.
@@ -81,6 +82,8 @@ def _resumes_from(output_dir: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megarl", description="RL post-training of LLMs (DAPO / GRPO / PPO, Search-R1).")
+    parser.add_argument("--version", action=_PrintVersion, nargs=0,
+                        help="megarl's version and those of the libraries it runs on (for a bug report)")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="Run training from a YAML config with dotted key=value overrides.")
     train.add_argument("items", nargs="*", metavar="CONFIG.yaml | key=value",
@@ -141,6 +144,33 @@ def _log_level_from_env() -> None:
     root = logging.getLogger("megarl")
     root.addHandler(handler)
     root.setLevel(level)
+
+
+VERSION_OF = ("torch", "transformers", "megatron-core", "ray", "sglang", "mlflow")  # what a bug report needs
+
+
+class _PrintVersion(argparse.Action):
+    """--version, printed as one line (argparse's own action wraps it at the terminal's width)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_line())
+        parser.exit()
+
+
+def version_line() -> str:
+    """`megarl X.Y.Z (python 3.11.7, torch 2.13.0, ...)`: the installed distributions' versions,
+    read from their metadata (nothing imported); a library not installed is left out."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name: str) -> str | None:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    found = [f"{name} {v}" for name in VERSION_OF if (v := installed(name))]
+    python = ".".join(map(str, sys.version_info[:3]))
+    return f"megarl {installed('megarl') or 'unknown (not installed)'} (python {python}, {', '.join(found)})"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -48,3 +48,19 @@ def test_console_script_entry_point(tmp_path):
     assert "did you mean 'algorithm.clip_ratio_high'" in bad.stderr
     good = subprocess.run(cmd + ["train", "--dry-run"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert good.returncode == 0 and "clip_ratio_high: 0.28" in good.stdout
+
+
+def test_version_names_megarl_and_the_libraries_in_one_line(capsys):
+    import tomllib
+
+    import pytest
+    import torch
+
+    with pytest.raises(SystemExit) as stopped:
+        main(["--version"])
+    assert stopped.value.code == 0
+    line = capsys.readouterr().out
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    python = ".".join(map(str, sys.version_info[:3]))
+    assert line.startswith(f"megarl {pyproject['project']['version']} (python {python}, torch {torch.__version__}, ")
+    assert line.count("\n") == 1 and line.endswith(")\n")
