@@ -251,7 +251,7 @@ class TrainerConfig:
 @dataclass
 class TrackingConfig:
     backend: Literal["mlflow", "none"] = param("mlflow", "Experiment tracker.")
-    uri: str | None = param(None, "MLflow tracking URI; None = a local store inside trainer.output_dir.")
+    uri: str | None = param(None, "MLflow tracking URI; None = $MLFLOW_TRACKING_URI, else a local store inside trainer.output_dir.")
     experiment_name: str = param("megarl", "MLflow experiment.")
     run_name: str | None = param(None, "MLflow run name; None = the output directory's name.")
     log_rollouts_freq: int = param(10, "Log a table of sample rollouts every k steps; 0 = never.", ge=0)

@@ -10,7 +10,7 @@ from pathlib import Path
 from megarl.components import Components
 from megarl.config import TrackingConfig
 from megarl.experience import Sample
-from megarl.tracking import ui_command
+from megarl.tracking import server_uri, ui_command
 
 
 PROGRESS_KEYS = {"reward": "train/reward_mean", "acc": "train/acc", "searches": "rollout/search_calls_mean",
@@ -31,8 +31,8 @@ def summary(status: str, out: Path, history: list[dict], tracking: TrackingConfi
         lines.append(f"  trainer asleep while the engines generated: {sum(s[0] for s in slept) / len(slept):.3f} s "
                      f"to sleep, {sum(s[1] for s in slept) / len(slept):.3f} s to wake, a step (mean of {len(slept)})")
     lines += [f"  checkpoints: {out / 'checkpoints'}", f"  HF export:   {out / 'hf'}"]
-    if tracking.backend == "mlflow" and tracking.uri:
-        lines.append(f"  MLflow:      {tracking.uri}")
+    if tracking.backend == "mlflow" and server_uri(tracking):
+        lines.append(f"  MLflow:      {server_uri(tracking)}")
     elif tracking.backend == "mlflow":
         lines += [f"  MLflow:      {out / 'mlflow.db'} (artifacts in {out / 'mlartifacts'})",
                   f"  view the curves: {ui_command(out)}"]

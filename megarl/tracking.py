@@ -1,7 +1,8 @@
 """Experiment tracking with MLflow: params, per-step metrics, artifacts, resumable runs.
 
 By default the store is local, inside the run's output directory (`mlflow.db` plus
-`mlartifacts/`), so no server is needed; `tracking.uri` points at a server instead. The
+`mlartifacts/`), so no server is needed; `tracking.uri`, or else MLflow's own
+MLFLOW_TRACKING_URI in the environment, points at a server instead. The
 client API is used (no global mlflow state). `tracking.backend=none` gives a tracker that
 records nothing. Main entry point: `open_tracker`.
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,12 @@ log = logging.getLogger(__name__)
 MAX_PARAM_CHARS = 6000  # MLflow's limit on one param value
 RUN_FILE = "mlflow_run.json"  # in the output directory: its MLflow run, for a rerun before the first checkpoint
 STOP_SIGNAL_TAG = "megarl.stop_signal"
+
+
+def server_uri(cfg: TrackingConfig) -> str | None:
+    """The tracking server's URI: tracking.uri, else $MLFLOW_TRACKING_URI (as MLflow reads it);
+    None for the local store inside the output directory."""
+    return cfg.uri or os.environ.get("MLFLOW_TRACKING_URI") or None
 
 
 def local_store_uri(output_dir: str | Path) -> str:
@@ -60,7 +68,8 @@ class MLflowTracker:
 
         output_dir = Path(output_dir)
         output_dir.mkdir(parents=True, exist_ok=True)
-        self.uri = cfg.uri or local_store_uri(output_dir)
+        server = server_uri(cfg)
+        self.uri = server or local_store_uri(output_dir)
         self.client = MlflowClient(tracking_uri=self.uri)
         recorded = self._recorded_run(output_dir)
         if run_id is None and rerun_params is not None and recorded is not None and _same_run(recorded, rerun_params):
@@ -78,7 +87,7 @@ class MLflowTracker:
         else:
             experiment = self.client.get_experiment_by_name(cfg.experiment_name)
             if experiment is None:
-                artifacts = None if cfg.uri else str((output_dir / "mlartifacts").resolve())
+                artifacts = None if server else str((output_dir / "mlartifacts").resolve())
                 experiment_id = self.client.create_experiment(cfg.experiment_name, artifact_location=artifacts)
             else:
                 experiment_id = experiment.experiment_id

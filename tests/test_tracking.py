@@ -39,3 +39,23 @@ def test_none_backend_records_nothing(tmp_path):
     assert isinstance(tracker, NullTracker)
     tracker.log_metrics({"a": 1.0}, 1)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_mlflows_own_tracking_uri_variable_is_honoured_and_the_config_beats_it(tmp_path, monkeypatch):
+    from megarl.run_report import summary
+
+    server_store = f"sqlite:///{tmp_path / 'server.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", server_store)
+    cfg = TrackingConfig(experiment_name="exp")
+    tracker = open_tracker(cfg, tmp_path / "out")
+    tracker.log_metrics({"train/acc": 0.5}, step=1)
+    tracker.close()
+    assert not (tmp_path / "out" / "mlflow.db").exists()
+    history = MlflowClient(tracking_uri=server_store).get_metric_history(tracker.run_id, "train/acc")
+    assert [(m.step, m.value) for m in history] == [(1, 0.5)]
+    assert f"  MLflow:      {server_store}" in summary("finished", tmp_path / "out", [], cfg).splitlines()
+
+    explicit = TrackingConfig(experiment_name="exp", uri=f"sqlite:///{tmp_path / 'explicit.db'}")
+    other = open_tracker(explicit, tmp_path / "out2")
+    other.close()
+    assert MlflowClient(tracking_uri=explicit.uri).get_run(other.run_id).info.status == "FINISHED"
