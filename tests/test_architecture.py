@@ -136,3 +136,8 @@ def test_no_file_over_500_lines(folder):
     long = {str(p.relative_to(ROOT)): n for p in (ROOT / folder).rglob("*.py")
             if (n := len(p.read_text().splitlines())) > 500}
     assert not long, f"split these by concern: {long}"
+
+
+def test_the_readme_stays_under_16_kb():
+    size = len((ROOT / "README.md").read_bytes())
+    assert size < 16_000, f"README.md is {size} bytes: 16 KB is the bar; move detail to docs/"
