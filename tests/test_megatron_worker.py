@@ -234,3 +234,24 @@ def test_the_cosine_schedule_spans_the_optimizer_steps_of_the_whole_run():
         part.steps = k
         seen.append(part.lr(cfg, total_steps=2))
     assert seen == pytest.approx([1.0, 0.961940, 0.853553, 0.691342, 0.5, 0.308658, 0.146447, 0.038060], abs=1e-6)
+
+
+@pytest.mark.parametrize("requested, fp8, cuda, te, want", [
+    ("transformer_engine", None, True, True, "transformer_engine"),
+    ("transformer_engine", None, False, False, "local"),  # a CPU machine: TE's layers need a GPU
+    ("transformer_engine", None, False, True, "local"),
+    ("local", None, True, True, "local"),  # asked for by name on a GPU
+    ("local", None, True, False, "local"),
+    ("transformer_engine", None, True, False, "does not import on this GPU machine"),  # no quiet fallback
+    ("transformer_engine", "e4m3", True, False, "needs Transformer Engine on a GPU"),
+    ("local", "hybrid", False, True, "needs Transformer Engine on a GPU"),
+    ("te", None, True, True, "use transformer_engine or local"),
+])
+def test_the_layer_implementation_a_machine_gets(requested, fp8, cuda, te, want):
+    from megarl.backends.megatron.model import resolve_impl
+
+    if want in ("transformer_engine", "local"):
+        assert resolve_impl(requested, fp8, cuda=cuda, te=te) == want
+    else:
+        with pytest.raises((RuntimeError, ValueError), match=want):
+            resolve_impl(requested, fp8, cuda=cuda, te=te)

@@ -138,17 +138,27 @@ def transformer_engine_available() -> bool:
     return True
 
 
-def resolve_impl(requested: str, fp8: str | None = None) -> str:
-    """The layer implementation to build: Transformer Engine where it is installed (and CUDA
-    is there), megatron's local layers otherwise. FP8 needs Transformer Engine."""
+def resolve_impl(requested: str, fp8: str | None = None, *, cuda: bool | None = None,
+                 te: bool | None = None) -> str:
+    """The layer implementation to build. On a GPU, Transformer Engine as asked: a GPU machine
+    without it is an error (megatron's local layers are slower and have no FP8, which a run on
+    GPUs should choose by name: transformer_impl=local), not a quiet fallback. Without CUDA,
+    megatron's local layers (Transformer Engine's need a GPU). FP8 needs Transformer Engine.
+    `cuda`, `te`: what this machine has (asked of torch and the import by default)."""
     if requested not in ("transformer_engine", "local"):
         raise ValueError(f"transformer_impl {requested!r}: use transformer_engine or local")
-    te = torch.cuda.is_available() and transformer_engine_available()
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    te = (cuda and transformer_engine_available()) if te is None else (cuda and te)
     if fp8 and not te:
         raise RuntimeError(f"fp8={fp8!r} needs Transformer Engine on a GPU (pip install -e '.[gpu]'); "
                            "set fp8=null to train without it")
     if requested == "transformer_engine" and not te:
-        log.info("Transformer Engine is not available here: using megatron's local layer spec")
+        if cuda:
+            raise RuntimeError("transformer_impl=transformer_engine, but Transformer Engine does not import on this "
+                               "GPU machine: install it (pip install -e '.[gpu]', or run in an NGC PyTorch container), "
+                               "or set actor.transformer_impl=local (and critic.transformer_impl=local) to train "
+                               "with megatron's local layers: slower, and no FP8")
+        log.info("no CUDA here: using megatron's local layer spec (Transformer Engine's layers need a GPU)")
         return "local"
     return requested
 
