@@ -238,6 +238,10 @@ class TrainerConfig:
     save_freq: int = param(10, "Checkpoint every k steps; 0 = only at the end.", ge=0)
     max_ckpt_to_keep: int = param(2, "Checkpoints kept on disk (oldest deleted first).", gt=0)
     resume: str = param("auto", "auto = newest checkpoint in output_dir; disable = start fresh; or a checkpoint path.")
+    resume_changed_config: bool = param(
+        False, "Resume even when the config changes what the checkpoint's run was learning (its model, data, "
+        "algorithm, optimizer, sampling, rewards or seed; megarl.resume_guard): the changed keys are logged. "
+        "Off: such a resume is refused, naming the keys.")
     max_bad_steps: int = param(3, "Consecutive NaN/inf steps tolerated before the run stops.", gt=0)
     sleep_during_generation: bool | None = param(
         None, "The trainer hands its device memory to the engines while they generate: weights, gradients, "

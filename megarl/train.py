@@ -37,6 +37,7 @@ from megarl.experience import (EnginesDisagree, Sample, compute_advantages, gate
 from megarl.rollout.agent import run_trajectories
 from megarl.termination import closing, deferred, received, stop_on_signals
 from megarl.weights.probe import WrongWeights
+from megarl.resume_guard import check_resume
 from megarl.run_report import HISTORY_KEYS, PROGRESS_KEYS, ROLLOUT_TABLE_ROWS, plot_curves, rollout_table, summary
 from megarl.tracking import NullTracker, open_tracker
 
@@ -51,13 +52,16 @@ class TrainingStopped(RuntimeError):
 def train(cfg: RunConfig) -> dict[str, float]:
     out = Path(cfg.trainer.output_dir)
     check_output_dir(out)  # before anything starts: a clear message, not a traceback from the first write
-    save_config(cfg, out / "config.yaml")
     ckpt_root = out / "checkpoints"
     resume_from = _resume_path(cfg, ckpt_root)  # verified before anything is started
     meta = checkpoint.read_meta(resume_from) if resume_from else {}
+    params = flatten_config(cfg)
+    if resume_from:  # the checkpoint's run, not another one by accident
+        check_resume(meta.get("config"), params, resume_from, cfg.trainer.resume_changed_config)
+    save_config(cfg, out / "config.yaml")
     c = build_components(cfg)
     step, bad_steps, history = meta.get("step", 0), 0, meta.get("history", [])
-    status, tracker, params = "FAILED", NullTracker(), flatten_config(cfg)
+    status, tracker = "FAILED", NullTracker()
     rollouts = None
     try:
         # from step 0 with trainer.resume=auto: the output directory's run, if stopped before its first checkpoint
@@ -383,7 +387,8 @@ def _rollout_metrics(tally: dict[str, float], kept: list[Sample], gen_batches: i
 
 
 def _save(c: Components, root: Path, step: int, run_id: str | None, history: list, rollouts: SyncRollouts) -> None:
-    meta = {"run_id": run_id, "sampler": rollouts.order_state(step), "history": history}  # key as in old checkpoints
+    meta = {"run_id": run_id, "sampler": rollouts.order_state(step), "history": history,  # key as in old checkpoints
+            "config": flatten_config(c.cfg)}  # what a resume compares its config with (megarl.resume_guard)
     c.for_training()
     with deferred():  # a first signal waits for the checkpoint to be complete (megarl.termination)
         checkpoint.save_atomically(root, step, c.worker.save_checkpoint, meta)
