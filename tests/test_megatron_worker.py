@@ -248,7 +248,7 @@ def test_the_cosine_schedule_spans_the_optimizer_steps_of_the_whole_run():
     ("te", None, True, True, "use transformer_engine or local"),
 ])
 def test_the_layer_implementation_a_machine_gets(requested, fp8, cuda, te, want):
-    from megarl.backends.megatron.model import resolve_impl
+    from megarl.backends.megatron.layers import resolve_impl
 
     if want in ("transformer_engine", "local"):
         assert resolve_impl(requested, fp8, cuda=cuda, te=te) == want

@@ -29,7 +29,7 @@ path = pytest.mark.gpu_path
 
 
 def te_available() -> bool:
-    from megarl.backends.megatron.model import transformer_engine_available
+    from megarl.backends.megatron.layers import transformer_engine_available
 
     return transformer_engine_available()
 

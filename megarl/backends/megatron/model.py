@@ -130,39 +130,6 @@ def initialize(layout: Layout, seed: int = 0) -> None:
     model_parallel_cuda_manual_seed(seed)
 
 
-def transformer_engine_available() -> bool:
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except (ImportError, OSError):
-        return False
-    return True
-
-
-def resolve_impl(requested: str, fp8: str | None = None, *, cuda: bool | None = None,
-                 te: bool | None = None) -> str:
-    """The layer implementation to build. On a GPU, Transformer Engine as asked: a GPU machine
-    without it is an error (megatron's local layers are slower and have no FP8, which a run on
-    GPUs should choose by name: transformer_impl=local), not a quiet fallback. Without CUDA,
-    megatron's local layers (Transformer Engine's need a GPU). FP8 needs Transformer Engine.
-    `cuda`, `te`: what this machine has (asked of torch and the import by default)."""
-    if requested not in ("transformer_engine", "local"):
-        raise ValueError(f"transformer_impl {requested!r}: use transformer_engine or local")
-    cuda = torch.cuda.is_available() if cuda is None else cuda
-    te = (cuda and transformer_engine_available()) if te is None else (cuda and te)
-    if fp8 and not te:
-        raise RuntimeError(f"fp8={fp8!r} needs Transformer Engine on a GPU (pip install -e '.[gpu]'); "
-                           "set fp8=null to train without it")
-    if requested == "transformer_engine" and not te:
-        if cuda:
-            raise RuntimeError("transformer_impl=transformer_engine, but Transformer Engine does not import on this "
-                               "GPU machine: install it (pip install -e '.[gpu]', or run in an NGC PyTorch container), "
-                               "or set actor.transformer_impl=local (and critic.transformer_impl=local) to train "
-                               "with megatron's local layers: slower, and no FP8")
-        log.info("no CUDA here: using megatron's local layer spec (Transformer Engine's layers need a GPU)")
-        return "local"
-    return requested
-
-
 def fused_softmax_available() -> bool:
     """Whether the CUDA extensions behind megatron's fused softmax import here. megatron-core
     (fusions/fused_softmax.py) imports `scaled_masked_softmax_cuda` to pick the kernel and

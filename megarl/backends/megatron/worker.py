@@ -61,7 +61,7 @@ def build_options(worker: TrainWorkerConfig, dtype: str) -> dict:
     """build_model's keyword arguments for a worker config: dtype, layer implementation,
     recomputation, FP8 fields passed through to Transformer Engine, and whether attention
     gets masks of its own (sequences packed on the local layers)."""
-    from megarl.backends.megatron.model import resolve_impl
+    from megarl.backends.megatron.layers import resolve_impl
 
     fp8 = None
     if worker.fp8:
