@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from megarl.config_loader import (
@@ -229,7 +230,8 @@ class CriticConfig(TrainWorkerConfig):
 
 @dataclass
 class TrainerConfig:
-    output_dir: str = param("outputs/run", "Run directory: resolved config, checkpoints, MLflow store, exports.")
+    output_dir: str | None = param(None, "Run directory: resolved config, checkpoints, MLflow store, exports. "
+                                   "None = outputs/<the config file's name>, or outputs/run without a file.")
     total_training_steps: int | None = param(None, "Stop after this many steps; None = total_epochs over the data.", gt=0)
     total_epochs: int = param(1, "Passes over the training prompts.", gt=0)
     seed: int = param(42, "Seed of data order, sampling and initialisation.")
@@ -436,5 +438,10 @@ class RunConfig:
 
 
 def load_config(path: str | None, overrides: list[str] | None = None) -> RunConfig:
-    """Read a YAML run file, apply ``key=value`` overrides and validate; raise ConfigError."""
-    return _load_config(RunConfig, path, overrides or [])
+    """Read a YAML run file, apply ``key=value`` overrides and validate; raise ConfigError. A run
+    without a trainer.output_dir gets one named after its file: two configs never share a
+    directory (and resume each other's runs) by default."""
+    cfg = _load_config(RunConfig, path, overrides or [])
+    if cfg.trainer.output_dir is None:
+        cfg.trainer.output_dir = str(Path("outputs") / (Path(path).stem if path else "run"))
+    return cfg

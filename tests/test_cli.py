@@ -64,3 +64,14 @@ def test_version_names_megarl_and_the_libraries_in_one_line(capsys):
     python = ".".join(map(str, sys.version_info[:3]))
     assert line.startswith(f"megarl {pyproject['project']['version']} (python {python}, torch {torch.__version__}, ")
     assert line.count("\n") == 1 and line.endswith(")\n")
+
+
+def test_a_run_without_an_output_dir_is_named_after_its_config_file(tmp_path):
+    from megarl.config import load_config
+
+    (tmp_path / "grpo_small.yaml").write_text("model:\n  path: m\n")
+    (tmp_path / "dapo_big.yaml").write_text("model:\n  path: m\n")
+    assert load_config(str(tmp_path / "grpo_small.yaml")).trainer.output_dir == "outputs/grpo_small"
+    assert load_config(str(tmp_path / "dapo_big.yaml")).trainer.output_dir == "outputs/dapo_big"
+    assert load_config(None, ["model.path=m"]).trainer.output_dir == "outputs/run"
+    assert load_config(str(tmp_path / "dapo_big.yaml"), ["trainer.output_dir=/x/y"]).trainer.output_dir == "/x/y"
