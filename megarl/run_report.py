@@ -39,6 +39,22 @@ def summary(status: str, out: Path, history: list[dict], tracking: TrackingConfi
     return "\n".join(lines)
 
 
+# the step's one line in the console log: (label, metric, format), shown when the step has it
+STEP_LINE = (("reward", "train/reward_mean", ".3f"), ("acc", "train/acc", ".3f"),
+             ("length", "train/response_length_mean", ".1f"), ("mismatch", "rollout/logprob_mismatch", ".4f"),
+             ("searches", "rollout/search_calls_mean", ".2f"), ("val/acc", "val/acc", ".3f"))
+
+
+def step_line(done: int, total: int, metrics: dict) -> str:
+    """A step in one line of the console log: its figures, then its seconds and each phase's
+    (the `timing/*_s` metrics, in the order the step ran them)."""
+    figures = ", ".join(f"{label} {metrics[key]:{spec}}" for label, key, spec in STEP_LINE if key in metrics)
+    phases = ", ".join(f"{key[len('timing/'):-len('_s')]} {value:.1f}" for key, value in metrics.items()
+                       if key.startswith("timing/") and key.endswith("_s"))
+    seconds = f" | {metrics['perf/step_s']:.1f} s" if "perf/step_s" in metrics else ""
+    return f"megarl step {done}/{total}: {figures}{seconds}{f': {phases}' if phases else ''}"
+
+
 ROLLOUT_TABLE_ROWS = 16
 
 

@@ -38,7 +38,8 @@ from megarl.rollout.agent import run_trajectories
 from megarl.termination import closing, deferred, received, stop_on_signals
 from megarl.weights.probe import WrongWeights
 from megarl.resume_guard import check_resume
-from megarl.run_report import HISTORY_KEYS, PROGRESS_KEYS, ROLLOUT_TABLE_ROWS, plot_curves, rollout_table, summary
+from megarl.run_report import HISTORY_KEYS, PROGRESS_KEYS, ROLLOUT_TABLE_ROWS, plot_curves, rollout_table, \
+    step_line, summary
 from megarl.tracking import NullTracker, open_tracker
 
 log = logging.getLogger(__name__)
@@ -101,6 +102,7 @@ def train(cfg: RunConfig) -> dict[str, float]:
                 tracker.log_table(rollout_table(c, c.last_samples), f"rollouts/step_{done:06d}.json")
             history.append({k: metrics[k] for k in HISTORY_KEYS if k in metrics} | {"step": done})
             progress.set_postfix({short: f"{metrics[k]:.3f}" for short, k in PROGRESS_KEYS.items() if k in metrics})
+            progress.write(step_line(done, c.total_steps, metrics), file=sys.stderr)
             if (cfg.trainer.save_freq and done % cfg.trainer.save_freq == 0) or done == c.total_steps:
                 _save(c, ckpt_root, done, tracker.run_id, history, rollouts)
         export_hf(c, out / "hf")

@@ -59,3 +59,15 @@ def test_mlflows_own_tracking_uri_variable_is_honoured_and_the_config_beats_it(t
     other = open_tracker(explicit, tmp_path / "out2")
     other.close()
     assert MlflowClient(tracking_uri=explicit.uri).get_run(other.run_id).info.status == "FINISHED"
+
+
+def test_a_step_is_one_line_of_the_console_log():
+    from megarl.run_report import step_line
+
+    metrics = {"train/reward_mean": 0.25, "train/acc": 0.3125, "train/response_length_mean": 143.25,
+               "rollout/logprob_mismatch": 0.00412, "actor/pg_loss": 0.1, "timing/rollout_s": 4.12,
+               "timing/old_log_prob_s": 0.81, "timing/update_actor_s": 6.24, "timing/sync_weights_s": 0.33,
+               "perf/step_s": 11.57}
+    assert step_line(3, 20, metrics) == ("megarl step 3/20: reward 0.250, acc 0.312, length 143.2, mismatch 0.0041 | "
+                                         "11.6 s: rollout 4.1, old_log_prob 0.8, update_actor 6.2, sync_weights 0.3")
+    assert step_line(20, 20, {"train/acc": 1.0, "val/acc": 0.5}) == "megarl step 20/20: acc 1.000, val/acc 0.500"

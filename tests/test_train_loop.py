@@ -48,8 +48,14 @@ def test_two_step_micro_run(inputs, tmp_path, capsys):
     # the closing summary quotes the first and last val/acc as MLflow recorded them
     val = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "val/acc")}
     assert sorted(val) == [0, 1, 2]
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     assert f"val/acc: {val[0]:.3f} at step 0 -> {val[2]:.3f} at step 2" in printed
+    # each step's line in the console log, with the accuracy MLflow recorded and the phases' seconds
+    acc = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/acc")}
+    lines = [line for line in captured.err.splitlines() if line.startswith("megarl step ")]
+    assert [line.split(":")[0] for line in lines] == ["megarl step 1/2", "megarl step 2/2"]
+    assert all(f"acc {acc[i + 1]:.3f}," in line and ": rollout " in line for i, line in enumerate(lines))
     assert f"HF export:   {out / 'hf'}" in printed and "mlflow ui --backend-store-uri sqlite:" in printed
 
 
