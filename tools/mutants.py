@@ -43,6 +43,7 @@ EQUIVALENTS_DOC = ROOT / "docs" / "testing.md"  # "Equivalent mutants"
 SURVIVORS_DOC = ROOT / "docs" / "mutation-survivors.md"  # "Survivors not yet killed"
 NOT_IN_MAKE_TEST = "not slow and not ui and not sglang and not gpu"
 CALL_S = 120  # the deadline of each git and mutmut query (the run itself has the sample's or none)
+REAP_S = 15  # how often a run's orphaned processes are looked for while it goes on
 
 
 @dataclass(frozen=True)
@@ -164,7 +165,11 @@ def run_mutmut(work: Path, patterns: list[str], deadline: float | None, log) -> 
     cmd = [sys.executable, "-m", "mutmut", "run", "--max-children", str(os.cpu_count() or 2), *patterns]
     process = subprocess.Popen(cmd, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
+        reaped_at = time.monotonic()
         while process.poll() is None:
+            if time.monotonic() - reaped_at > REAP_S:  # a killed worker's servers, while the run goes on
+                stragglers(work, keep=process.pid)
+                reaped_at = time.monotonic()
             if deadline is not None and time.monotonic() > deadline:
                 os.killpg(process.pid, signal.SIGINT)  # mutmut keeps what it has finished
                 try:
@@ -180,17 +185,25 @@ def run_mutmut(work: Path, patterns: list[str], deadline: float | None, log) -> 
     return True
 
 
-def stragglers(work: Path) -> None:
+def stragglers(work: Path, keep: int | None = None) -> None:
     """Kill what a run left behind: workers of a mutant that hung, and what their tests started
     (servers, ranks) when the test process was killed first. Found by their working directory or
-    command line under `work` (a test's servers start sessions of their own)."""
+    command line under `work` (a test's servers start sessions of their own). With `keep` (the
+    running mutmut's pid), only those no longer below it: orphans of a worker mutmut killed at
+    its timeout, whose fixtures never stopped their servers (92 of them filled 17 GB in one run)."""
     import psutil
 
     inside = str(work)
+    alive = set()
+    if keep is not None:
+        try:
+            alive = {keep, *(c.pid for c in psutil.Process(keep).children(recursive=True))}
+        except psutil.Error:
+            return
     for p in psutil.process_iter(["pid", "cmdline", "cwd"]):
         try:
-            if p.pid != os.getpid() and (inside in " ".join(p.info["cmdline"] or ()) or
-                                         (p.info["cwd"] or "").startswith(inside)):
+            if p.pid != os.getpid() and p.pid not in alive and (inside in " ".join(p.info["cmdline"] or ()) or
+                                                                (p.info["cwd"] or "").startswith(inside)):
                 p.kill()
         except psutil.Error:
             pass
