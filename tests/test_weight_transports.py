@@ -68,8 +68,8 @@ class ThreadRanks:
 
         def wait():
             for t in threads:
-                t.join(timeout=60)
-                assert not t.is_alive(), "a sender did not open within 60 s"
+                t.join(timeout=30)
+                assert not t.is_alive(), "a sender did not open within 30 s"
             if errors:
                 raise errors[0]
         return wait
@@ -105,7 +105,7 @@ def other_weights(seed=7):
 def test_a_source_rank_here_loads_an_engine_server_and_rejoins_after_its_restart(engine_process):
     cfg = load_config(None, ["model.path=m", "rollout.engine=sglang", "rollout.sglang.server=embedded",
                              "sync.transport=nccl", "cluster.gpus_per_node=0",
-                             "rollout.sglang.startup_timeout_s=60"])
+                             "rollout.sglang.startup_timeout_s=20"])
     fleet = SGLangFleet([("engine0", None, engine_process.url, 1)], SGLangConfig(), api_key=KEY)
     client = HTTPEngine(engine_process.url, api_key=KEY)
     transport = GroupTransport(cfg, fleet)
@@ -141,7 +141,7 @@ def test_a_source_rank_here_loads_an_engine_server_and_rejoins_after_its_restart
 
 def test_a_bucket_the_engine_refuses_is_named_with_the_engines_answer(engine_process):
     cfg = load_config(None, ["model.path=m", "rollout.engine=sglang", "rollout.sglang.server=embedded",
-                             "sync.transport=nccl", "cluster.gpus_per_node=0"])
+                             "sync.transport=nccl", "cluster.gpus_per_node=0", "rollout.sglang.startup_timeout_s=20"])
     fleet = SGLangFleet([("engine0", None, engine_process.url, 1)], SGLangConfig(), api_key=KEY)
     client = HTTPEngine(engine_process.url, api_key=KEY)
     transport = GroupTransport(cfg, fleet)
