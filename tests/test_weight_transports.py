@@ -6,6 +6,7 @@ an engine restart) by the engine's own answers."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import textwrap
@@ -341,3 +342,107 @@ def test_a_directory_the_engine_cannot_load_is_refused_by_name(tmp_path, served_
     body = {k: v.replace("{dir}", str(tmp_path)) for k, v in body.items()}
     answer = httpx.post(url + "/update_weights_from_disk", json=body, timeout=30)
     assert answer.status_code == status and message in answer.json().get("message", answer.text)
+
+
+def ipc_double_app(mode: str):
+    """An engine's CUDA IPC route that answers as `mode` says (a test double of a failing engine)."""
+    from fastapi import FastAPI
+
+    app = FastAPI()
+
+    @app.post("/update_weights_from_tensor")
+    async def update():
+        if mode == "slow":
+            await asyncio.sleep(3)
+        return {"success": mode != "refuses", "message": "x" * 600}
+
+    return app
+
+
+def one_rank_ipc(url, **kw):
+    return IpcSender([RankPlace(0, "127.0.0.1", "0", 0, True)], 0, [(url, [0])], True,
+                     handles=SimpleNamespace(serialize=lambda flat: "handle"), **kw)
+
+
+def test_an_ipc_sender_reads_a_refusal_in_a_200_cuts_it_short_and_keeps_its_deadline():
+    with serve(ipc_double_app("refuses")) as url:
+        error = sender_error(one_rank_ipc(url), [{"a": torch.ones(2)}], 1)
+    assert error == f"{url} failed to load a weight bucket through CUDA IPC: 200 " + (
+        '{"success":false,"message":"' + "x" * 600 + '"}')[:500]
+    with serve(ipc_double_app("slow")) as url:
+        assert sender_error(one_rank_ipc(url, timeout_s=0.5), [{"a": torch.ones(2)}], 1).startswith(
+            f"{url} did not answer a CUDA IPC weight update: ")
+
+
+def test_an_ipc_sender_carries_the_engines_api_key():
+    tok = tiny_tokenizer()
+    engine = LocalEngine(tiny_model("qwen2", vocab_size=len(tok)), tok, eos_token_ids=[])
+    with serve(create_engine_app(engine, tok, api_key=KEY)) as url:
+        with_key = sender_error(one_rank_ipc(url, api_key=KEY), [{"a": torch.ones(2)}], 1)
+        without = sender_error(one_rank_ipc(url), [{"a": torch.ones(2)}], 1)
+    assert "passes CUDA IPC handles, which megarl's embedded engine does not take" in with_key  # past the key
+    assert ": 401 " in without
+
+
+def test_an_ipc_rank_sends_its_own_stage_and_makes_a_handle_only_where_an_engine_runs(tmp_path):
+    import sglang_double
+    from gpu_harness import SimHandles
+
+    places = [RankPlace(0, "127.0.0.1", "0", 0, True), RankPlace(1, "127.0.0.1", "1", 1, True)]
+    buckets = [{"a": torch.ones(2)}, {"b": torch.zeros(3)}]
+    no_engine = IpcSender(places, 0, [], False)  # no engine on its GPU: no handle, nothing posted
+    no_engine.open()
+    assert no_engine.handles is None and no_engine.send(buckets, 1) == 2  # stage 1's source is another rank
+    with serve(sglang_double.create_app("node0", ["0"], {})) as url:
+        sender = IpcSender(places, 0, [(url, [0])], True, handles=SimHandles(sglang_double.device_uuid("node0", "0"),
+                                                                             str(tmp_path)))
+        with httpx.Client(base_url=url, timeout=30) as http:
+            http.post("/begin_weight_update", json={})
+            assert sender.send(buckets, 6) == 2
+            http.post("/end_weight_update", json={})
+            assert http.post("/generate", json={"input_ids": [1]}).json()["meta_info"]["weight_version"] == "6"
+
+
+def test_an_ipc_sender_that_makes_handles_needs_sglang(monkeypatch):
+    monkeypatch.setitem(sys.modules, "sglang", None)  # `import sglang` fails
+    with pytest.raises(RuntimeError) as error:
+        IpcSender([RankPlace(0, "127.0.0.1", "0", 0, True)], 0, [], True).open()
+    assert str(error.value) == ("sync.transport=ipc serialises CUDA handles with SGLang's own code, so the train ranks "
+                                "need SGLang 0.5.23 installed too (pip install -e '.[gpu]'), or use sync.transport=disk")
+    module = SimpleNamespace()  # an SGLang that does not say its version
+    monkeypatch.setitem(sys.modules, "sglang", module)
+    with pytest.raises(RuntimeError, match="as of SGLang 0.5.23; this environment has unknown: install 0.5.23"):
+        IpcSender([RankPlace(0, "127.0.0.1", "0", 0, True)], 0, [], True).open()
+
+
+def test_sglang_handles_describe_each_tensor_as_sglangs_metadata_names_it(monkeypatch):
+    from dataclasses import dataclass
+
+    from megarl.weights import ipc
+    from megarl.weights.buckets import flatten
+
+    @dataclass
+    class Metadata:  # FlattenedTensorMetadata's fields in SGLang 0.5.23 (tests/test_sglang_contract.py)
+        name: str
+        shape: torch.Size
+        dtype: torch.dtype
+        start_idx: int
+        end_idx: int
+        numel: int
+
+    serialized = []
+
+    class Serializer:
+        @staticmethod
+        def serialize(obj, output_str=False):
+            serialized.append((obj, output_str))
+            return "handle"
+
+    monkeypatch.setattr(ipc, "sglang_ipc_api", lambda: (Serializer, Metadata))
+    flat = flatten({"w": torch.ones(2, 3), "v": torch.zeros(4)}, packed=True)
+    assert ipc.SGLangHandles().serialize(flat) == "handle"
+    (obj, output_str), = serialized
+    assert output_str is True and set(obj) == {"flattened_tensor", "metadata"} and obj["flattened_tensor"] is flat.data
+    # offsets and numel in bytes: SGLang counts the bucket's uint8 view (weight_sync/tensor_bucket.py)
+    assert obj["metadata"] == [Metadata("w", torch.Size([2, 3]), torch.float32, 0, 24, 24),
+                               Metadata("v", torch.Size([4]), torch.float32, 24, 40, 16)]
