@@ -268,3 +268,19 @@ def test_the_probe_compares_in_double_precision():
     p.expected = [torch.tensor([-1.0], dtype=torch.float64)]
     m = p.compare("e", [[-1.0000001]])  # 1e-7: below float32's resolution at 1.0 (1.19e-7)
     assert m.mean_abs == pytest.approx(1e-7, rel=1e-6)
+
+
+def test_a_bucket_rebuilt_from_a_read_only_array_as_ray_hands_it_out_warns_nothing():
+    import warnings
+
+    import numpy as np
+
+    from megarl.weights.buckets import _rebuild_bucket, flatten, unpack_bucket
+
+    flat = flatten({"w": torch.arange(6.0).reshape(2, 3)})
+    array = flat.data.numpy().copy()
+    array.setflags(write=False)  # Ray's object store maps it read-only
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rebuilt = _rebuild_bucket(array, flat.entries)
+    assert torch.equal(unpack_bucket(rebuilt)["w"], torch.arange(6.0).reshape(2, 3)) and isinstance(array, np.ndarray)
