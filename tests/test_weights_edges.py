@@ -284,3 +284,16 @@ def test_a_bucket_rebuilt_from_a_read_only_array_as_ray_hands_it_out_warns_nothi
         warnings.simplefilter("error")
         rebuilt = _rebuild_bucket(array, flat.entries)
     assert torch.equal(unpack_bucket(rebuilt)["w"], torch.arange(6.0).reshape(2, 3)) and isinstance(array, np.ndarray)
+
+
+def test_a_weight_version_is_a_step_number_and_none_given_is_0():
+    from fastapi import HTTPException
+
+    from megarl.weights.routes import version_of
+
+    assert version_of({}) == 0 and version_of({"weight_version": None}) == 0
+    assert version_of({"weight_version": "12"}) == 12 and version_of({"weight_version": 3}) == 3
+    with pytest.raises(HTTPException) as error:
+        version_of({"weight_version": "v2"})
+    assert error.value.status_code == 400 and error.value.detail == (
+        "weight_version 'v2': megarl's versions are step numbers")
