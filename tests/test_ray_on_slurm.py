@@ -40,8 +40,9 @@ case "$*" in
 esac
 """
 RAY = """#!/usr/bin/env bash
-# ray start --block: until SIGTERM, as Ray's own stops its node's processes then
-trap 'echo "ray stopped $(date +%s.%N)" >> "$EVENTS"; exit 0' TERM
+# ray start --block: until SIGTERM, as Ray's own stops its node's processes then, once: a second
+# SIGTERM while stopping (slurm signals the whole step, and the relay passes one on) is not a second stop
+trap 'trap "" TERM; echo "ray stopped $(date +%s.%N)" >> "$EVENTS"; exit 0' TERM
 echo "ray started $(date +%s.%N)" >> "$EVENTS"
 while true; do sleep 0.1; done
 """
