@@ -11,17 +11,16 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from contextlib import contextmanager
 from types import SimpleNamespace
 
 import httpx
 import pytest
 import torch
-import uvicorn
 
 from megarl.config import SGLangConfig, load_config
 from megarl.driver_loop import run_async
+from megarl.http_server import BackgroundServer
 from megarl.rollout.http import HTTPEngine, create_engine_app
 from megarl.rollout.local import LocalEngine
 from megarl.rollout.sglang import SGLangFleet
@@ -178,20 +177,9 @@ SENDER = textwrap.dedent("""
 
 @contextmanager
 def serve(app):
-    """`app` served on a thread of this process; its URL."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started and time.time() < deadline:
-        time.sleep(0.05)
-    assert server.started, "the server did not start"
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+    """`app` served on a thread of this process (megarl.http_server.BackgroundServer); its URL."""
+    with BackgroundServer(app) as server:
+        yield server.url
 
 
 @pytest.fixture
