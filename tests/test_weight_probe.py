@@ -162,8 +162,25 @@ def test_the_probe_can_be_turned_off(tiny_inputs, tmp_path):
         c.close()
 
 
+class _LiveProcess:
+    """A ServerActor double whose server process runs (it is not gone): the fleet must not restart it."""
+
+    class _Call:
+        def __init__(self, answer):
+            self.answer, self.calls = answer, []
+
+        async def remote(self, *args):
+            self.calls.append(args)
+            return self.answer
+
+    def __init__(self):
+        self.gone_within, self.alive = self._Call(False), self._Call(True)
+
+
 def test_an_engine_that_does_not_answer_the_probe_is_named():
-    """The fleet's probe of a server that is gone: ComponentDied naming it, not an HTTP error."""
+    """The fleet's probe of a server whose process runs but does not answer: ComponentDied
+    naming it, not an HTTP error, and no restart (one whose process died is restarted:
+    tests/test_sglang_fleet.py)."""
     from megarl.config import load_config
     from megarl.errors import ComponentDied
     from megarl.rollout.sglang import SGLangFleet
@@ -171,7 +188,9 @@ def test_an_engine_that_does_not_answer_the_probe_is_named():
 
     settings = load_config(None, ["rollout.sglang.router=false"]).rollout.sglang
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    fleet = SGLangFleet([("engine0", object(), url, 1)], settings)
+    process = _LiveProcess()
+    fleet = SGLangFleet([("engine0", process, url, 1)], settings)
     with pytest.raises(ComponentDied, match=rf"rollout engine engine0 at {url} did not answer the weights probe"):
         asyncio.run(fleet.probe_log_probs([[1, 2, 3]]))
+    assert process.gone_within.calls == [(10.0,)] and fleet.metrics()["rollout/engine_restarts"] == 0
     asyncio.run(fleet.close())

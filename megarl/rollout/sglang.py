@@ -406,18 +406,28 @@ class SGLangFleet:
 
     async def probe_log_probs(self, sequences: list[list[int]]) -> dict[str, list[list[float]]]:
         """Each engine's answer to the weights probe, by its name (not through the router: every
-        engine is probed); ComponentDied naming an engine that does not answer within
-        cluster.liveness.timeout_s."""
+        engine is probed). An engine whose process died is restarted and probed once more: it
+        answers with the weights it reloaded, or with the checkpoint's, which the probe finds
+        wrong and the runtime syncs again (Runtime.check_engine_weights). ComponentDied naming an
+        engine that does not answer within cluster.liveness.timeout_s."""
         async def one(server: _ServerHandle) -> list[list[float]]:
-            try:
-                return list(await asyncio.gather(*[server.client.prompt_log_probs(s, self.liveness.timeout_s)
-                                                   for s in sequences]))
-            except (httpx.HTTPError, ServerError) as e:
-                raise ComponentDied(f"rollout engine {server.name} at {server.url} did not answer the weights probe "
-                                    f"(sync.probe) within {self.liveness.timeout_s:.0f} s: {type(e).__name__}: "
-                                    f"{e}") from e
+            for attempt in range(2):
+                try:
+                    return list(await asyncio.gather(*[server.client.prompt_log_probs(s, self.liveness.timeout_s)
+                                                       for s in sequences]))
+                except (httpx.HTTPError, ServerError) as e:
+                    if attempt or not _connection_lost(e) or not await server.call("gone_within", 10.0,
+                                                                                  timeout_s=70.0):
+                        raise self._no_probe_answer(server, e) from e
+                    log.warning("rollout engine %s died before the weights probe (%s): restarting it", server.name, e)
+                    await self._restart(server, before_sync=True)  # the probe decides whether it needs a sync
+
         answers = await asyncio.gather(*[one(s) for s in self.servers])
         return {f"rollout engine {s.name} at {s.url}": a for s, a in zip(self.servers, answers)}
+
+    def _no_probe_answer(self, server: _ServerHandle, e: Exception) -> ComponentDied:
+        return ComponentDied(f"rollout engine {server.name} at {server.url} did not answer the weights probe "
+                             f"(sync.probe) within {self.liveness.timeout_s:.0f} s: {type(e).__name__}: {e}")
 
     @property
     def engine_urls(self) -> list[str]:
