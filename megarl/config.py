@@ -437,11 +437,12 @@ class RunConfig:
 
 
 
-def load_config(path: str | None, overrides: list[str] | None = None) -> RunConfig:
-    """Read a YAML run file, apply ``key=value`` overrides and validate; raise ConfigError. A run
-    without a trainer.output_dir gets one named after its file: two configs never share a
-    directory (and resume each other's runs) by default."""
-    cfg = _load_config(RunConfig, path, overrides or [])
+def load_config(path: str | None, overrides: list[str] | None = None, consistent: bool = True) -> RunConfig:
+    """Read a YAML run file, apply ``key=value`` overrides and validate (with `consistent`, the
+    rules across fields too); raise ConfigError. A run without a trainer.output_dir gets one
+    named after its file: two configs never share a directory (and resume each other's runs)
+    by default."""
+    cfg = _load_config(RunConfig, path, overrides or [], consistent)
     if cfg.trainer.output_dir is None:
         cfg.trainer.output_dir = str(Path("outputs") / (Path(path).stem if path else "run"))
     return cfg

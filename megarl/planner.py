@@ -77,6 +77,7 @@ import re
 import sys
 from dataclasses import asdict, dataclass, field
 
+from megarl.planner_config import settle
 from megarl.planner_models import KNOWN_MODELS, ModelShape  # noqa: F401 (the command's public names)
 from megarl.planner_time import GPUS, StepTime, StepWork, describe, estimate_step
 
@@ -382,17 +383,20 @@ def overrides(e: Estimate) -> list[str]:
 
 def add_plan_command(sub) -> None:
     p = sub.add_parser("plan", help="Recommend parallel layouts with the memory per GPU they need.")
-    p.add_argument("--model", required=True, help=f"HF config.json / model directory, or one of: {', '.join(KNOWN_MODELS)}")
-    p.add_argument("--nodes", type=int, required=True)
-    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--config", help="a run's config: the settings below from it and its key=value overrides "
+                                    "(megarl.planner_config); a flag given wins")
+    p.add_argument("settings", nargs="*", metavar="key=value", help="overrides of --config, as megarl train takes them")
+    p.add_argument("--model", help=f"HF config.json / model directory, or one of: {', '.join(KNOWN_MODELS)}")
+    p.add_argument("--nodes", type=int)
+    p.add_argument("--gpus-per-node", type=int, help="default 8")
     p.add_argument("--gpu-memory", default="80GB", help="memory of one GPU, e.g. 80GB (binary units)")
-    p.add_argument("--max-prompt-length", type=int, default=2048)
-    p.add_argument("--max-response-length", type=int, default=20480)
-    p.add_argument("--max-tokens-per-gpu", type=int, default=None, help="tokens of one micro-batch (default: one sequence)")
-    p.add_argument("--rollout-batch", type=int, default=512 * 16, help="sequences generated per step")
+    p.add_argument("--max-prompt-length", type=int, help="default 2048")
+    p.add_argument("--max-response-length", type=int, help="default 20480")
+    p.add_argument("--max-tokens-per-gpu", type=int, help="tokens of one micro-batch (default: one sequence)")
+    p.add_argument("--rollout-batch", type=int, help="sequences generated per step (default 8192)")
     p.add_argument("--kl", action="store_true", help="a frozen reference model is on the GPUs")
     p.add_argument("--critic", action="store_true", help="a critic (PPO) shares the GPUs")
-    p.add_argument("--rollout-gpus", type=int, default=0,
+    p.add_argument("--rollout-gpus", type=int,
                    help="GPUs of the engines' own (rollout.mode=disaggregated), the trainer takes the rest; "
                         "0 = engines colocated on the trainer's GPUs")
     p.add_argument("--no-sleep", action="store_true",
@@ -413,6 +417,7 @@ def add_plan_command(sub) -> None:
 
 
 def _plan_command(args: argparse.Namespace) -> int:
+    settle(args)
     if args.nodes < 1 or args.gpus_per_node < 1:
         raise ValueError("--nodes and --gpus-per-node must be at least 1")
     shape = ModelShape.load(args.model)

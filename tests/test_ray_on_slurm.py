@@ -71,7 +71,7 @@ def start(tmp_path: Path, run_s: float, job: str | None = None) -> tuple[subproc
         (bin_dir / name).chmod(0o755)
     (tmp_path / "driver.py").write_text(DRIVER)
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="1", SLURM_JOB_NODELIST="localhost",
-               MEGARL_PYTHON=str(bin_dir / "python"), EVENTS=str(events), RAY_STOP_TIMEOUT="10")
+               MEGARL_PYTHON=str(bin_dir / "python"), EVENTS=str(events), MEGARL_RAY_STOP_TIMEOUT="10")
     if job is not None:  # what `scontrol show job` says of the job
         env["SCONTROL_JOB"] = job
     script = (f"set -euo pipefail; source {ROOT / 'tools' / 'ray_on_slurm.sh'}; "  # as the recipes run it

@@ -17,10 +17,10 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "examples").glob("*/run_*_qwen*.sh"))
 
 
-def run_recipe(recipe: Path, **env) -> subprocess.CompletedProcess:
-    environment = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+def run_recipe(recipe: Path, *args: str, **env) -> subprocess.CompletedProcess:
+    environment = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MEGARL_"))}
     environment.update(MEGARL_DRY_RUN="1", MEGARL_PYTHON=sys.executable, MEGARL_HOME=str(ROOT), **env)
-    return subprocess.run(["bash", str(recipe)], cwd=ROOT, env=environment, capture_output=True, text=True,
+    return subprocess.run(["bash", str(recipe), *args], cwd=ROOT, env=environment, capture_output=True, text=True,
                           timeout=300)
 
 
@@ -29,11 +29,11 @@ def declared_nodes(recipe: Path) -> int:
 
 
 def plan_model(recipe: Path) -> str:
-    return re.search(r"PLAN_MODEL=\$\{PLAN_MODEL:-([^}]+)\}", recipe.read_text()).group(1)
+    return re.search(r"MEGARL_PLAN_MODEL=\$\{MEGARL_PLAN_MODEL:-([^}]+)\}", recipe.read_text()).group(1)
 
 
 def rollout_gpus(recipe: Path, nodes: int) -> list[str]:
-    """The recipe's own GPUs for the engines (half of the job's, as its PLAN_ARGS say), if any."""
+    """The recipe's own GPUs for the engines (half of the job's, as its MEGARL_PLAN_ARGS say), if any."""
     return ["--rollout-gpus", str(nodes * 8 // 2)] if "--rollout-gpus" in recipe.read_text() else []
 
 
@@ -49,7 +49,7 @@ CASES = [(r, "dapo") for r in RECIPES] + [(r, "ppo") for r in RECIPES if "search
 @pytest.mark.parametrize("recipe, algo", CASES, ids=lambda c: c.name if isinstance(c, Path) else c)
 def test_recipe_assembles_a_valid_run_with_the_planned_layout(recipe, algo):
     nodes = declared_nodes(recipe)
-    result = run_recipe(recipe, NNODES=str(nodes), ALGO=algo)
+    result = run_recipe(recipe, MEGARL_NNODES=str(nodes), MEGARL_ALGO=algo)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     cfg = yaml.safe_load(result.stdout[result.stdout.index("\nmodel:") + 1:])
     assert cfg["cluster"]["nnodes"] == nodes and cfg["cluster"]["ray_address"] == "auto"
@@ -105,8 +105,29 @@ def test_an_example_config_holds_the_planned_layout_of_its_nodes(config):
 
 def test_a_recipe_refuses_a_node_count_other_than_the_jobs():
     recipe = ROOT / "examples/dapo/run_dapo_qwen2.5_32b.sh"
-    result = run_recipe(recipe, NNODES="4", SLURM_JOB_NUM_NODES="8")
-    assert result.returncode == 2 and "NNODES=4 but the job has 8 nodes" in result.stderr
+    result = run_recipe(recipe, MEGARL_NNODES="4", SLURM_JOB_NUM_NODES="8")
+    assert result.returncode == 2 and "MEGARL_NNODES=4 but the job has 8 nodes" in result.stderr
+
+
+def test_a_dry_run_outside_slurm_is_told_the_node_count():
+    result = run_recipe(ROOT / "examples/dapo/run_dapo_qwen2.5_32b.sh")
+    assert result.returncode == 2 and "how many nodes? Outside a slurm job set MEGARL_NNODES" in result.stderr
+    assert "config OK" not in result.stderr
+
+
+def test_a_recipe_plans_from_the_runs_own_settings():
+    """An override of the run reaches its plan: responses of 8192 tokens are planned as such,
+    not as the recipe's 20480 (the step-time estimate the recipe prints tells them apart)."""
+    def estimate(response: int) -> str:
+        return subprocess.run([sys.executable, "-m", "megarl.cli", "plan", "--model", "Qwen/Qwen2.5-32B", "--nodes", "8",
+                               "--max-prompt-length", "2048", "--max-response-length", str(response),
+                               "--max-tokens-per-gpu", "22528", "--rollout-batch", str(1536 * 16), "--estimate"],
+                              cwd=ROOT, capture_output=True, text=True, check=True).stdout.splitlines()[0]
+
+    result = run_recipe(ROOT / "examples/dapo/run_dapo_qwen2.5_32b.sh", "rollout.max_response_length=8192",
+                        MEGARL_NNODES="8")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert estimate(8192) != estimate(20480) and estimate(8192) in result.stderr.splitlines()
 
 
 def test_the_dapo_recipe_keeps_the_papers_settings():
@@ -118,3 +139,46 @@ def test_the_dapo_recipe_keeps_the_papers_settings():
     optim = cfg["actor"]["optim"]
     assert (optim["lr"], optim["weight_decay"], optim["grad_clip"], optim["lr_scheduler"]) == (1e-6, 0.1, 1.0, "constant")
     assert cfg["rollout"]["val"] == {"temperature": 1.0, "top_p": 0.7, "n": 32}
+
+
+def find_install(home: Path, *path: Path) -> subprocess.CompletedProcess:
+    """megarl_install (tools/ray_on_slurm.sh) with MEGARL_HOME=home and PATH=path + the system's."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGARL_")}
+    env.update(MEGARL_HOME=str(home), PATH=":".join([*map(str, path), "/usr/bin", "/bin"]))
+    return subprocess.run(["bash", "-c", f"source {ROOT / 'tools/ray_on_slurm.sh'}; megarl_install && "
+                           'echo "$MEGARL_PY|$MEGARL_CMD|$MEGARL_RAY"'], env=env, capture_output=True, text=True,
+                          timeout=60)
+
+
+def wrapper(path: Path, target: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f'#!/bin/sh\nexec {target} "$@"\n')
+    path.chmod(0o755)
+    return path
+
+
+def test_recipes_find_megarl_installed_without_a_venv(tmp_path):
+    """`pip install` into a container's python (the GPU docs' way): no .venv in the repository;
+    the python3 on PATH runs megarl, and its commands are found on PATH (pip put a system
+    python's scripts in another directory)."""
+    venv_bin = Path(sys.executable).parent
+    python = wrapper(tmp_path / "usr/bin/python3", sys.executable)
+    found = find_install(tmp_path / "repo", python.parent, venv_bin)
+    assert found.returncode == 0, found.stderr
+    assert found.stdout.strip() == f"{python}|{venv_bin / 'megarl'}|{venv_bin / 'ray'}"
+
+
+def test_the_repositorys_venv_comes_first(tmp_path):
+    python = wrapper(tmp_path / "repo/.venv/bin/python", sys.executable)
+    megarl = wrapper(tmp_path / "repo/.venv/bin/megarl", str(Path(sys.executable).parent / "megarl"))
+    ray = wrapper(tmp_path / "repo/.venv/bin/ray", str(Path(sys.executable).parent / "ray"))
+    other = wrapper(tmp_path / "usr/bin/python3", sys.executable)
+    found = find_install(tmp_path / "repo", other.parent)
+    assert found.returncode == 0 and found.stdout.strip() == f"{python}|{megarl}|{ray}", found.stderr
+
+
+def test_a_python_without_megarl_is_named_with_what_to_do(tmp_path):
+    python = wrapper(tmp_path / "usr/bin/python3", "false")
+    found = find_install(tmp_path / "repo", python.parent)
+    assert found.returncode == 2 and found.stdout == ""
+    assert f"megarl: {python} cannot run megarl" in found.stderr and "pip install -e '.[gpu]'" in found.stderr

@@ -4,7 +4,7 @@
 #   ray_on_slurm megarl train examples/dapo/dapo_qwen2.5_32b.yaml key=value ...
 #
 # ray_on_slurm starts a Ray head on the first node of the job (an `srun` step) and one worker
-# on each other node, waits until Ray sees every node (RAY_START_TIMEOUT seconds, default 600),
+# on each other node, waits until Ray sees every node (MEGARL_RAY_START_TIMEOUT seconds, default 600),
 # then runs the command here (the batch host, which is the first node) with RAY_ADDRESS set, so
 # `cluster.ray_address=auto` joins that cluster. When the command ends, fails, or the job is
 # cancelled, the Ray steps it started are stopped (by their own process ids; nothing is killed
@@ -21,7 +21,8 @@
 # the head's step relays its SIGTERM here, so the command stops as Ray does, not after it.
 #
 # Settings (environment): MEGARL_PYTHON (the python with megarl installed; default the
-# repository's .venv, else python3), RAY_PORT (6379), RAY_NUM_CPUS / RAY_NUM_GPUS per node
+# repository's .venv, else the python3 on PATH: see megarl_install), MEGARL_RAY_PORT (6379),
+# MEGARL_RAY_NUM_CPUS / MEGARL_RAY_NUM_GPUS per node
 # (default: what slurm gives the job on a node; GPUs from SLURM_GPUS_ON_NODE, else 0),
 # RAY_TMPDIR (Ray's session files; default /tmp/ray-$SLURM_JOB_ID, one per job), RAY_AUTH_TOKEN
 # (default: a fresh random token per job; Ray's token authentication is on),
@@ -36,9 +37,9 @@ _ray_on_slurm_log() { echo "[ray_on_slurm $(date +%H:%M:%S)] $*" >&2; }
 
 # The Ray steps (and the retrieval server's): SIGTERM to each srun, which passes it to its task
 # (`ray start --block` then stops that node's Ray processes, as `ray stop` does for them); those
-# still running after RAY_STOP_TIMEOUT seconds (default 60) get SIGKILL.
+# still running after MEGARL_RAY_STOP_TIMEOUT seconds (default 60) get SIGKILL.
 _ray_on_slurm_stop() {
-    local pid deadline=$((SECONDS + ${RAY_STOP_TIMEOUT:-60}))
+    local pid deadline=$((SECONDS + ${MEGARL_RAY_STOP_TIMEOUT:-60}))
     _ray_on_slurm_stopping=1  # the head step relays the SIGTERM it is stopped with: not a new request
     for pid in "${_ray_on_slurm_steps[@]}"; do
         kill -TERM "$pid" 2>/dev/null || true
@@ -48,7 +49,7 @@ _ray_on_slurm_stop() {
             sleep 1
         done
         if kill -0 "$pid" 2>/dev/null; then
-            _ray_on_slurm_log "step process $pid did not stop within ${RAY_STOP_TIMEOUT:-60} s; killing it"
+            _ray_on_slurm_log "step process $pid did not stop within ${MEGARL_RAY_STOP_TIMEOUT:-60} s; killing it"
             kill -KILL "$pid" 2>/dev/null || true
         fi
         wait "$pid" 2>/dev/null || true
@@ -71,22 +72,53 @@ _ray_on_slurm_signal() {
     exit $((128 + $(kill -l "$1")))
 }
 
+# megarl_install: the python that runs megarl and the megarl and ray commands of its install,
+# in MEGARL_PY, MEGARL_CMD and MEGARL_RAY. The python is MEGARL_PYTHON, else the repository's
+# .venv (`make setup`), else the python3 on PATH (`pip install` into a container's environment,
+# docs/install.md); the commands are the ones next to it, else the ones on PATH (pip puts a
+# system python's scripts in another directory), "" where neither has one (_megarl_needs).
+# Status 2, saying what to do, where megarl or Ray is not installed for that python.
+megarl_install() {
+    local repo=${MEGARL_HOME:-${SLURM_SUBMIT_DIR:-$PWD}} bin
+    MEGARL_PY=${MEGARL_PYTHON:-}
+    if [[ -z "$MEGARL_PY" ]]; then
+        if [[ -x "$repo/.venv/bin/python" ]]; then MEGARL_PY=$repo/.venv/bin/python; else MEGARL_PY=$(command -v python3 || true); fi
+    fi
+    if [[ -z "$MEGARL_PY" ]] || ! "$MEGARL_PY" -c "import megarl.cli, ray" 2>/dev/null; then
+        echo "megarl: ${MEGARL_PY:-python3 (none on PATH)} cannot run megarl (import megarl.cli, ray failed):" \
+             "install it into the environment the job runs in (pip install -e '.[gpu]' in the repository," \
+             "docs/install.md), or set MEGARL_PYTHON to a python that has it" >&2
+        return 2
+    fi
+    bin=$(dirname "$MEGARL_PY")
+    MEGARL_CMD=$bin/megarl MEGARL_RAY=$bin/ray
+    [[ -x "$MEGARL_CMD" ]] || MEGARL_CMD=$(command -v megarl || true)
+    [[ -x "$MEGARL_RAY" ]] || MEGARL_RAY=$(command -v ray || true)
+    return 0
+}
+
+# _megarl_needs NAME: status 2, saying what to do, where megarl_install found no NAME command
+# (megarl or ray) for its python.
+_megarl_needs() {
+    local found=$MEGARL_CMD
+    [[ $1 == ray ]] && found=$MEGARL_RAY
+    [[ -n "$found" ]] && return 0
+    echo "megarl: $MEGARL_PY has megarl and Ray, but no $1 command is next to it or on PATH: add the" \
+         "directory pip installed their scripts to to PATH" >&2
+    return 2
+}
+
 ray_on_slurm() {
     if [[ -z "${SLURM_JOB_ID:-}" ]]; then
         echo "ray_on_slurm: not inside a slurm job (submit the recipe with sbatch)" >&2
         return 2
     fi
-    local repo py ray port cpus gpus tmp head head_ip deadline status
-    repo=${MEGARL_HOME:-${SLURM_SUBMIT_DIR:-$PWD}}
-    py=${MEGARL_PYTHON:-}
-    if [[ -z "$py" ]]; then
-        if [[ -x "$repo/.venv/bin/python" ]]; then py="$repo/.venv/bin/python"; else py=$(command -v python3); fi
-    fi
-    ray="$(dirname "$py")/ray"
-    [[ -x "$ray" ]] || { echo "ray_on_slurm: no ray next to $py (set MEGARL_PYTHON)" >&2; return 2; }
-    port=${RAY_PORT:-6379}
-    cpus=${RAY_NUM_CPUS:-${SLURM_CPUS_ON_NODE:-1}}
-    gpus=${RAY_NUM_GPUS:-${SLURM_GPUS_ON_NODE:-0}}
+    local py ray port cpus gpus tmp head head_ip deadline status
+    megarl_install && _megarl_needs ray || return
+    py=$MEGARL_PY ray=$MEGARL_RAY
+    port=${MEGARL_RAY_PORT:-6379}
+    cpus=${MEGARL_RAY_NUM_CPUS:-${SLURM_CPUS_ON_NODE:-1}}
+    gpus=${MEGARL_RAY_NUM_GPUS:-${SLURM_GPUS_ON_NODE:-0}}
     tmp=${RAY_TMPDIR:-/tmp/ray-$SLURM_JOB_ID}
     mapfile -t nodes < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
     head=${nodes[0]}
@@ -128,7 +160,7 @@ ray_on_slurm() {
         _ray_on_slurm_steps+=($!)
     done
 
-    deadline=$((SECONDS + ${RAY_START_TIMEOUT:-600}))
+    deadline=$((SECONDS + ${MEGARL_RAY_START_TIMEOUT:-600}))
     until timeout 60 "$py" - "$head_ip:$port" "${#nodes[@]}" 2>/dev/null <<'EOF'
 import sys, ray
 ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
@@ -137,7 +169,7 @@ sys.exit(0 if alive >= int(sys.argv[2]) else 1)
 EOF
     do
         if (( SECONDS > deadline )); then
-            _ray_on_slurm_log "Ray did not see all ${#nodes[@]} nodes within ${RAY_START_TIMEOUT:-600} s; stopping"
+            _ray_on_slurm_log "Ray did not see all ${#nodes[@]} nodes within ${MEGARL_RAY_START_TIMEOUT:-600} s; stopping"
             _ray_on_slurm_stop
             return 1
         fi
@@ -176,7 +208,7 @@ EOF
 }
 
 # After the command stopped on SIGTERM: if slurm is taking the job away (it was preempted, or its
-# time limit is within RAY_REQUEUE_WINDOW seconds, default 600: the recipes' --signal=B:TERM@300)
+# time limit is within MEGARL_REQUEUE_WINDOW seconds, default 600: the recipes' --signal=B:TERM@300)
 # and it was submitted with --requeue, requeue it now: it runs again and megarl resumes from the
 # newest checkpoint. Slurm requeues a preempted job itself only if the job outlives the
 # partition's GraceTime, and a run that stops cleanly ends sooner (as a failed job). A stop by
@@ -187,7 +219,7 @@ _ray_on_slurm_requeue_if_taken() {
     if [[ $info =~ PreemptTime=([0-9][0-9T:-]+) ]]; then
         why="preempted at ${BASH_REMATCH[1]}"
     elif [[ $info =~ EndTime=([0-9][0-9T:-]+) ]] && end=$(date -d "${BASH_REMATCH[1]}" +%s 2>/dev/null) \
-            && (( end - $(date +%s) < ${RAY_REQUEUE_WINDOW:-600} )); then
+            && (( end - $(date +%s) < ${MEGARL_REQUEUE_WINDOW:-600} )); then
         why="its time limit is $(( end - $(date +%s) )) s away"
     fi
     [[ -n $why ]] || return 0
@@ -201,37 +233,45 @@ _ray_on_slurm_requeue_if_taken() {
 
 
 # megarl_train_on_slurm CONFIG [key=value ...]: what every GPU recipe does after setting its
-# defaults. Reads MODEL_PATH, OUTPUT_DIR, MLFLOW_TRACKING_URI, NNODES (must equal the job's
-# nodes), GPUS_PER_NODE [8], GPU_MEMORY [80GB], PLAN_MODEL (the model `megarl plan` sizes when
-# MODEL_PATH has no config.json yet) and PLAN_ARGS (sequence lengths, --critic, --kl); the layout
-# (actor TP / PP / DP, recompute, offload, engine TP, SGLang memory fraction) is the one
-# `megarl plan` recommends for the job's nodes, unless LAYOUT is set. Prints what it runs;
-# with MEGARL_DRY_RUN=1 it only validates the assembled run (`megarl train --dry-run`), no cluster.
+# defaults. Reads MEGARL_MODEL_PATH, MEGARL_OUTPUT_DIR, MLFLOW_TRACKING_URI, MEGARL_NNODES (the
+# job's nodes, and a different value is refused; required outside slurm), MEGARL_GPUS_PER_NODE
+# [8], MEGARL_GPU_MEMORY [80GB], MEGARL_PLAN_MODEL (the model `megarl plan` sizes while
+# MEGARL_MODEL_PATH has no config.json yet) and MEGARL_PLAN_ARGS (more `megarl plan` flags, e.g.
+# --rollout-gpus). The layout (actor TP / PP / DP, recompute, offload, engine TP, SGLang memory
+# fraction) is the one `megarl plan --config CONFIG key=value ...` recommends for the job's nodes,
+# planned from the run's own config and overrides (sequence lengths, batch, critic, KL), unless
+# MEGARL_LAYOUT is set. Prints what it runs; with MEGARL_DRY_RUN=1 it only validates the
+# assembled run (`megarl train --dry-run`: the config, and the model and data paths), no cluster.
 megarl_train_on_slurm() {
     local config=$1; shift
-    local repo=${MEGARL_HOME:-${SLURM_SUBMIT_DIR:-$PWD}}
-    local py=${MEGARL_PYTHON:-$repo/.venv/bin/python}
-    local megarl nodes=${NNODES:-${SLURM_JOB_NUM_NODES:-1}}
-    megarl="$(dirname "$py")/megarl"
-    if [[ -n "${SLURM_JOB_NUM_NODES:-}" && "$nodes" != "$SLURM_JOB_NUM_NODES" ]]; then
-        echo "megarl: NNODES=$nodes but the job has $SLURM_JOB_NUM_NODES nodes; submit with sbatch --nodes=$nodes" >&2
+    local megarl nodes=${MEGARL_NNODES:-${SLURM_JOB_NUM_NODES:-}}
+    megarl_install && _megarl_needs megarl || return
+    megarl=$MEGARL_CMD
+    if [[ -z "$nodes" ]]; then  # a dry run outside slurm: the plan depends on it
+        echo "megarl: how many nodes? Outside a slurm job set MEGARL_NNODES (e.g. MEGARL_NNODES=8 MEGARL_DRY_RUN=1)" >&2
         return 2
     fi
-    local plan_model=$MODEL_PATH
-    [[ -f "$MODEL_PATH/config.json" ]] || plan_model=${PLAN_MODEL:?MODEL_PATH has no config.json: set PLAN_MODEL}
-    local layout=${LAYOUT:-}
+    if [[ -n "${SLURM_JOB_NUM_NODES:-}" && "$nodes" != "$SLURM_JOB_NUM_NODES" ]]; then
+        echo "megarl: MEGARL_NNODES=$nodes but the job has $SLURM_JOB_NUM_NODES nodes; submit with sbatch --nodes=$nodes" >&2
+        return 2
+    fi
+    local plan_model=$MEGARL_MODEL_PATH
+    [[ -f "$MEGARL_MODEL_PATH/config.json" ]] || plan_model=${MEGARL_PLAN_MODEL:?MEGARL_MODEL_PATH has no config.json: set MEGARL_PLAN_MODEL}
+    local layout=${MEGARL_LAYOUT:-}
     if [[ -z "$layout" ]]; then
         # shellcheck disable=SC2086
-        layout=$("$megarl" plan --model "$plan_model" --nodes "$nodes" --gpus-per-node "${GPUS_PER_NODE:-8}" \
-                 --gpu-memory "${GPU_MEMORY:-80GB}" ${PLAN_ARGS:-} --overrides) || {
+        layout=$("$megarl" plan --config "$config" "$@" --model "$plan_model" --nodes "$nodes" \
+                 --gpus-per-node "${MEGARL_GPUS_PER_NODE:-8}" --gpu-memory "${MEGARL_GPU_MEMORY:-80GB}" \
+                 ${MEGARL_PLAN_ARGS:-} --overrides) || {
             echo "megarl: no layout of $plan_model fits $nodes nodes (megarl plan above)" >&2; return 1; }
         # what a step of it should take (megarl plan's estimate; docs/planning.md), before anything starts
         # shellcheck disable=SC2086
-        "$megarl" plan --model "$plan_model" --nodes "$nodes" --gpus-per-node "${GPUS_PER_NODE:-8}" \
-            --gpu-memory "${GPU_MEMORY:-80GB}" ${PLAN_ARGS:-} --estimate >&2 || true
+        "$megarl" plan --config "$config" "$@" --model "$plan_model" --nodes "$nodes" \
+            --gpus-per-node "${MEGARL_GPUS_PER_NODE:-8}" --gpu-memory "${MEGARL_GPU_MEMORY:-80GB}" \
+            ${MEGARL_PLAN_ARGS:-} --estimate >&2 || true
     fi
-    local args=(train "$config" "model.path=$MODEL_PATH" "trainer.output_dir=$OUTPUT_DIR"
-                "cluster.ray_address=auto" "cluster.nnodes=$nodes" "cluster.gpus_per_node=${GPUS_PER_NODE:-8}")
+    local args=(train "$config" "model.path=$MEGARL_MODEL_PATH" "trainer.output_dir=$MEGARL_OUTPUT_DIR"
+                "cluster.ray_address=auto" "cluster.nnodes=$nodes" "cluster.gpus_per_node=${MEGARL_GPUS_PER_NODE:-8}")
     [[ -n "${MLFLOW_TRACKING_URI:-}" ]] && args+=("tracking.uri=$MLFLOW_TRACKING_URI")
     # shellcheck disable=SC2206
     args+=($layout "$@")
@@ -246,29 +286,29 @@ megarl_train_on_slurm() {
 
 # retrieval_on_slurm INDEX_DIR [NODE]: megarl's retrieval server (`megarl retrieval serve`) as a
 # step on NODE (default the job's last node), bound to that node's address; waits for its
-# /health (RETRIEVAL_START_TIMEOUT seconds, default 1800: a dense wiki-18 index takes minutes to
-# load), exports RETRIEVAL_URL, and is stopped with the Ray steps. RETRIEVAL_ARGS go to serve.
+# /health (MEGARL_RETRIEVAL_START_TIMEOUT seconds, default 1800: a dense wiki-18 index takes minutes to
+# load), exports MEGARL_RETRIEVAL_URL, and is stopped with the Ray steps. MEGARL_RETRIEVAL_ARGS go to serve.
 # The server requires MEGARL_RETRIEVAL_API_KEY (default: a fresh one per job), which srun hands
 # to it and the run's retrieval client reads from the same environment.
 retrieval_on_slurm() {
     local index=$1 node=${2:-}
-    local repo=${MEGARL_HOME:-${SLURM_SUBMIT_DIR:-$PWD}}
-    local py=${MEGARL_PYTHON:-$repo/.venv/bin/python}
-    local port=${RETRIEVAL_PORT:-8000} address deadline
+    local py port=${MEGARL_RETRIEVAL_PORT:-8000} address deadline
     if [[ -n "${MEGARL_DRY_RUN:-}" ]]; then
-        export RETRIEVAL_URL="http://retrieval-node:$port/retrieve"
+        export MEGARL_RETRIEVAL_URL="http://retrieval-node:$port/retrieve"
         return
     fi
+    megarl_install && _megarl_needs megarl || return
+    py=$MEGARL_PY
     [[ -n "$node" ]] || node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | tail -n 1)
     export MEGARL_RETRIEVAL_API_KEY=${MEGARL_RETRIEVAL_API_KEY:-$("$py" -c 'import secrets; print(secrets.token_urlsafe(32))')}
     address=$(srun --overlap --nodes=1 --ntasks=1 -w "$node" "$py" -c \
         "from ray._private.services import get_node_ip_address; print(get_node_ip_address())")
     _ray_on_slurm_log "retrieval server for $index on $node ($address:$port)"
     # shellcheck disable=SC2086
-    srun --overlap --nodes=1 --ntasks=1 -w "$node" "$(dirname "$py")/megarl" retrieval serve --index "$index" \
-        --host "$address" --port "$port" ${RETRIEVAL_ARGS:-} &
+    srun --overlap --nodes=1 --ntasks=1 -w "$node" "$MEGARL_CMD" retrieval serve --index "$index" \
+        --host "$address" --port "$port" ${MEGARL_RETRIEVAL_ARGS:-} &
     _ray_on_slurm_steps+=($!)
-    deadline=$((SECONDS + ${RETRIEVAL_START_TIMEOUT:-1800}))
+    deadline=$((SECONDS + ${MEGARL_RETRIEVAL_START_TIMEOUT:-1800}))
     until "$py" -c "import sys, httpx; sys.exit(httpx.get('http://$address:$port/health', timeout=5).status_code != 200)" \
             2>/dev/null; do
         if (( SECONDS > deadline )) || ! kill -0 "${_ray_on_slurm_steps[-1]}" 2>/dev/null; then
@@ -278,5 +318,5 @@ retrieval_on_slurm() {
         fi
         sleep 5
     done
-    export RETRIEVAL_URL="http://$address:$port/retrieve"
+    export MEGARL_RETRIEVAL_URL="http://$address:$port/retrieve"
 }

@@ -4,7 +4,7 @@
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node=8
 #SBATCH --exclusive
-#SBATCH --time=7-00:00:00
+#SBATCH --time=24:00:00
 #SBATCH --signal=B:TERM@300
 #SBATCH --requeue
 #SBATCH --open-mode=append
@@ -16,12 +16,12 @@
 # warm-up, weight decay 0.1, grad clip 1.0; AIME-2024 avg@32 at top_p 0.7. Megatron actor and
 # SGLang engines colocated; the layout is `megarl plan`'s for the nodes of the job.
 #
-#   python tools/prepare_dapo_math.py --out $DATA_DIR      # once: train and validation parquet
+#   python tools/prepare_dapo_math.py --out $MEGARL_DATA_DIR      # once: train and validation parquet
 #   sbatch examples/dapo/run_dapo_qwen2.5_32b.sh [key=value ...]
 #
-# Environment (defaults): MODEL_PATH [models/Qwen2.5-32B], DATA_DIR [data/dapo],
-# OUTPUT_DIR [outputs/dapo_qwen2.5_32b], MLFLOW_TRACKING_URI [a store in OUTPUT_DIR],
-# NNODES [the job's nodes], GPUS_PER_NODE [8], GPU_MEMORY [80GB], LAYOUT [megarl plan's].
+# Environment (defaults): MEGARL_MODEL_PATH [models/Qwen2.5-32B], MEGARL_DATA_DIR [data/dapo],
+# MEGARL_OUTPUT_DIR [outputs/dapo_qwen2.5_32b], MLFLOW_TRACKING_URI [a store in MEGARL_OUTPUT_DIR],
+# MEGARL_NNODES [the job's nodes], MEGARL_GPUS_PER_NODE [8], MEGARL_GPU_MEMORY [80GB], MEGARL_LAYOUT [megarl plan's].
 #
 # To stop the run cleanly (MLflow status, actors, exit 143; the same command resumes it):
 # scancel --batch --signal=TERM JOBID. --signal above does the same 5 minutes before the time
@@ -29,7 +29,7 @@
 set -euo pipefail
 cd "${MEGARL_HOME:-${SLURM_SUBMIT_DIR:-$(dirname "$0")/../..}}"
 
-SIZE=32b
-MODEL_PATH=${MODEL_PATH:-models/Qwen2.5-32B}
-PLAN_MODEL=${PLAN_MODEL:-Qwen/Qwen2.5-32B}
+recipe=qwen2.5_32b  # examples/dapo/dapo_$recipe.yaml
+MEGARL_MODEL_PATH=${MEGARL_MODEL_PATH:-models/Qwen2.5-32B}
+MEGARL_PLAN_MODEL=${MEGARL_PLAN_MODEL:-Qwen/Qwen2.5-32B}
 source examples/dapo/dapo.sh "$@"

@@ -4,7 +4,7 @@
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node=8
 #SBATCH --exclusive
-#SBATCH --time=7-00:00:00
+#SBATCH --time=24:00:00
 #SBATCH --signal=B:TERM@300
 #SBATCH --requeue
 #SBATCH --open-mode=append
@@ -17,12 +17,12 @@
 # expert parallelism and SGLang engines colocated; the layout is `megarl plan`'s for the nodes of
 # the job.
 #
-#   python tools/prepare_dapo_math.py --out $DATA_DIR      # once: train and validation parquet
+#   python tools/prepare_dapo_math.py --out $MEGARL_DATA_DIR      # once: train and validation parquet
 #   sbatch examples/dapo/run_dapo_qwen3_30b_a3b.sh [key=value ...]
 #
-# Environment (defaults): MODEL_PATH [models/Qwen3-30B-A3B], DATA_DIR [data/dapo],
-# OUTPUT_DIR [outputs/dapo_qwen3_30b_a3b], MLFLOW_TRACKING_URI [a store in OUTPUT_DIR],
-# NNODES [the job's nodes], GPUS_PER_NODE [8], GPU_MEMORY [80GB], LAYOUT [megarl plan's].
+# Environment (defaults): MEGARL_MODEL_PATH [models/Qwen3-30B-A3B], MEGARL_DATA_DIR [data/dapo],
+# MEGARL_OUTPUT_DIR [outputs/dapo_qwen3_30b_a3b], MLFLOW_TRACKING_URI [a store in MEGARL_OUTPUT_DIR],
+# MEGARL_NNODES [the job's nodes], MEGARL_GPUS_PER_NODE [8], MEGARL_GPU_MEMORY [80GB], MEGARL_LAYOUT [megarl plan's].
 #
 # To stop the run cleanly (MLflow status, actors, exit 143; the same command resumes it):
 # scancel --batch --signal=TERM JOBID. --signal above does the same 5 minutes before the time
@@ -30,7 +30,7 @@
 set -euo pipefail
 cd "${MEGARL_HOME:-${SLURM_SUBMIT_DIR:-$(dirname "$0")/../..}}"
 
-NAME=qwen3_30b_a3b
-MODEL_PATH=${MODEL_PATH:-models/Qwen3-30B-A3B}
-PLAN_MODEL=${PLAN_MODEL:-Qwen/Qwen3-30B-A3B}
+recipe=qwen3_30b_a3b  # examples/dapo/dapo_$recipe.yaml
+MEGARL_MODEL_PATH=${MEGARL_MODEL_PATH:-models/Qwen3-30B-A3B}
+MEGARL_PLAN_MODEL=${MEGARL_PLAN_MODEL:-Qwen/Qwen3-30B-A3B}
 source examples/dapo/dapo.sh "$@"

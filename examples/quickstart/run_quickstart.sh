@@ -14,10 +14,10 @@
 #
 #   sbatch examples/quickstart/run_quickstart.sh [key=value ...]
 #
-# Environment (defaults in brackets): QUICKSTART [search; or math: single-turn DAPO on sums],
-# DATA_DIR [outputs/quickstart or outputs/quickstart_math] built by `python -m megarl.quickstart
-# prepare` (prepare-math) when missing, with PREPARE_ARGS, OUTPUT_DIR [DATA_DIR/run_slurm],
-# MLFLOW_TRACKING_URI [a store inside OUTPUT_DIR], RAY_NUM_CPUS [8 scheduling slots].
+# Environment (defaults in brackets): MEGARL_QUICKSTART [search; or math: single-turn DAPO on sums],
+# MEGARL_DATA_DIR [outputs/quickstart or outputs/quickstart_math] built by `python -m megarl.quickstart
+# prepare` (prepare-math) when missing, with MEGARL_PREPARE_ARGS, MEGARL_OUTPUT_DIR [MEGARL_DATA_DIR/run_slurm],
+# MLFLOW_TRACKING_URI [a store inside MEGARL_OUTPUT_DIR], MEGARL_RAY_NUM_CPUS [8 scheduling slots].
 #
 # To stop the run cleanly (MLflow status, actors, exit 143; the same command resumes it):
 # scancel --batch --signal=TERM JOBID. --signal above does the same 5 minutes before the time
@@ -27,23 +27,23 @@ cd "${MEGARL_HOME:-${SLURM_SUBMIT_DIR:-$(dirname "$0")/../..}}"
 source tools/ray_on_slurm.sh
 
 PY=${MEGARL_PYTHON:-.venv/bin/python}
-case ${QUICKSTART:-search} in
-    search) config=examples/quickstart/search_r1_tiny.yaml; prepare=prepare; DATA_DIR=${DATA_DIR:-outputs/quickstart} ;;
+case ${MEGARL_QUICKSTART:-search} in
+    search) config=examples/quickstart/search_r1_tiny.yaml; prepare=prepare; MEGARL_DATA_DIR=${MEGARL_DATA_DIR:-outputs/quickstart} ;;
     math) config=examples/quickstart/dapo_math_tiny.yaml; prepare=prepare-math
-          DATA_DIR=${DATA_DIR:-outputs/quickstart_math} ;;
-    *) echo "QUICKSTART=$QUICKSTART: use search or math" >&2; exit 2 ;;
+          MEGARL_DATA_DIR=${MEGARL_DATA_DIR:-outputs/quickstart_math} ;;
+    *) echo "MEGARL_QUICKSTART=$MEGARL_QUICKSTART: use search or math" >&2; exit 2 ;;
 esac
-OUTPUT_DIR=${OUTPUT_DIR:-$DATA_DIR/run_slurm}
-export RAY_NUM_CPUS=${RAY_NUM_CPUS:-8}  # logical slots for the run's actors, not cores
+MEGARL_OUTPUT_DIR=${MEGARL_OUTPUT_DIR:-$MEGARL_DATA_DIR/run_slurm}
+export MEGARL_RAY_NUM_CPUS=${MEGARL_RAY_NUM_CPUS:-8}  # logical slots for the run's actors, not cores
 
 # shellcheck disable=SC2086
-"$PY" -m megarl.quickstart $prepare "$DATA_DIR" ${PREPARE_ARGS:-}
+"$PY" -m megarl.quickstart $prepare "$MEGARL_DATA_DIR" ${MEGARL_PREPARE_ARGS:-}
 
 args=(train "$config"
-      "model.path=$DATA_DIR/model"
-      "data.train_files=[$DATA_DIR/data/train.parquet]" "data.val_files=[$DATA_DIR/data/val.parquet]"
-      "trainer.output_dir=$OUTPUT_DIR" "cluster.ray_address=auto" "cluster.nnodes=${SLURM_JOB_NUM_NODES:-1}")
-[[ $prepare == prepare ]] && args+=("agent.retrieval.index_dir=$DATA_DIR/index")
+      "model.path=$MEGARL_DATA_DIR/model"
+      "data.train_files=[$MEGARL_DATA_DIR/data/train.parquet]" "data.val_files=[$MEGARL_DATA_DIR/data/val.parquet]"
+      "trainer.output_dir=$MEGARL_OUTPUT_DIR" "cluster.ray_address=auto" "cluster.nnodes=${SLURM_JOB_NUM_NODES:-1}")
+[[ $prepare == prepare ]] && args+=("agent.retrieval.index_dir=$MEGARL_DATA_DIR/index")
 [[ -n "${MLFLOW_TRACKING_URI:-}" ]] && args+=("tracking.uri=$MLFLOW_TRACKING_URI")
 echo "megarl quickstart on slurm job ${SLURM_JOB_ID:-?}: $(dirname "$PY")/megarl ${args[*]} $*"
 ray_on_slurm "$(dirname "$PY")/megarl" "${args[@]}" "$@"

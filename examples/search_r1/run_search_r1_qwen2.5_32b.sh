@@ -4,7 +4,7 @@
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node=8
 #SBATCH --exclusive
-#SBATCH --time=7-00:00:00
+#SBATCH --time=24:00:00
 #SBATCH --signal=B:TERM@300
 #SBATCH --requeue
 #SBATCH --open-mode=append
@@ -12,18 +12,18 @@
 #
 # Search-R1 on NQ + HotpotQA with Qwen2.5-32B base (examples/search_r1/search_r1_qwen2.5_32b.yaml):
 # multi-turn search rollouts (<search> -> top-3 passages in <information>, masked out of the
-# loss -> <answer>), exact-match reward, DAPO; ALGO=ppo trains PPO with a megatron critic, GAE
+# loss -> <answer>), exact-match reward, DAPO; MEGARL_ALGO=ppo trains PPO with a megatron critic, GAE
 # and a KL loss instead (Search-R1's PPO settings). The recipe starts the retrieval server on
 # the job's last node, then trains with the layout `megarl plan` recommends.
 #
-#   python tools/prepare_search_r1.py --out $DATA_DIR            # once: train / test parquet
-#   megarl retrieval build --corpus wiki-18.jsonl --out $INDEX_DIR [--kind dense --encoder e5-base-v2]
+#   python tools/prepare_search_r1.py --out $MEGARL_DATA_DIR            # once: train / test parquet
+#   megarl retrieval build --corpus wiki-18.jsonl --out $MEGARL_INDEX_DIR [--kind dense --encoder e5-base-v2]
 #   sbatch examples/search_r1/run_search_r1_qwen2.5_32b.sh [key=value ...]
 #
-# Environment (defaults): MODEL_PATH [models/Qwen2.5-32B], DATA_DIR [data/search_r1],
-# INDEX_DIR [indexes/wiki18_bm25], ALGO [dapo | ppo], OUTPUT_DIR [outputs/search_r1_qwen2.5_32b_$ALGO],
-# MLFLOW_TRACKING_URI [a store in OUTPUT_DIR], NNODES [the job's nodes], GPUS_PER_NODE [8],
-# GPU_MEMORY [80GB], RETRIEVAL_PORT [8000], RETRIEVAL_ARGS [], LAYOUT [megarl plan's].
+# Environment (defaults): MEGARL_MODEL_PATH [models/Qwen2.5-32B], MEGARL_DATA_DIR [data/search_r1],
+# MEGARL_INDEX_DIR [indexes/wiki18_bm25], MEGARL_ALGO [dapo | ppo], MEGARL_OUTPUT_DIR [outputs/search_r1_qwen2.5_32b_$MEGARL_ALGO],
+# MLFLOW_TRACKING_URI [a store in MEGARL_OUTPUT_DIR], MEGARL_NNODES [the job's nodes], MEGARL_GPUS_PER_NODE [8],
+# MEGARL_GPU_MEMORY [80GB], MEGARL_RETRIEVAL_PORT [8000], MEGARL_RETRIEVAL_ARGS [], MEGARL_LAYOUT [megarl plan's].
 #
 # To stop the run cleanly (MLflow status, actors, exit 143; the same command resumes it):
 # scancel --batch --signal=TERM JOBID. --signal above does the same 5 minutes before the time
@@ -31,7 +31,7 @@
 set -euo pipefail
 cd "${MEGARL_HOME:-${SLURM_SUBMIT_DIR:-$(dirname "$0")/../..}}"
 
-SIZE=32b
-MODEL_PATH=${MODEL_PATH:-models/Qwen2.5-32B}
-PLAN_MODEL=${PLAN_MODEL:-Qwen/Qwen2.5-32B}
+size=32b  # examples/search_r1/search_r1_qwen2.5_$size.yaml
+MEGARL_MODEL_PATH=${MEGARL_MODEL_PATH:-models/Qwen2.5-32B}
+MEGARL_PLAN_MODEL=${MEGARL_PLAN_MODEL:-Qwen/Qwen2.5-32B}
 source examples/search_r1/search_r1.sh "$@"

@@ -51,11 +51,11 @@ started=$SECONDS
 
 # the quickstart's inputs once, for every run (a 20-step warm-up: the runs check the pipeline
 # across nodes, not learning)
-# (the recipe prepares them too when missing: PREPARE_ARGS makes its settings these, so it finds
+# (the recipe prepares them too when missing: MEGARL_PREPARE_ARGS makes its settings these, so it finds
 # them built; with other settings it would build them all again, a full warm-up, in the first job)
-export PREPARE_ARGS="--warmup-steps 20"
+export MEGARL_PREPARE_ARGS="--warmup-steps 20"
 # shellcheck disable=SC2086
-"$PY" -m megarl.quickstart prepare "$WORK/data" $PREPARE_ARGS > "$WORK/prepare.log" 2>&1 \
+"$PY" -m megarl.quickstart prepare "$WORK/data" $MEGARL_PREPARE_ARGS > "$WORK/prepare.log" 2>&1 \
     || { tail -n 30 "$WORK/prepare.log" >&2; exit 1; }
 
 # sbatch_on_cluster NAME ARGS...: submit from node1 and wait; the job's output is $WORK/NAME.out
@@ -76,7 +76,7 @@ sbatch_on_cluster() {
     fi
 }
 
-export DATA_DIR=$WORK/data MEGARL_PYTHON=$PY RAY_PORT=6379
+export MEGARL_DATA_DIR=$WORK/data MEGARL_PYTHON=$PY MEGARL_RAY_PORT=6379
 SHORT=(trainer.total_training_steps=2 trainer.test_freq=2 trainer.save_freq=2 algorithm.dynamic_sampling.enable=false
        data.train_batch_size=8 data.gen_batch_size=8)
 SPREAD=(cluster.placement_strategy=SPREAD)
@@ -84,7 +84,7 @@ SPREAD=(cluster.placement_strategy=SPREAD)
 # run NAME NODES ARGS...: the quickstart recipe on NODES nodes, output in $WORK/NAME
 run() {
     local name=$1 nodes=$2; shift 2
-    OUTPUT_DIR=$WORK/$name MLFLOW_TRACKING_URI=sqlite:///$WORK/$name.db \
+    MEGARL_OUTPUT_DIR=$WORK/$name MLFLOW_TRACKING_URI=sqlite:///$WORK/$name.db \
         sbatch_on_cluster "$name" --nodes="$nodes" examples/quickstart/run_quickstart.sh "${SHORT[@]}" "$@"
 }
 
@@ -104,9 +104,9 @@ fleet_placed() {
 FLEET=(rollout.engine=sglang rollout.sglang.server=embedded sync.verify=true)
 if wants fleet; then
 # the reference, in one process on this host (not a slurm job: 27 s against a job's 100 s)
-"$(dirname "$PY")/megarl" train examples/quickstart/search_r1_tiny.yaml "model.path=$DATA_DIR/model" \
-    "data.train_files=[$DATA_DIR/data/train.parquet]" "data.val_files=[$DATA_DIR/data/val.parquet]" \
-    "agent.retrieval.index_dir=$DATA_DIR/index" "trainer.output_dir=$WORK/fleet_one" "${SHORT[@]}" \
+"$(dirname "$PY")/megarl" train examples/quickstart/search_r1_tiny.yaml "model.path=$MEGARL_DATA_DIR/model" \
+    "data.train_files=[$MEGARL_DATA_DIR/data/train.parquet]" "data.val_files=[$MEGARL_DATA_DIR/data/val.parquet]" \
+    "agent.retrieval.index_dir=$MEGARL_DATA_DIR/index" "trainer.output_dir=$WORK/fleet_one" "${SHORT[@]}" \
     rollout.engine=local cluster.launcher=inprocess > "$WORK/fleet_one.out" 2>&1 \
     || { tail -n 30 "$WORK/fleet_one.out" >&2; exit 1; }
 echo "test-multinode: fleet_one (in one process) ended after $((SECONDS - started)) s"
@@ -152,7 +152,7 @@ LIVENESS_BOUND=90
 submit() {
     local name=$1 run_name=$2
     shift 2
-    MEGARL_LOG_LEVEL=INFO OUTPUT_DIR=$WORK/$run_name MLFLOW_TRACKING_URI=sqlite:///$WORK/$run_name.db on_node 1 sbatch \
+    MEGARL_LOG_LEVEL=INFO MEGARL_OUTPUT_DIR=$WORK/$run_name MLFLOW_TRACKING_URI=sqlite:///$WORK/$run_name.db on_node 1 sbatch \
         --parsable --job-name="$name" --output="$WORK/$name.out" --chdir="$REPO" \
         --nodes=2 examples/quickstart/run_quickstart.sh "${SHORT[@]}" "$@"
 }
@@ -350,9 +350,9 @@ echo "test-multinode: fault_rerun: job $job FAILED; the newest checkpoint (step 
 
 # the disk fills up while a checkpoint is written (one process on this host: the disk is what fails)
 small_disk "$WORK/small" 64m
-disk_run=("$(dirname "$PY")/megarl" train examples/quickstart/search_r1_tiny.yaml "model.path=$DATA_DIR/model"
-          "data.train_files=[$DATA_DIR/data/train.parquet]" "data.val_files=[$DATA_DIR/data/val.parquet]"
-          "agent.retrieval.index_dir=$DATA_DIR/index" "trainer.output_dir=$WORK/small/run" "${SHORT[@]}"
+disk_run=("$(dirname "$PY")/megarl" train examples/quickstart/search_r1_tiny.yaml "model.path=$MEGARL_DATA_DIR/model"
+          "data.train_files=[$MEGARL_DATA_DIR/data/train.parquet]" "data.val_files=[$MEGARL_DATA_DIR/data/val.parquet]"
+          "agent.retrieval.index_dir=$MEGARL_DATA_DIR/index" "trainer.output_dir=$WORK/small/run" "${SHORT[@]}"
           trainer.total_training_steps=3 trainer.save_freq=1 rollout.engine=local cluster.launcher=inprocess)
 "${disk_run[@]}" > "$WORK/disk_full.out" 2>&1 &
 disk_pid=$!

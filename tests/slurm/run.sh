@@ -99,8 +99,8 @@ done
 sinfo -h -o %t | grep -q idle || { echo "test-slurm: the node did not come up" >&2; exit 1; }
 echo "test-slurm: one-node slurm cluster up ($(sinfo -h -o '%P %D %c CPUs %t'))"
 
-export DATA_DIR=$WORK/data OUTPUT_DIR=$WORK/run MLFLOW_TRACKING_URI=sqlite:///$WORK/mlflow.db
-export PREPARE_ARGS="--warmup-steps 20" RAY_PORT=$(free_port)
+export MEGARL_DATA_DIR=$WORK/data MEGARL_OUTPUT_DIR=$WORK/run MLFLOW_TRACKING_URI=sqlite:///$WORK/mlflow.db
+export MEGARL_PREPARE_ARGS="--warmup-steps 20" MEGARL_RAY_PORT=$(free_port)
 export RAY_TMPDIR=$WORK/ray  # not /tmp/ray-<job id>: another test's cluster numbers its jobs from 1 too
 start=$SECONDS
 set +e
@@ -134,13 +134,13 @@ PYEOF
 # Stopped by hand while a step is under way: scancel --batch --signal=TERM reaches the batch shell
 # alone, tools/ray_on_slurm.sh passes it to the driver, which stops like Ctrl-C (exit 143), then
 # stops Ray; the MLflow run is KILLED and the newest checkpoint whole.
-export OUTPUT_DIR=$WORK/run_cancelled MLFLOW_TRACKING_URI=sqlite:///$WORK/mlflow_cancelled.db
+export MEGARL_OUTPUT_DIR=$WORK/run_cancelled MLFLOW_TRACKING_URI=sqlite:///$WORK/mlflow_cancelled.db
 job=$(sbatch --parsable --job-name=megarl-slurm-cancel --output="$WORK/cancel.out" --chdir="$REPO" \
     examples/quickstart/run_quickstart.sh trainer.total_training_steps=50 trainer.save_freq=1 trainer.test_freq=0 \
     trainer.val_before_train=false algorithm.dynamic_sampling.enable=false data.train_batch_size=8 \
     data.gen_batch_size=8)
 for _ in $(seq 600); do  # until step 1 is saved: step 2 is under way
-    [[ -f $OUTPUT_DIR/checkpoints/step_000001/meta.json ]] && break
+    [[ -f $MEGARL_OUTPUT_DIR/checkpoints/step_000001/meta.json ]] && break
     squeue -h -j "$job" | grep -q . || { echo "test-slurm: job $job ended before its first checkpoint" >&2; exit 1; }
     sleep 1
 done
@@ -150,7 +150,7 @@ exit_code=$(scontrol show job "$job" | grep -o ' ExitCode=[0-9:]*' || true)
 [[ $exit_code == " ExitCode=143:0" ]] || { echo "test-slurm: cancelled job $job:$exit_code, not 143:0" >&2; exit 1; }
 grep -q "megarl: stopped by SIGTERM" "$WORK/cancel.out"
 grep -q "command exited with status 143; stopping Ray" "$WORK/cancel.out"
-"$PY" - "$MLFLOW_TRACKING_URI" "$OUTPUT_DIR" <<'PYEOF'
+"$PY" - "$MLFLOW_TRACKING_URI" "$MEGARL_OUTPUT_DIR" <<'PYEOF'
 import sys
 from mlflow.tracking import MlflowClient
 
