@@ -41,8 +41,15 @@ def _train(args: argparse.Namespace) -> int:
     path, overrides = _split_config_and_overrides(args.items)
     cfg = load_config(path, overrides)
     if args.dry_run:
+        from megarl.preflight import missing_inputs
+
         sys.stdout.write(dump_config(cfg))
-        print(f"# config OK{f' ({path})' if path else ''}", file=sys.stderr)
+        missing = missing_inputs(cfg)
+        if missing:
+            print(f"megarl: the run's inputs are not all there ({len(missing)} missing):\n"
+                  + "\n".join(f"  - {m}" for m in missing), file=sys.stderr)
+            return EXIT_CONFIG_ERROR
+        print(f"# config OK, its model and data found{f' ({path})' if path else ''}", file=sys.stderr)
         return 0
     return run_training(cfg)
 

@@ -12,15 +12,65 @@ import yaml
 from megarl.cli import EXIT_CONFIG_ERROR, main
 
 
+def inputs(where: Path) -> list[str]:
+    """A run's inputs as the dry run checks them (there, contents unread), as overrides."""
+    (where / "model").mkdir()
+    (where / "model" / "config.json").write_text("{}")
+    (where / "train.parquet").write_bytes(b"")
+    return [f"model.path={where / 'model'}", f"data.train_files=[{where / 'train.parquet'}]"]
+
+
 def test_dry_run_prints_resolved_config(tmp_path, capsys):
     path = tmp_path / "run.yaml"
     path.write_text("algorithm:\n  clip_ratio_high: 0.3\n")
-    assert main(["train", str(path), "rollout.n=8", "--dry-run"]) == 0
+    given = inputs(tmp_path)
+    before = sorted(tmp_path.iterdir())
+    assert main(["train", str(path), "rollout.n=8", *given, "--dry-run"]) == 0
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["algorithm"]["clip_ratio_high"] == 0.3
     assert printed["rollout"]["n"] == 8
     assert printed["algorithm"]["clip_ratio_low"] == 0.2
-    assert list(tmp_path.iterdir()) == [path]
+    assert sorted(tmp_path.iterdir()) == before  # nothing written
+
+
+def test_a_dry_run_names_every_missing_input(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bare").mkdir()  # a model directory without its config.json
+    (tmp_path / "train.parquet").write_bytes(b"")
+    (tmp_path / "val.jsonl").mkdir()  # a directory is no data file
+    code = main(["train", "model.path=bare", "data.train_files=[train.parquet,more.parquet]",
+                 "data.val_files=[val.jsonl]", "agent.max_turns=2", "agent.retrieval.index_dir=index",
+                 "trainer.resume=runs/step_000003", "--dry-run"])
+    err = capsys.readouterr().err
+    assert code == EXIT_CONFIG_ERROR and "config OK" not in err
+    assert err.splitlines()[1:] == [
+        "  - model.path=bare: the directory has no config.json (an HF model directory has one)",
+        "  - data.train_files: more.parquet: no such file",
+        "  - data.val_files: val.jsonl: no such file",
+        "  - agent.retrieval.index_dir=index: no such directory (megarl retrieval build writes it)",
+        "  - trainer.resume=runs/step_000003: no such checkpoint directory"]
+    assert err.splitlines()[0] == "megarl: the run's inputs are not all there (5 missing):"
+
+
+def test_a_hub_model_counts_when_it_is_in_the_local_cache(tmp_path, monkeypatch):
+    """A hub name is fine once downloaded into the HF cache (every node then needs that cache)."""
+    import huggingface_hub.constants
+
+    from megarl.config import load_config
+    from megarl.preflight import missing_inputs
+
+    snapshot = tmp_path / "hub" / "models--Org--Tiny" / "snapshots" / ("a" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (tmp_path / "hub" / "models--Org--Tiny" / "refs").mkdir()
+    (tmp_path / "hub" / "models--Org--Tiny" / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "t.jsonl").write_bytes(b"")
+    assert missing_inputs(load_config(None, ["model.path=Org/Tiny", "data.train_files=[t.jsonl]"])) == []
+    missing = missing_inputs(load_config(None, ["model.path=Org/Other", "data.train_files=[t.jsonl]"]))
+    assert len(missing) == 1 and missing[0].startswith("model.path=Org/Other: no such directory here") \
+        and "huggingface-cli download Org/Other --local-dir models/Other" in missing[0]
 
 
 def test_bad_config_exits_with_key_and_fix(capsys):
@@ -46,7 +96,8 @@ def test_console_script_entry_point(tmp_path):
                          env={**os.environ}, cwd=tmp_path, timeout=120)
     assert bad.returncode == EXIT_CONFIG_ERROR
     assert "did you mean 'algorithm.clip_ratio_high'" in bad.stderr
-    good = subprocess.run(cmd + ["train", "--dry-run"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    good = subprocess.run(cmd + ["train", *inputs(tmp_path), "--dry-run"], capture_output=True, text=True, cwd=tmp_path,
+                          timeout=120)
     assert good.returncode == 0 and "clip_ratio_high: 0.28" in good.stdout
 
 

@@ -4,6 +4,7 @@ header declares, and the layout in it is the one `megarl plan` recommends."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -22,6 +23,20 @@ def run_recipe(recipe: Path, *args: str, **env) -> subprocess.CompletedProcess:
     environment.update(MEGARL_DRY_RUN="1", MEGARL_PYTHON=sys.executable, MEGARL_HOME=str(ROOT), **env)
     return subprocess.run(["bash", str(recipe), *args], cwd=ROOT, env=environment, capture_output=True, text=True,
                           timeout=300)
+
+
+def stand_ins(tmp_path: Path, model: str) -> dict[str, str]:
+    """The recipes' inputs, as a dry run checks them: a model directory whose config.json is
+    `model`'s public HF config, and the data files each recipe reads (their contents unread)."""
+    from megarl.planner_models import KNOWN_MODELS
+
+    model_dir, data = tmp_path / "model", tmp_path / "data"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(KNOWN_MODELS[model]))
+    data.mkdir()
+    for name in ["dapo-math-17k.parquet", "aime-2024.parquet", "train.parquet", "test.parquet"]:
+        (data / name).write_bytes(b"")
+    return {"MEGARL_MODEL_PATH": str(model_dir), "MEGARL_DATA_DIR": str(data)}
 
 
 def declared_nodes(recipe: Path) -> int:
@@ -47,9 +62,9 @@ CASES = [(r, "dapo") for r in RECIPES] + [(r, "ppo") for r in RECIPES if "search
 
 
 @pytest.mark.parametrize("recipe, algo", CASES, ids=lambda c: c.name if isinstance(c, Path) else c)
-def test_recipe_assembles_a_valid_run_with_the_planned_layout(recipe, algo):
+def test_recipe_assembles_a_valid_run_with_the_planned_layout(recipe, algo, tmp_path):
     nodes = declared_nodes(recipe)
-    result = run_recipe(recipe, MEGARL_NNODES=str(nodes), MEGARL_ALGO=algo)
+    result = run_recipe(recipe, MEGARL_NNODES=str(nodes), MEGARL_ALGO=algo, **stand_ins(tmp_path, plan_model(recipe)))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     cfg = yaml.safe_load(result.stdout[result.stdout.index("\nmodel:") + 1:])
     assert cfg["cluster"]["nnodes"] == nodes and cfg["cluster"]["ray_address"] == "auto"
@@ -115,7 +130,19 @@ def test_a_dry_run_outside_slurm_is_told_the_node_count():
     assert "config OK" not in result.stderr
 
 
-def test_a_recipe_plans_from_the_runs_own_settings():
+def test_a_recipes_dry_run_names_the_inputs_that_are_not_there(tmp_path):
+    """As a new user runs it first: no model downloaded, no data prepared; each is named."""
+    result = run_recipe(ROOT / "examples/dapo/run_dapo_qwen2.5_32b.sh", MEGARL_NNODES="8",
+                        MEGARL_MODEL_PATH=str(tmp_path / "models/Qwen2.5-32B"), MEGARL_DATA_DIR=str(tmp_path / "data"))
+    assert result.returncode == 2 and "config OK" not in result.stderr
+    assert "the run's inputs are not all there (3 missing)" in result.stderr
+    assert (f"model.path={tmp_path}/models/Qwen2.5-32B: no such directory here" in result.stderr
+            and "huggingface-cli download ORG/NAME --local-dir models/Qwen2.5-32B" in result.stderr)
+    for name in ["dapo-math-17k.parquet", "aime-2024.parquet"]:
+        assert f"{tmp_path}/data/{name}: no such file" in result.stderr
+
+
+def test_a_recipe_plans_from_the_runs_own_settings(tmp_path):
     """An override of the run reaches its plan: responses of 8192 tokens are planned as such,
     not as the recipe's 20480 (the step-time estimate the recipe prints tells them apart)."""
     def estimate(response: int) -> str:
@@ -125,7 +152,7 @@ def test_a_recipe_plans_from_the_runs_own_settings():
                               cwd=ROOT, capture_output=True, text=True, check=True).stdout.splitlines()[0]
 
     result = run_recipe(ROOT / "examples/dapo/run_dapo_qwen2.5_32b.sh", "rollout.max_response_length=8192",
-                        MEGARL_NNODES="8")
+                        MEGARL_NNODES="8", **stand_ins(tmp_path, "Qwen/Qwen2.5-32B"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert estimate(8192) != estimate(20480) and estimate(8192) in result.stderr.splitlines()
 

@@ -26,7 +26,8 @@ set -euo pipefail
 cd "${MEGARL_HOME:-${SLURM_SUBMIT_DIR:-$(dirname "$0")/../..}}"
 source tools/ray_on_slurm.sh
 
-PY=${MEGARL_PYTHON:-.venv/bin/python}
+megarl_install && _megarl_needs megarl || exit 2
+PY=$MEGARL_PY
 case ${MEGARL_QUICKSTART:-search} in
     search) config=examples/quickstart/search_r1_tiny.yaml; prepare=prepare; MEGARL_DATA_DIR=${MEGARL_DATA_DIR:-outputs/quickstart} ;;
     math) config=examples/quickstart/dapo_math_tiny.yaml; prepare=prepare-math
@@ -45,5 +46,5 @@ args=(train "$config"
       "trainer.output_dir=$MEGARL_OUTPUT_DIR" "cluster.ray_address=auto" "cluster.nnodes=${SLURM_JOB_NUM_NODES:-1}")
 [[ $prepare == prepare ]] && args+=("agent.retrieval.index_dir=$MEGARL_DATA_DIR/index")
 [[ -n "${MLFLOW_TRACKING_URI:-}" ]] && args+=("tracking.uri=$MLFLOW_TRACKING_URI")
-echo "megarl quickstart on slurm job ${SLURM_JOB_ID:-?}: $(dirname "$PY")/megarl ${args[*]} $*"
-ray_on_slurm "$(dirname "$PY")/megarl" "${args[@]}" "$@"
+echo "megarl quickstart on slurm job ${SLURM_JOB_ID:-?}: $MEGARL_CMD ${args[*]} $*"
+ray_on_slurm "$MEGARL_CMD" "${args[@]}" "$@"

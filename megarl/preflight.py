@@ -1,0 +1,62 @@
+"""What `megarl train --dry-run` checks beyond the config's own rules: that the files a run
+reads are there, seen from where it starts (on a cluster: storage every node sees), so that a
+missing model or data file stops the check, not the job after its queue wait. Main entry point:
+`missing_inputs`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from megarl.config import RunConfig
+
+
+def _hub_cached(repo_id: str) -> bool:
+    """Whether `repo_id` is an HF hub name whose config.json is in the local hub cache."""
+    if repo_id.count("/") != 1 or repo_id.startswith((".", "/")):
+        return False
+    try:
+        from huggingface_hub import try_to_load_from_cache
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except Exception:  # not a valid repo id, or no hub library: not cached
+        return False
+
+
+def _model_problem(key: str, path: str) -> str | None:
+    if not path:
+        return f"{key} is not set: give an HF model directory (safetensors + config.json)"
+    where = Path(path)
+    if where.is_dir():
+        return None if (where / "config.json").is_file() else \
+            f"{key}={path}: the directory has no config.json (an HF model directory has one)"
+    if _hub_cached(path):
+        return None
+    name = path if path.count("/") == 1 else "ORG/NAME"
+    return (f"{key}={path}: no such directory here ({Path.cwd()}), nor a hub model in the local cache; download it "
+            f"once to storage every node sees (huggingface-cli download {name} --local-dir models/{Path(path).name}) "
+            "and point the run at that directory")
+
+
+def missing_inputs(cfg: RunConfig) -> list[str]:
+    """One line per input of the run that is not there: the model (and critic, tokenizer), the
+    data files, the retrieval index a search run serves, a checkpoint to resume from."""
+    problems = [_model_problem("model.path", cfg.model.path)]
+    if cfg.model.tokenizer_path:
+        problems.append(None if Path(cfg.model.tokenizer_path).is_dir() or _hub_cached(cfg.model.tokenizer_path)
+                        else f"model.tokenizer_path={cfg.model.tokenizer_path}: no such directory")
+    if cfg.critic.enable and cfg.critic.model_path:
+        problems.append(_model_problem("critic.model_path", cfg.critic.model_path))
+    for key, files in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
+        if key == "data.train_files" and not files:
+            problems.append("data.train_files is empty: give the training parquet / jsonl files "
+                            "(megarl's data commands write them: docs/data.md)")
+        problems += [f"{key}: {f}: no such file" for f in files if not Path(f).is_file()]
+    retrieval = cfg.agent.retrieval
+    if cfg.agent.max_turns > 0 and retrieval.url is None and retrieval.index_dir \
+            and not Path(retrieval.index_dir).is_dir():
+        problems.append(f"agent.retrieval.index_dir={retrieval.index_dir}: no such directory "
+                        "(megarl retrieval build writes it)")
+    resume = cfg.trainer.resume
+    if resume not in ("auto", "disable") and not Path(resume).is_dir():
+        problems.append(f"trainer.resume={resume}: no such checkpoint directory")
+    return [p for p in problems if p]
