@@ -1,6 +1,6 @@
 """What a run shows of itself besides its metrics: the progress bar's figures, the closing lines
 on the console, a few samples of a step as a table, and the curves as a picture. Main entry
-points: `summary`, `rollout_table`, `plot_curves`.
+points: `tracking_line`, `step_line`, `summary`, `rollout_table`, `plot_curves`.
 """
 
 from __future__ import annotations
@@ -37,6 +37,16 @@ def summary(status: str, out: Path, history: list[dict], tracking: TrackingConfi
         lines += [f"  MLflow:      {out / 'mlflow.db'} (artifacts in {out / 'mlartifacts'})",
                   f"  view the curves: {ui_command(out)}"]
     return "\n".join(lines)
+
+
+def tracking_line(tracking: TrackingConfig, out: Path, run_id: str | None) -> str | None:
+    """The run's first line on the console, once its MLflow run is open: where to watch it while
+    it runs (None without MLflow)."""
+    if tracking.backend != "mlflow":
+        return None
+    if server_uri(tracking):
+        return f"megarl: MLflow run {run_id} on {server_uri(tracking)}: watch it there"
+    return f"megarl: MLflow run {run_id} in {out / 'mlflow.db'}; watch it while it runs: {ui_command(out)}"
 
 
 # the step's one line in the console log: (label, metric, format), shown when the step has it

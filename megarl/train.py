@@ -39,7 +39,7 @@ from megarl.termination import closing, deferred, received, stop_on_signals
 from megarl.weights.probe import WrongWeights
 from megarl.resume_guard import check_resume
 from megarl.run_report import HISTORY_KEYS, PROGRESS_KEYS, ROLLOUT_TABLE_ROWS, plot_curves, rollout_table, \
-    step_line, summary
+    step_line, summary, tracking_line
 from megarl.tracking import NullTracker, open_tracker
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,8 @@ def train(cfg: RunConfig) -> dict[str, float]:
         # from step 0 with trainer.resume=auto: the output directory's run, if stopped before its first checkpoint
         rerun = params if not resume_from and cfg.trainer.resume == "auto" else None
         tracker = open_tracker(cfg.tracking, out, run_id=meta.get("run_id"), rerun_params=rerun)
+        if (where := tracking_line(cfg.tracking, out, tracker.run_id)) is not None:
+            print(where, file=sys.stderr, flush=True)
         if resume_from:
             c.for_training()
             c.worker.load_checkpoint(resume_from)

@@ -42,7 +42,7 @@ def test_none_backend_records_nothing(tmp_path):
 
 
 def test_mlflows_own_tracking_uri_variable_is_honoured_and_the_config_beats_it(tmp_path, monkeypatch):
-    from megarl.run_report import summary
+    from megarl.run_report import summary, tracking_line
 
     server_store = f"sqlite:///{tmp_path / 'server.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", server_store)
@@ -54,6 +54,8 @@ def test_mlflows_own_tracking_uri_variable_is_honoured_and_the_config_beats_it(t
     history = MlflowClient(tracking_uri=server_store).get_metric_history(tracker.run_id, "train/acc")
     assert [(m.step, m.value) for m in history] == [(1, 0.5)]
     assert f"  MLflow:      {server_store}" in summary("finished", tmp_path / "out", [], cfg).splitlines()
+    assert tracking_line(cfg, tmp_path / "out", "abc") == f"megarl: MLflow run abc on {server_store}: watch it there"
+    assert tracking_line(TrackingConfig(backend="none"), tmp_path / "out", None) is None
 
     explicit = TrackingConfig(experiment_name="exp", uri=f"sqlite:///{tmp_path / 'explicit.db'}")
     other = open_tracker(explicit, tmp_path / "out2")

@@ -55,6 +55,11 @@ def test_two_step_micro_run(inputs, tmp_path, capsys):
     acc = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/acc")}
     lines = [line for line in captured.err.splitlines() if line.startswith("megarl step ")]
     assert [line.split(":")[0] for line in lines] == ["megarl step 1/2", "megarl step 2/2"]
+    # before them, once the MLflow run is open: where to watch it while it runs
+    first = [line for line in captured.err.splitlines() if line.startswith("megarl")][0]
+    assert first == (f"megarl: MLflow run {run.info.run_id} in {out / 'mlflow.db'}; watch it while it runs: "
+                     f"mlflow ui --backend-store-uri sqlite:///{(out / 'mlflow.db').resolve()} --host 127.0.0.1 "
+                     "--port 5000")
     assert all(f"acc {acc[i + 1]:.3f}," in line and ": rollout " in line for i, line in enumerate(lines))
     assert f"HF export:   {out / 'hf'}" in printed and "mlflow ui --backend-store-uri sqlite:" in printed
 
