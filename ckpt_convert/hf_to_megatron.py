@@ -1,6 +1,6 @@
 """An HF safetensors checkpoint -> a megatron distributed checkpoint.
 
-    python -m ckpt_convert.hf_to_megatron --hf HF_DIR --out DIR [--tp N --pp M --ep E]
+    megarl convert hf-to-megatron --hf HF_DIR --out DIR [--tp N --pp M --ep E]
 
 The HF config is checked against the families megarl maps (Qwen2 / Qwen2.5, Llama 3, Qwen3,
 Qwen3-MoE) and the layout against the model before anything is written. Tensors stream one mapping
@@ -9,12 +9,11 @@ memory stays at a few times the largest tensor. A distributed checkpoint is layo
 megatron loads it at any TP / PP / EP / DP; --tp only sets the embedding's padding (a multiple
 of 128 x TP, as megatron pads it) and, with --pp and --ep, the layout that is checked. The output holds the
 weights (`metadata.json`, `.metadata`, `__0_0.distcp`, `common.pt`), `hf_config/` (the config and
-tokenizer, for ckpt_convert.megatron_to_hf) and `conversion.json`. Main entry point: `convert`.
+tokenizer, for megarl convert megatron-to-hf) and `conversion.json`. Main entry point: `convert`.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -24,7 +23,7 @@ from tqdm import tqdm
 
 from megarl.models.hf_files import copy_config_and_tokenizer
 from megarl.backends.megatron.dist_format import write_hf_as_dist
-from megarl.models import ModelSpec, UnsupportedModel
+from megarl.models import ModelSpec
 from megarl.models.mapping import all_rules
 
 def convert(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, progress: bool = True,
@@ -50,21 +49,10 @@ def convert(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, progr
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ckpt_convert.hf_to_megatron", description=__doc__.splitlines()[0])
-    parser.add_argument("--hf", required=True, help="HF model directory (config.json + safetensors)")
-    parser.add_argument("--out", required=True, help="new directory for the distributed checkpoint")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size it is meant for (embedding padding)")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size it is meant for (checked)")
-    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size it is meant for (checked; MoE)")
-    args = parser.parse_args(argv)
-    try:
-        summary = convert(args.hf, args.out, args.tp, args.pp, ep=args.ep)
-    except (FileNotFoundError, FileExistsError, KeyError, ValueError, UnsupportedModel) as e:
-        print(f"hf_to_megatron: {e}", file=sys.stderr)
-        return 2
-    print(f"hf_to_megatron: wrote {args.out} ({summary['bytes_written'] / 1e9:.3f} GB in {summary['seconds']} s)",
-          file=sys.stderr)
-    return 0
+    """`megarl convert hf-to-megatron` (megarl.convert_command)."""
+    from megarl.convert_command import module_main
+
+    return module_main("hf-to-megatron", argv)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """Any megatron distributed checkpoint -> an HF model directory.
 
-    python -m ckpt_convert.megatron_to_hf --ckpt DIR --out HF_DIR [--hf-config HF_DIR] [--max-shard-gb 2]
+    megarl convert megatron-to-hf --ckpt DIR --out HF_DIR [--hf-config HF_DIR] [--max-shard-gb 2]
 
 DIR is a megarl training checkpoint (`.../checkpoints/step_NNNNNN`, whose `actor/` is read),
-or a distributed checkpoint directory itself (an `ckpt_convert.hf_to_megatron` output or
+or a distributed checkpoint directory itself (a `megarl convert hf-to-megatron` output or
 megatron's), written in any TP / PP / DP layout. The HF config and tokenizer come from
 --hf-config, else from the checkpoint's `hf_config/` (conversion outputs), else from the
 training run's config.yaml (model.path). Tensors are read one at a time (a layer weight one
@@ -17,13 +17,11 @@ point: `convert`.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
 import sys
 import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -128,21 +126,10 @@ def write_shards(dist: DistCheckpoint, spec: ModelSpec, out: Path, max_shard_byt
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ckpt_convert.megatron_to_hf", description=__doc__.splitlines()[0])
-    parser.add_argument("--ckpt", required=True, help="a megarl step_NNNNNN directory or a distributed checkpoint")
-    parser.add_argument("--out", required=True, help="HF model directory to write")
-    parser.add_argument("--hf-config", help="directory with the model's config.json and tokenizer")
-    parser.add_argument("--max-shard-gb", type=float, default=2.0, help="largest safetensors file (GB)")
-    args = parser.parse_args(argv)
-    start = time.perf_counter()
-    try:
-        out = convert(args.ckpt, args.out, args.hf_config, int(args.max_shard_gb * (1 << 30)))
-    except (FileNotFoundError, FileExistsError, KeyError, ValueError, checkpoint.CheckpointError) as e:
-        print(f"megatron_to_hf: {e}", file=sys.stderr)
-        return 2
-    total = json.loads((out / "model.safetensors.index.json").read_text())["metadata"]["total_size"]
-    print(f"megatron_to_hf: wrote {out} ({total / 1e9:.3f} GB in {time.perf_counter() - start:.3f} s)", file=sys.stderr)
-    return 0
+    """`megarl convert megatron-to-hf` (megarl.convert_command)."""
+    from megarl.convert_command import module_main
+
+    return module_main("megatron-to-hf", argv)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@
     megarl retrieval build --corpus FILE --out DIR [--kind bm25|dense]
     megarl retrieval serve --index DIR [--host 127.0.0.1 --port 8000 --topk 3]
     megarl plan --model HF_CONFIG_OR_NAME --nodes N [--gpus-per-node 8 --gpu-memory 80GB ...]
+    megarl plan --config RUN.yaml [key=value ...] [--nodes N ...]
+    megarl convert hf-to-megatron --hf HF_DIR --out DIST_DIR | megatron-to-hf --ckpt DIR --out HF_DIR
     megarl sandbox serve [--host 127.0.0.1 --port 8100 --max-concurrency N --max-queue 64]
     megarl --version
 
@@ -24,6 +26,7 @@ from pathlib import Path
 from megarl.checkpoint import CheckpointError, latest_checkpoint, read_meta
 from megarl.config import ConfigError, RunConfig, load_config
 from megarl.config_loader import dump_config
+from megarl.convert_command import add_convert_command
 from megarl.planner import add_plan_command
 from megarl.retrieval.commands import add_retrieval_commands
 
@@ -104,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.set_defaults(func=_export)
     add_retrieval_commands(sub)
     add_plan_command(sub)
+    add_convert_command(sub)
     sandbox = sub.add_parser("sandbox", help="Run the code rewards' sandbox as an HTTP service.")
     serve = sandbox.add_subparsers(dest="sandbox_command", metavar="{serve}", required=True).add_parser(
         "serve", help="serve POST /run: programs run on test inputs in bubblewrap sandboxes")

@@ -26,9 +26,9 @@ LAYERS = [
     ("runtime", ["megarl.runtime"]),
     ("loop", ["megarl.components", "megarl.experience", "megarl.export", "megarl.async_rollouts", "megarl.run_report",
               "megarl.train"]),
-    ("commands", ["megarl.cli", "megarl.planner", "megarl.planner_config", "megarl.planner_models",
-                  "megarl.planner_time", "megarl.preflight", "megarl.quickstart", "megarl.data.prepare",
-                  "megarl.retrieval.commands"]),
+    ("commands", ["megarl.cli", "megarl.convert_command", "megarl.planner", "megarl.planner_config",
+                  "megarl.planner_models", "megarl.planner_time", "megarl.preflight", "megarl.quickstart",
+                  "megarl.data.prepare", "megarl.retrieval.commands"]),
 ]
 
 

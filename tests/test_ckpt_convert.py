@@ -1,4 +1,6 @@
-"""ckpt_convert command lines: what they write and how they fail on bad input."""
+"""`megarl convert` (the ckpt_convert library's command line): what it writes and how it fails
+on bad input. `python -m ckpt_convert.megatron_to_hf` is the same command
+(tests/test_checkpoint_faults.py runs it that way)."""
 
 from __future__ import annotations
 
@@ -8,15 +10,22 @@ import shutil
 import pytest
 import torch
 
-from ckpt_convert.hf_to_megatron import main as hf_to_megatron
-from ckpt_convert.megatron_to_hf import main as megatron_to_hf
 from megarl.backends.torch.logprobs import token_log_probs
+from megarl.cli import main
 from megatron_cases import logprobs_from_dist, save_initial
 from megatron_dist import run_distributed
 from test_megatron_numerics import a_batch
 from tiny_models import tiny_hf_model
 
 pytest.importorskip("megatron.core")
+
+
+def hf_to_megatron(argv: list[str]) -> int:
+    return main(["convert", "hf-to-megatron", *argv])
+
+
+def megatron_to_hf(argv: list[str]) -> int:
+    return main(["convert", "megatron-to-hf", *argv])
 
 
 @pytest.fixture(scope="module")
