@@ -7,6 +7,7 @@
     megarl plan --model HF_CONFIG_OR_NAME --nodes N [--gpus-per-node 8 --gpu-memory 80GB ...]
     megarl plan --config RUN.yaml [key=value ...] [--nodes N ...]
     megarl convert hf-to-megatron --hf HF_DIR --out DIST_DIR | megatron-to-hf --ckpt DIR --out HF_DIR
+    megarl data dapo-math --out DIR [--train HUB_OR_FILE --val HUB_OR_FILE] | search-r1 --out DIR --source DIR
     megarl sandbox serve [--host 127.0.0.1 --port 8100 --max-concurrency N --max-queue 64]
     megarl --version
 
@@ -27,6 +28,7 @@ from megarl.checkpoint import CheckpointError, latest_checkpoint, read_meta
 from megarl.config import ConfigError, RunConfig, load_config
 from megarl.config_loader import dump_config
 from megarl.convert_command import add_convert_command
+from megarl.data.commands import add_data_commands
 from megarl.planner import add_plan_command
 from megarl.retrieval.commands import add_retrieval_commands
 
@@ -108,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_retrieval_commands(sub)
     add_plan_command(sub)
     add_convert_command(sub)
+    add_data_commands(sub)
     sandbox = sub.add_parser("sandbox", help="Run the code rewards' sandbox as an HTTP service.")
     serve = sandbox.add_subparsers(dest="sandbox_command", metavar="{serve}", required=True).add_parser(
         "serve", help="serve POST /run: programs run on test inputs in bubblewrap sandboxes")

@@ -33,7 +33,7 @@ def _model_problem(key: str, path: str) -> str | None:
         return None
     name = path if path.count("/") == 1 else "ORG/NAME"
     return (f"{key}={path}: no such directory here ({Path.cwd()}), nor a hub model in the local cache; download it "
-            f"once to storage every node sees (huggingface-cli download {name} --local-dir models/{Path(path).name}) "
+            f"once to storage every node sees (hf download {name} --local-dir models/{Path(path).name}) "
             "and point the run at that directory")
 
 

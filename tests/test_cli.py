@@ -70,7 +70,7 @@ def test_a_hub_model_counts_when_it_is_in_the_local_cache(tmp_path, monkeypatch)
     assert missing_inputs(load_config(None, ["model.path=Org/Tiny", "data.train_files=[t.jsonl]"])) == []
     missing = missing_inputs(load_config(None, ["model.path=Org/Other", "data.train_files=[t.jsonl]"]))
     assert len(missing) == 1 and missing[0].startswith("model.path=Org/Other: no such directory here") \
-        and "huggingface-cli download Org/Other --local-dir models/Other" in missing[0]
+        and "hf download Org/Other --local-dir models/Other" in missing[0]
 
 
 def test_bad_config_exits_with_key_and_fix(capsys):

@@ -1,4 +1,4 @@
-"""tools/prepare_dapo_math.py and tools/prepare_search_r1.py on small local files they are
+"""`megarl data dapo-math` and `megarl data search-r1` on small local files they are
 given (no hub access): the rows megarl's loader and reward routing read, deduplication
 counts, and malformed rows stopped with their file and row number."""
 
@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def tool(name: str, *args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "tools" / name), *map(str, args)], capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "megarl.cli", "data", name, *map(str, args)], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
 
 
 def write_jsonl(path: Path, rows: list) -> Path:
@@ -44,7 +44,7 @@ def test_dapo_math_is_deduplicated_and_routed_to_the_math_reward(tmp_path):
     train = write_jsonl(tmp_path / "dapo.jsonl", rows)
     aime = write_jsonl(tmp_path / "aime.jsonl", [{"ID": "2024-I-1", "Problem": "Find x.", "Answer": 204},
                                                   {"ID": "2024-I-2", "Problem": "Find y.", "Answer": 25}])
-    result = tool("prepare_dapo_math.py", "--out", tmp_path / "out", "--train", train, "--val", aime,
+    result = tool("dapo-math", "--out", tmp_path / "out", "--train", train, "--val", aime,
                   "--val-repeat", 2)
     assert result.returncode == 0, result.stderr
     assert "3 prompts (12 rows read, 9 duplicates dropped)" in result.stdout
@@ -64,7 +64,7 @@ def test_dapo_math_is_deduplicated_and_routed_to_the_math_reward(tmp_path):
 def test_keep_duplicates(tmp_path):
     train = write_jsonl(tmp_path / "dapo.jsonl", [dapo_row(0, "1")] * 3)
     aime = write_jsonl(tmp_path / "aime.jsonl", [{"problem": "p", "answer": "1"}])
-    assert tool("prepare_dapo_math.py", "--out", tmp_path, "--train", train, "--val", aime,
+    assert tool("dapo-math", "--out", tmp_path, "--train", train, "--val", aime,
                 "--keep-duplicates").returncode == 0
     assert pq.read_table(tmp_path / "dapo-math-17k.parquet").num_rows == 3
 
@@ -75,7 +75,7 @@ def test_keep_duplicates(tmp_path):
 ])
 def test_malformed_dapo_rows_name_their_row(tmp_path, bad, words):
     train = write_jsonl(tmp_path / "dapo.jsonl", [dapo_row(0, "1"), bad])
-    result = tool("prepare_dapo_math.py", "--out", tmp_path / "out", "--train", train, "--val", train)
+    result = tool("dapo-math", "--out", tmp_path / "out", "--train", train, "--val", train)
     assert result.returncode == 1 and words in result.stderr and str(train) in result.stderr
     assert not (tmp_path / "out" / "dapo-math-17k.parquet").exists()
 
@@ -83,12 +83,12 @@ def test_malformed_dapo_rows_name_their_row(tmp_path, bad, words):
 def test_a_broken_jsonl_line_names_its_line(tmp_path):
     train = tmp_path / "dapo.jsonl"
     train.write_text(json.dumps(dapo_row(0, "1")) + "\n{not json\n")
-    result = tool("prepare_dapo_math.py", "--out", tmp_path / "out", "--train", train, "--val", train)
+    result = tool("dapo-math", "--out", tmp_path / "out", "--train", train, "--val", train)
     assert result.returncode == 1 and f"{train}:2: not valid JSON" in result.stderr
 
 
 def test_a_missing_source_says_what_to_do(tmp_path):
-    result = tool("prepare_dapo_math.py", "--out", tmp_path, "--train", tmp_path / "nope.parquet")
+    result = tool("dapo-math", "--out", tmp_path, "--train", tmp_path / "nope.parquet")
     assert result.returncode == 1 and "no such file" in result.stderr
 
 
@@ -106,7 +106,7 @@ def flashrag(root: Path) -> Path:
 
 def test_search_r1_rows(tmp_path):
     source = flashrag(tmp_path / "flashrag")
-    result = tool("prepare_search_r1.py", "--out", tmp_path / "out", "--source", source,
+    result = tool("search-r1", "--out", tmp_path / "out", "--source", source,
                   "--test-sets", "nq:test,bamboogle:test")
     assert result.returncode == 0, result.stderr
     assert "3 questions (nq 1, hotpotqa 2)" in result.stdout
@@ -125,7 +125,7 @@ def test_search_r1_rows(tmp_path):
 
 def test_search_r1_default_test_sets_need_every_file(tmp_path):
     source = flashrag(tmp_path / "flashrag")
-    result = tool("prepare_search_r1.py", "--out", tmp_path / "out", "--source", source)
+    result = tool("search-r1", "--out", tmp_path / "out", "--source", source)
     assert result.returncode == 1 and "no test.jsonl or test.parquet in" in result.stderr and "triviaqa" in result.stderr
 
 
@@ -138,5 +138,5 @@ def test_malformed_qa_rows_name_their_row(tmp_path, bad, words):
     source = flashrag(tmp_path / "flashrag")
     path = source / "nq" / "train.jsonl"
     path.write_text(path.read_text() + json.dumps(bad) + "\n")
-    result = tool("prepare_search_r1.py", "--out", tmp_path / "out", "--source", source, "--test-sets", "nq:test")
+    result = tool("search-r1", "--out", tmp_path / "out", "--source", source, "--test-sets", "nq:test")
     assert result.returncode == 1 and words in result.stderr and str(path) in result.stderr

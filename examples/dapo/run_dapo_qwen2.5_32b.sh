@@ -16,7 +16,7 @@
 # warm-up, weight decay 0.1, grad clip 1.0; AIME-2024 avg@32 at top_p 0.7. Megatron actor and
 # SGLang engines colocated; the layout is `megarl plan`'s for the nodes of the job.
 #
-#   python tools/prepare_dapo_math.py --out $MEGARL_DATA_DIR      # once: train and validation parquet
+#   megarl data dapo-math --out $MEGARL_DATA_DIR          # once: train and validation parquet
 #   sbatch examples/dapo/run_dapo_qwen2.5_32b.sh [key=value ...]
 #
 # Environment (defaults): MEGARL_MODEL_PATH [models/Qwen2.5-32B], MEGARL_DATA_DIR [data/dapo],

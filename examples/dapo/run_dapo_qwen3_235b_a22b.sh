@@ -17,7 +17,7 @@
 # expert parallelism on half of the GPUs, SGLang engines on the other half (MEGARL_ROLLOUT_GPUS, planned
 # with --rollout-gpus); the layout is `megarl plan`'s for the nodes of the job.
 #
-#   python tools/prepare_dapo_math.py --out $MEGARL_DATA_DIR      # once: train and validation parquet
+#   megarl data dapo-math --out $MEGARL_DATA_DIR          # once: train and validation parquet
 #   sbatch examples/dapo/run_dapo_qwen3_235b_a22b.sh [key=value ...]
 #
 # Environment (defaults): MEGARL_MODEL_PATH [models/Qwen3-235B-A22B], MEGARL_DATA_DIR [data/dapo],

@@ -17,7 +17,7 @@
 # expert parallelism and SGLang engines colocated; the layout is `megarl plan`'s for the nodes of
 # the job.
 #
-#   python tools/prepare_dapo_math.py --out $MEGARL_DATA_DIR      # once: train and validation parquet
+#   megarl data dapo-math --out $MEGARL_DATA_DIR          # once: train and validation parquet
 #   sbatch examples/dapo/run_dapo_qwen3_30b_a3b.sh [key=value ...]
 #
 # Environment (defaults): MEGARL_MODEL_PATH [models/Qwen3-30B-A3B], MEGARL_DATA_DIR [data/dapo],

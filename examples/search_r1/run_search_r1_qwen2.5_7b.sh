@@ -16,7 +16,7 @@
 # and a KL loss instead (Search-R1's PPO settings). The recipe starts the retrieval server on
 # the job's last node, then trains with the layout `megarl plan` recommends.
 #
-#   python tools/prepare_search_r1.py --out $MEGARL_DATA_DIR            # once: train / test parquet
+#   megarl data search-r1 --out $MEGARL_DATA_DIR --source FLASHRAG_DIR  # once: train / test parquet
 #   megarl retrieval build --corpus wiki-18.jsonl --out $MEGARL_INDEX_DIR [--kind dense --encoder e5-base-v2]
 #   sbatch examples/search_r1/run_search_r1_qwen2.5_7b.sh [key=value ...]
 #

@@ -11,8 +11,8 @@ dataset on the Hugging Face hub. A malformed row stops the work with its file an
 - Search-R1: `search_r1_rows` (FlashRAG's QA sets: {id, question, golden_answers}) with the
   Search-R1 instruction and {"target": golden_answers}.
 
-Main entry points: those three, `read_source`, `write_rows`; tools/prepare_dapo_math.py and
-tools/prepare_search_r1.py are their command lines.
+Main entry points: those three, `read_source`, `write_rows`; `megarl data dapo-math` and
+`megarl data search-r1` (megarl.data.commands) are their command lines.
 """
 
 from __future__ import annotations
