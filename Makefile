@@ -143,6 +143,12 @@ test-slurm: $(STAMP)
 test-multinode: $(STAMP)
 	MEGARL_PYTHON=$(abspath $(BIN))/python bash tests/multinode/run.sh
 
+# The journey of docs/slurm.md (from an HF checkpoint to a served model), its blocks run as written
+# on the simulated cluster of test-multinode (needs root and the SGLang environment).
+.PHONY: test-journey
+test-journey: $(STAMP) $(SGLANG_STAMP)
+	MEGARL_PYTHON=$(abspath $(BIN))/python bash tests/journey/run.sh
+
 # Search-R1 + DAPO on the CPU: build the search world, index and warmed-up tiny model
 # (skipped when already built), then train with the example config (resumes if interrupted).
 # TRAIN_ARGS: more overrides, e.g. the asynchronous loop (docs/training.md):

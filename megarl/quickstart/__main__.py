@@ -20,7 +20,7 @@ import logging
 import sys
 from dataclasses import replace
 
-from megarl.quickstart.inputs import QuickstartSettings, prepare, prepare_code, prepare_math
+from megarl.quickstart.inputs import MathSettings, QuickstartSettings, prepare, prepare_code, prepare_math
 
 
 def _search_settings(warmup_steps: int | None, think_words: int = 0) -> QuickstartSettings:
@@ -34,6 +34,14 @@ def _search_settings(warmup_steps: int | None, think_words: int = 0) -> Quicksta
     if think_words:  # log-normal, sigma 1: a tenth of the sections over 3.6x the median; none over 16x
         settings = replace(settings, think_words=(think_words, 1.0, 16 * think_words))
     return settings
+
+
+def _math_settings(warmup_steps: int | None) -> MathSettings:
+    if warmup_steps is None:
+        return MathSettings()
+    if warmup_steps < 1:
+        raise SystemExit("--warmup-steps must be at least 1")
+    return MathSettings(bare_steps=warmup_steps, steps=warmup_steps)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,7 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     m = sub.add_parser("prepare-math", help="build the arithmetic problems and warmed-up tiny model")
     m.add_argument("out_dir", help="where data/ and model/ go (the math config reads outputs/quickstart_math)")
     m.add_argument("--force", action="store_true", help="rebuild even when up to date")
-    m.set_defaults(run=lambda a: prepare_math(a.out_dir, force=a.force))
+    m.add_argument("--warmup-steps", type=int, default=None,
+                   help="steps of each warm-up phase (default 300 and 300); a few dozen make a model good only "
+                        "for smoke runs of the pipeline, such as the journey test")
+    m.set_defaults(run=lambda a: prepare_math(a.out_dir, _math_settings(a.warmup_steps), force=a.force))
     c = sub.add_parser("prepare-code", help="build the programming problems and warmed-up tiny model")
     c.add_argument("out_dir", help="where data/ and model/ go (the code config reads outputs/quickstart_code)")
     c.add_argument("--force", action="store_true", help="rebuild even when up to date")

@@ -130,7 +130,8 @@ CONF
         # after KillWait), and they are requeued
         echo "PreemptType=preempt/partition_prio"
         echo "PreemptMode=REQUEUE"
-        echo "PartitionName=sim Nodes=ALL Default=YES MaxTime=60 State=UP OverSubscribe=YES PriorityTier=1 GraceTime=30"
+        # a day at most, as many clusters' partitions allow (the recipes ask for 24 hours)
+        echo "PartitionName=sim Nodes=ALL Default=YES MaxTime=1-00:00:00 State=UP OverSubscribe=YES PriorityTier=1 GraceTime=30"
         echo "PartitionName=urgent Nodes=ALL MaxTime=60 State=UP PriorityTier=2 PreemptMode=OFF"
     } > "$CLUSTER_DIR/slurm.conf"
     export SLURM_CONF=$CLUSTER_DIR/slurm.conf
