@@ -16,6 +16,7 @@ REPO=$PWD
 PY=${MEGARL_PYTHON:-$REPO/.venv/bin/python}
 SGLANG_PY=${MEGARL_SGLANG_PYTHON:-$REPO/.venv-sglang/bin/python}
 [[ -x $SGLANG_PY ]] || { echo "test-journey: no SGLang environment at $SGLANG_PY: build it with make sglang-env" >&2; exit 1; }
+CLUSTER_TEST=test-journey
 source tests/multinode/cluster.sh
 
 cluster_up 2 || exit $?

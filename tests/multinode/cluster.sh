@@ -1,4 +1,5 @@
-# A simulated slurm cluster of several nodes on one machine, for `make test-multinode`.
+# A simulated slurm cluster of several nodes on one machine, for `make test-multinode` and
+# `make test-journey` (CLUSTER_TEST names the test in its messages).
 # Source it, then:
 #
 #   cluster_up N      N nodes; each is a Linux network namespace with an address of its own on a
@@ -47,7 +48,7 @@ _cluster_free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("
 cluster_up() {
     local n=$1 k
     if [[ $(id -u) -ne 0 ]]; then
-        echo "test-multinode: needs root (network namespaces, slurm daemons); run it as root" >&2
+        echo "${CLUSTER_TEST:-test-multinode}: needs root (network namespaces, slurm daemons); run it as root" >&2
         return 2
     fi
     if ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null; then
@@ -183,7 +184,7 @@ cluster_down() {
     done
     ip netns del "$CLUSTER_ID-hub" 2>/dev/null
     if [[ $status -ne 0 && -n "$CLUSTER_DIR" ]]; then
-        echo "test-multinode: FAILED; the ends of the daemons' logs:" >&2
+        echo "${CLUSTER_TEST:-test-multinode}: FAILED; the ends of the daemons' logs:" >&2
         for f in "$CLUSTER_DIR"/log/*.log; do
             [[ -f "$f" ]] && { echo "--- $f" >&2; tail -n 30 "$f" >&2; }
         done
