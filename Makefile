@@ -111,9 +111,17 @@ test-sglang: $(STAMP) $(SGLANG_STAMP)
 		--durations=20 $(PYTEST_ARGS)
 
 # On a GPU machine, first: tests/gpu, then PASS / FAIL / NOT RUN per GPU-only path (docs/testing.md).
+# On a GPU machine, in the environment megarl's GPU install made (the NGC PyTorch container with
+# `pip install -e '.[gpu,dev]'`: its CUDA torch, Transformer Engine, SGLang), not .venv (whose
+# CPU torch the CPU targets install), so that the recipes find the same install afterwards.
+# GPU_PYTHON: another interpreter with that install.
+GPU_PYTHON ?= python3
 .PHONY: test-gpu
-test-gpu: $(STAMP)
-	$(BIN)/python tests/gpu/gpu_status.py $(PYTEST_ARGS)
+test-gpu:
+	@$(GPU_PYTHON) -c 'import megarl, pytest' 2>/dev/null || { echo "make test-gpu: $(GPU_PYTHON) has no megarl" \
+		"(or no pytest): install it into the GPU environment first, pip install -e '.[gpu,dev]' (docs/install.md)," \
+		"or name that environment's python with GPU_PYTHON=..." >&2; exit 2; }
+	$(GPU_PYTHON) tests/gpu/gpu_status.py $(PYTEST_ARGS)
 
 # The Debian packages of the slurm, multi-node and UI tests (slurm-wlm, munge, chromium), installed
 # as root when missing; each of those targets also installs what it needs by itself. .ci/run
