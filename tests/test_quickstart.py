@@ -66,11 +66,16 @@ def test_command_line(tmp_path, monkeypatch):
     seen = {}
     monkeypatch.setattr(qs, "prepare", lambda out, settings, force=False: seen.update(search=out, force=force,
                                                                                      settings=settings))
-    monkeypatch.setattr(qs, "prepare_math", lambda out, force=False: seen.update(math=out))
+    monkeypatch.setattr(qs, "prepare_math", lambda out, settings, force=False: seen.update(math=out,
+                                                                                          math_settings=settings))
     assert main(["prepare", str(tmp_path), "--force"]) == 0
     assert main(["prepare-math", str(tmp_path / "m")]) == 0
     assert seen == {"search": str(tmp_path), "force": True, "math": str(tmp_path / "m"),
-                    "settings": qs.QuickstartSettings()}
+                    "settings": qs.QuickstartSettings(), "math_settings": qs.MathSettings()}
+    assert main(["prepare-math", str(tmp_path / "m"), "--warmup-steps", "20"]) == 0  # a smoke model (the journey)
+    assert (seen["math_settings"].bare_steps, seen["math_settings"].steps) == (20, 20)
+    with pytest.raises(SystemExit):
+        main(["prepare-math", str(tmp_path), "--warmup-steps", "0"])
     assert main(["prepare", str(tmp_path), "--warmup-steps", "20"]) == 0  # a smoke model (the slurm test)
     assert (seen["settings"].read_steps, seen["settings"].mix_steps) == (20, 20) and seen["force"] is False
     with pytest.raises(SystemExit):
