@@ -412,7 +412,8 @@ def add_plan_command(sub) -> None:
     p.add_argument("--top", type=int, default=5, help="feasible layouts to show")
     p.add_argument("--json", action="store_true", help="every layout as JSON")
     p.add_argument("--overrides", action="store_true",
-                   help="print only the recommended layout as megarl train overrides (for recipes); status 1 if none fits")
+                   help="print only the recommended layout as megarl train overrides (for recipes), and its step-time "
+                        "estimate on stderr; status 1 if none fits")
     p.set_defaults(func=_plan_command)
 
 
@@ -445,6 +446,7 @@ def _plan_command(args: argparse.Namespace) -> int:
             print(table, file=sys.stderr)
             return 1
         print(" ".join(overrides(feasible[0])))
+        print(timing, file=sys.stderr)  # what a step of it should take, for the log of the run it starts
         return 0
     if args.json:
         json.dump([asdict(e) for e in estimates], sys.stdout, indent=1)

@@ -215,8 +215,12 @@ def test_command_line(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "32.76B parameters" in out
     assert "actor.parallel.tensor_model_parallel_size=8 actor.parallel.pipeline_model_parallel_size=2" in out
+    assert main(["plan", "--model", "Qwen2.5-32B", "--nodes", "8", "--estimate"]) == 0
+    estimate = capsys.readouterr().out
     assert main(["plan", "--model", "Qwen2.5-32B", "--nodes", "8", "--overrides"]) == 0
-    layout = capsys.readouterr().out.split()
+    printed = capsys.readouterr()
+    layout = printed.out.split()
+    assert printed.err == estimate  # the step-time estimate for the recipe's log
     assert layout[:4] == ["actor.parallel.tensor_model_parallel_size=8", "actor.parallel.pipeline_model_parallel_size=2",
                           "actor.parallel.context_parallel_size=1", "actor.parallel.data_parallel_size=4"]
     from megarl.config import load_config  # the overrides are valid keys of a run

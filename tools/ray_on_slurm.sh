@@ -84,8 +84,10 @@ megarl_install() {
     if [[ -z "$MEGARL_PY" ]]; then
         if [[ -x "$repo/.venv/bin/python" ]]; then MEGARL_PY=$repo/.venv/bin/python; else MEGARL_PY=$(command -v python3 || true); fi
     fi
-    if [[ -z "$MEGARL_PY" ]] || ! "$MEGARL_PY" -c "import megarl.cli, ray" 2>/dev/null; then
-        echo "megarl: ${MEGARL_PY:-python3 (none on PATH)} cannot run megarl (import megarl.cli, ray failed):" \
+    # found, not imported (importing Ray takes seconds)
+    if [[ -z "$MEGARL_PY" ]] || ! "$MEGARL_PY" -c "import importlib.util as u, sys
+sys.exit(not all(u.find_spec(m) for m in ('megarl.cli', 'ray')))" 2>/dev/null; then
+        echo "megarl: ${MEGARL_PY:-python3 (none on PATH)} cannot run megarl (no megarl or no Ray installed there):" \
              "install it into the environment the job runs in (pip install -e '.[gpu]' in the repository," \
              "docs/install.md), or set MEGARL_PYTHON to a python that has it" >&2
         return 2
@@ -259,16 +261,12 @@ megarl_train_on_slurm() {
     [[ -f "$MEGARL_MODEL_PATH/config.json" ]] || plan_model=${MEGARL_PLAN_MODEL:?MEGARL_MODEL_PATH has no config.json: set MEGARL_PLAN_MODEL}
     local layout=${MEGARL_LAYOUT:-}
     if [[ -z "$layout" ]]; then
+        # the step-time estimate (docs/planning.md) goes to the log, before anything starts
         # shellcheck disable=SC2086
         layout=$("$megarl" plan --config "$config" "$@" --model "$plan_model" --nodes "$nodes" \
                  --gpus-per-node "${MEGARL_GPUS_PER_NODE:-8}" --gpu-memory "${MEGARL_GPU_MEMORY:-80GB}" \
                  ${MEGARL_PLAN_ARGS:-} --overrides) || {
             echo "megarl: no layout of $plan_model fits $nodes nodes (megarl plan above)" >&2; return 1; }
-        # what a step of it should take (megarl plan's estimate; docs/planning.md), before anything starts
-        # shellcheck disable=SC2086
-        "$megarl" plan --config "$config" "$@" --model "$plan_model" --nodes "$nodes" \
-            --gpus-per-node "${MEGARL_GPUS_PER_NODE:-8}" --gpu-memory "${MEGARL_GPU_MEMORY:-80GB}" \
-            ${MEGARL_PLAN_ARGS:-} --estimate >&2 || true
     fi
     local args=(train "$config" "model.path=$MEGARL_MODEL_PATH" "trainer.output_dir=$MEGARL_OUTPUT_DIR"
                 "cluster.ray_address=auto" "cluster.nnodes=$nodes" "cluster.gpus_per_node=${MEGARL_GPUS_PER_NODE:-8}")
