@@ -154,7 +154,8 @@ def test_a_recipe_plans_from_the_runs_own_settings(tmp_path):
     result = run_recipe(ROOT / "examples/dapo/run_dapo_qwen2.5_32b.sh", "rollout.max_response_length=8192",
                         MEGARL_NNODES="8", **stand_ins(tmp_path, "Qwen/Qwen2.5-32B"))
     assert result.returncode == 0, result.stderr[-3000:]
-    assert estimate(8192) != estimate(20480) and estimate(8192) in result.stderr.splitlines()
+    planned = estimate(8192)
+    assert planned != estimate(20480) and planned in result.stderr.splitlines()
 
 
 def test_the_dapo_recipe_keeps_the_papers_settings():
