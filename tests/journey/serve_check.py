@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -22,15 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' helpe
 from gpu_harness import wait_healthy  # noqa: E402
 from megarl.rollout.engine import SamplingParams  # noqa: E402
 from megarl.rollout.http import HTTPEngine  # noqa: E402
-from megarl.rollout.sglang_launch import CPU_SERVER_ENV, CPU_SERVER_FLAGS  # noqa: E402
+from megarl.rollout.sglang_launch import CPU_SERVER_ENV, CPU_SERVER_FLAGS, free_port  # noqa: E402
 
 TOLERANCE = 1e-4  # float32 on both sides; SGLang's CPU kernels differ from HF's in the last bits
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(sglang_python: str, model_dir: str) -> int:
