@@ -126,3 +126,14 @@ def test_a_run_without_an_output_dir_is_named_after_its_config_file(tmp_path):
     assert load_config(str(tmp_path / "dapo_big.yaml")).trainer.output_dir == "outputs/dapo_big"
     assert load_config(None, ["model.path=m"]).trainer.output_dir == "outputs/run"
     assert load_config(str(tmp_path / "dapo_big.yaml"), ["trainer.output_dir=/x/y"]).trainer.output_dir == "/x/y"
+
+
+def test_the_command_line_and_a_plan_import_no_torch():
+    # the CLI's promise: configuration errors, plans and help come before anything heavy (a
+    # recipe asks `megarl plan` on every submission; torch and transformers take seconds)
+    code = ("import sys\nfrom megarl.cli import main\n"
+            "assert main(['plan', '--model', 'Qwen2.5-7B', '--nodes', '1', '--overrides']) == 0\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'ray') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "[]"

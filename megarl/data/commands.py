@@ -27,8 +27,6 @@ import argparse
 import sys
 from pathlib import Path
 
-from megarl.data.prepare import (SEARCH_R1_TEST, SEARCH_R1_TRAIN, aime_rows, dapo_math_rows, read_source,
-                                 search_r1_rows, write_rows)
 from megarl.data.prompts import DataError
 from megarl.retrieval.corpus import corpus_info
 
@@ -42,6 +40,8 @@ def dapo_math_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_dapo_math(args: argparse.Namespace) -> int:
+    from megarl.data.prepare import aime_rows, dapo_math_rows, read_source, write_rows  # torch: not for --help
+
     try:
         train, counts = dapo_math_rows(read_source(args.train), dedupe=not args.keep_duplicates)
         train_path = write_rows(train, Path(args.out) / "dapo-math-17k.parquet")
@@ -66,6 +66,8 @@ def _sets(text: str | None, default: dict[str, str]) -> dict[str, str]:
 
 
 def _rows(args, name: str, split: str):
+    from megarl.data.prepare import read_source
+
     if args.hub:
         return read_source(args.hub, subset=name, split=split)
     base = Path(args.source) / name
@@ -91,6 +93,8 @@ def run_search_r1(args: argparse.Namespace) -> int:
         print(f"megarl data search-r1: --corpus {args.corpus}: no such file", file=sys.stderr)
         return 1
     corpus = corpus_info(args.corpus) if args.corpus else None
+    from megarl.data.prepare import SEARCH_R1_TEST, SEARCH_R1_TRAIN, search_r1_rows, write_rows
+
     try:
         for name, sets in (("train", _sets(args.train_sets, SEARCH_R1_TRAIN)),
                            ("test", _sets(args.test_sets, SEARCH_R1_TEST))):
