@@ -164,7 +164,8 @@ def test_megatron_to_hf_checks_a_training_checkpoints_recorded_files(checkpoint,
     root, _ = checkpoint
     step = save_atomically(tmp_path / "checkpoints", 1, lambda d: shutil.copytree(root / "step", d, dirs_exist_ok=True),
                            {})
-    distcp = step / "actor" / "__0_1.distcp"
+    # the largest shard file (megatron-core 0.16 writes two a rank, __0_0 and __0_1; 0.19 one)
+    distcp = max((step / "actor").glob("*.distcp"), key=lambda f: f.stat().st_size)
     data = bytearray(distcp.read_bytes())
     data[len(data) // 2] ^= 0xFF  # one byte of tensor data: torch would read it without complaint
     distcp.write_bytes(bytes(data))
