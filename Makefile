@@ -110,6 +110,30 @@ test-sglang: $(STAMP) $(SGLANG_STAMP)
 	MEGARL_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python $(BIN)/python -m pytest tests/sglang_real -m sglang \
 		--durations=20 $(PYTEST_ARGS)
 
+# The second environment (docs/install.md, "What is tested"): Python 3.12 with megatron-core's newest
+# release and the torch / transformers of the GPU extra's SGLang (requirements/compat.txt), in
+# $(COMPAT_VENV); torch 2.14.1 for Python 3.12 is its CUDA build from the package index (about 6 GB
+# installed; it runs on the CPU). make test-compat runs the tests marked `megatron` there.
+PYTHON312 ?= $(shell for p in python3.12 $$(pyenv root 2>/dev/null)/versions/3.12*/bin/python3.12; do \
+	$$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { command -v $$p; break; }; done)
+COMPAT_VENV ?= .venv-compat
+COMPAT_STAMP := $(COMPAT_VENV)/.megarl-installed
+
+.PHONY: compat-env test-compat
+compat-env: $(COMPAT_STAMP)
+
+$(COMPAT_STAMP): requirements/compat.txt pyproject.toml
+	@test -n "$(PYTHON312)" || { echo "make compat-env: needs Python 3.12 (python3.12 on PATH, a pyenv 3.12, or" \
+		"PYTHON312=/path/to/python3.12)" >&2; exit 2; }
+	test -x $(COMPAT_VENV)/bin/python || $(PYTHON312) -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/python -m pip install -q --no-compile "$$(grep '^torch==' requirements/compat.txt)" "$(UV_SPEC)"
+	$(COMPAT_VENV)/bin/uv pip install --python $(COMPAT_VENV)/bin/python -e '.[dev]' -r requirements/compat.txt
+	touch $@
+
+test-compat: $(COMPAT_STAMP)
+	$(COMPAT_VENV)/bin/python -m megarl.cli --version
+	$(COMPAT_VENV)/bin/python -m pytest tests $(PARALLEL) -m 'megatron and not ui and not sglang' $(PYTEST_ARGS)
+
 # On a GPU machine, first: tests/gpu, then PASS / FAIL / NOT RUN per GPU-only path (docs/testing.md).
 # On a GPU machine, in the environment megarl's GPU install made (the NGC PyTorch container with
 # `pip install -e '.[gpu,dev]'`: its CUDA torch, Transformer Engine, SGLang), not .venv (whose

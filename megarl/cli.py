@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 from megarl.checkpoint import CheckpointError, latest_checkpoint, read_meta
+from megarl.compat import UnsupportedVersion, check_environment
 from megarl.config import ConfigError, RunConfig, load_config
 from megarl.config_loader import dump_config
 from megarl.convert_command import add_convert_command
@@ -45,6 +46,11 @@ def _split_config_and_overrides(items: list[str]) -> tuple[str | None, list[str]
 def _train(args: argparse.Namespace) -> int:
     path, overrides = _split_config_and_overrides(args.items)
     cfg = load_config(path, overrides)
+    try:
+        check_environment()  # the library versions: warnings, or a release known to be broken refused
+    except UnsupportedVersion as e:
+        print(f"megarl: {e}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
     if args.dry_run:
         from megarl.preflight import missing_inputs
 

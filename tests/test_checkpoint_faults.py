@@ -141,6 +141,7 @@ def crafted_dist_checkpoint(directory, payload) -> bytes:
     return data
 
 
+@pytest.mark.megatron
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("kind", CRAFTED)
 def test_a_crafted_metadata_is_refused_without_running_it(tmp_path, kind, capsys):
@@ -163,6 +164,7 @@ def test_a_crafted_metadata_is_refused_without_running_it(tmp_path, kind, capsys
     assert not marker.exists()
 
 
+@pytest.mark.megatron
 @pytest.mark.timeout(120)
 def test_megarl_export_refuses_a_crafted_megatron_checkpoint(inputs, tmp_path, capsys):
     run, marker = tmp_path / "run", tmp_path / "ran"
@@ -179,6 +181,7 @@ def test_megarl_export_refuses_a_crafted_megatron_checkpoint(inputs, tmp_path, c
     assert not marker.exists()
 
 
+@pytest.mark.megatron
 @pytest.mark.timeout(60)
 def test_a_real_dcp_checkpoint_passes_and_a_crafted_stored_object_is_refused(tmp_path):
     from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, load, save
@@ -219,9 +222,9 @@ def load_crafted_on_a_rank(hf_dir: str, ckpt_dir: str, marker: str) -> str:
     return "loaded"
 
 
+@pytest.mark.megatron
 @pytest.mark.timeout(300)
 def test_megatron_resume_refuses_a_crafted_metadata(tmp_path):
-    pytest.importorskip("megatron.core")
     from megatron_dist import run_distributed
     from tiny_models import tiny_hf_model
 

@@ -76,6 +76,7 @@ def test_the_fleet_trains_asynchronously_with_partial_rollouts(inputs, tmp_path)
     assert metric(tmp_path, "rollout/engine_restarts") == [0.0, 0.0]
 
 
+@pytest.mark.megatron
 @pytest.mark.slow
 def test_megatron_pipeline_stages_each_sync_over_their_own_group(inputs, local_run, tmp_path):
     # PP=2: two source ranks, two update groups, each engine joins both

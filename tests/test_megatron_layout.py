@@ -6,6 +6,8 @@ from megarl.backends.megatron.model import Layout, LayoutError
 from megarl.models import ModelSpec
 from tiny_models import tiny_hf_config
 
+pytestmark = pytest.mark.megatron
+
 SPEC = ModelSpec.from_hf(tiny_hf_config("qwen2"))  # 4 heads, 2 KV heads, 4 layers
 
 

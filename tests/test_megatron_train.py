@@ -16,7 +16,7 @@ from megarl.export import export_checkpoint
 from megarl.train import train
 from train_fixtures import hf_weights as weights, mlflow_metric as metric, tiny_overrides
 
-pytest.importorskip("megatron.core")
+pytestmark = pytest.mark.megatron  # megatron-core runs here: make test-compat runs these on its newest release too
 
 MEGATRON = ["actor.backend=megatron", "actor.parallel.tensor_model_parallel_size=2"]
 

@@ -248,6 +248,7 @@ def test_the_embedded_server_answers_routed_experts_as_sglang_does():
     assert torch.equal(ascending(out.routed_experts), own_routing(model, whole)[7:-1])
 
 
+@pytest.mark.megatron
 def test_a_routers_tokens_come_sequence_first_and_sequence_parallel_ranks_take_their_share():
     from megarl.backends.megatron.routing import routing_for_rank
 

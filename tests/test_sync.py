@@ -88,8 +88,8 @@ def test_generation_is_paused_around_a_sync_and_resumes_after_a_failure():
     ("llama", ["actor.parallel.tensor_model_parallel_size=2", "actor.parallel.pipeline_model_parallel_size=2"], 4),
     # Qwen3-MoE at EP=2: the source rank sends every expert, gathered from both ranks, by checkpoint name
     ("qwen3_moe", ["actor.parallel.expert_model_parallel_size=2"], 2)])
+@pytest.mark.megatron
 def test_megatron_trainer_syncs_into_the_embedded_engine_exactly(tmp_path, family, layout, world):
-    pytest.importorskip("megatron.core")
     from megarl.backends.torch.logprobs import token_log_probs
     from megarl.rollout.local import LocalEngine
     from megatron_cases import trained_export

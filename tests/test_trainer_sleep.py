@@ -134,15 +134,17 @@ def test_a_run_whose_trainer_sleeps_ends_on_the_same_weights_bit_for_bit(tiny_in
 
 
 # -- Transformer Engine's quantized tensors, stood in for on the CPU: wrapper tensors whose bytes
-# live in inner buffers (_data, _scale_inv, _transpose), in TE's two shapes
+# live in inner buffers, in the shapes TE's releases give them (TE 2.8 to 2.20, read from its source)
 
-class Float8Before216(torch.Tensor):
-    """TE < 2.16: a wrapper subclass as torch makes it (its storage's data pointer raises)."""
+class _Wrapper(torch.Tensor):
+    """A wrapper subclass as torch makes it (TE < 2.16: its storage's data pointer raises), its
+    inner buffers set from `buffers` (name -> tensor or None), computing nothing."""
 
     @staticmethod
-    def __new__(cls, data: torch.Tensor, scale_inv: torch.Tensor):
-        t = torch.Tensor._make_wrapper_subclass(cls, data.shape, dtype=torch.bfloat16, device=data.device)
-        t._data, t._scale_inv, t._transpose = data, scale_inv, None
+    def __new__(cls, shape, **buffers):
+        t = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=torch.bfloat16, device="cpu")
+        for name, value in buffers.items():
+            setattr(t, name, value)
         return t
 
     @classmethod
@@ -150,26 +152,79 @@ class Float8Before216(torch.Tensor):
         raise NotImplementedError(f"the stand-in computes nothing ({func})")
 
 
+class Float8Before216(_Wrapper):
+    """Float8Tensor, TE 2.8-2.15: _data, _scale_inv, _transpose; torch's wrapper storage."""
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, scale_inv: torch.Tensor):
+        return _Wrapper.__new__(cls, data.shape, _data=data, _scale_inv=scale_inv, _transpose=None)
+
+
 class Float8From216(Float8Before216):
-    """TE >= 2.16: the wrapper answers an empty storage."""
+    """TE >= 2.16: every quantized tensor answers an empty storage."""
 
     def untyped_storage(self):
         return torch.UntypedStorage(0)
 
 
-@pytest.mark.parametrize("kind", [Float8Before216, Float8From216], ids=["te<2.16", "te>=2.16"])
-def test_fp8_parameters_sleep_through_their_inner_buffers(kind):
+class BlockwiseFrom29To215(_Wrapper):
+    """Float8BlockwiseQTensor, TE 2.9-2.15: its storage is its rowwise data's, alone."""
+
+    def untyped_storage(self):
+        return self._rowwise_data.untyped_storage()
+
+
+class HybridFrom219(Float8From216):
+    """HybridQuantizedTensor, TE 2.19: two quantized tensors nested (rowwise, columnwise)."""
+
+
+class IdentityFrom219(Float8From216):
+    """IdentityTensor, TE 2.19: its high-precision data."""
+
+
+class GroupedTensor(_Wrapper):
+    """TE >= 2.14's GroupedTensor (the experts' single grouped weight): names without the
+    underscore, torch's wrapper storage (no override). The class name is what megarl knows it by."""
+
+
+def _bytes_of(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 255, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+def _te_shapes():
+    """(id, the wrapper, its leaf buffers by hand)."""
+    data, scale = _bytes_of(128, 1).view(8, 16), torch.tensor([0.5])
+    yield "float8 te<2.16", Float8Before216(data, scale), [data, scale]
+    data, scale = data.clone(), scale.clone()
+    yield "float8 te>=2.16", Float8From216(data, scale), [data, scale]
+    rows, cols, rs, cs = _bytes_of(128, 2).view(8, 16), _bytes_of(128, 3).view(16, 8), torch.ones(1, 1), torch.ones(1, 1)
+    yield "blockwise te2.9-2.15", BlockwiseFrom29To215(
+        (8, 16), _rowwise_data=rows, _columnwise_data=cols, _rowwise_scale_inv=rs, _columnwise_scale_inv=cs), \
+        [rows, cols, rs, cs]
+    a, b = _bytes_of(64, 4).view(4, 16), _bytes_of(64, 5).view(16, 4)
+    sa, sb = torch.tensor([2.0]), torch.tensor([4.0])
+    yield "hybrid te2.19", _Wrapper.__new__(HybridFrom219, (4, 16), _rowwise_storage=Float8From216(a, sa),
+                                            _columnwise_storage=Float8From216(b, sb)), [a, sa, b, sb]
+    hp = torch.randn(4, 4)
+    yield "identity te2.19", _Wrapper.__new__(IdentityFrom219, (4, 4), _hp_data=hp), [hp]
+    grouped = {"rowwise_data": _bytes_of(96, 6), "columnwise_data": None, "scale_inv": torch.ones(3),
+               "columnwise_scale_inv": None, "amax": torch.tensor([3.0]), "columnwise_amax": None,
+               "scale": torch.tensor([1.0]), "first_dims": None, "last_dims": None,
+               "tensor_offsets": torch.tensor([0, 32, 64])}
+    yield "grouped te>=2.14", GroupedTensor((96,), **grouped), [v for v in grouped.values() if v is not None]
+
+
+@pytest.mark.parametrize("param, leaves", [s[1:] for s in _te_shapes()], ids=[s[0] for s in _te_shapes()])
+def test_fp8_parameters_sleep_through_their_inner_buffers(param, leaves):
     # before: te<2.16 raised at the first sleep (the storage's data pointer), te>=2.16 was skipped
-    # (an empty storage): the FP8 weights stayed on the device
-    data = torch.randint(0, 255, (8, 16), dtype=torch.uint8)
-    param = kind(data, torch.tensor([0.5]))
-    want = data.clone()
+    # (an empty storage), blockwise moved its rowwise data alone, grouped raised
+    want = [leaf.clone() for leaf in leaves]
     sleep = TrainerSleep("cpu")
     sleep.sleep([param])
-    assert param._data.untyped_storage().nbytes() == 0 and param._scale_inv.untyped_storage().nbytes() == 0
-    assert sleep.host_bytes == 512 + 512
+    assert [leaf.untyped_storage().nbytes() for leaf in leaves] == [0] * len(leaves)
+    assert sleep.host_bytes == 512 * len(leaves)  # each leaf's slice of the pool, rounded up to 512 bytes
     sleep.wake()
-    assert torch.equal(param._data, want) and param._scale_inv.item() == 0.5
+    assert all(torch.equal(leaf, w) for leaf, w in zip(leaves, want))
 
 
 def test_the_fp8_weight_workspaces_are_dropped_at_sleep():

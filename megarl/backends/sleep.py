@@ -143,17 +143,31 @@ class TrainerSleep:
             torch.cuda.synchronize(self.device)
 
 
-# where Transformer Engine's quantized tensors (Float8Tensor, MXFP8Tensor, Float8BlockwiseQTensor:
-# the FP8 parameters of fp8_param_gather, the FP8 weight workspaces) keep their bytes: they are
-# wrapper tensors with no storage of their own (TE < 2.16: its data pointer raises; TE >= 2.16:
-# an empty storage, which a sleep would skip, leaving the FP8 weights on the GPU)
+# Where Transformer Engine's quantized tensors keep their bytes (the FP8 parameters of
+# fp8_param_gather, the FP8 weight workspaces): wrapper tensors whose inner buffers hold them. The
+# wrapper's own storage is no guide: TE < 2.16 leaves torch's (its data pointer raises), 2.9-2.15's
+# Float8BlockwiseQTensor answers its rowwise data's alone (the scales and columnwise copy left
+# out), TE >= 2.16 an empty one (a sleep going by it would skip the FP8 weights). The same names
+# from TE 2.8 to 2.20: Float8Tensor, MXFP8Tensor, Float8BlockwiseQTensor, NVFP4Tensor; 2.19's
+# HybridQuantizedTensor nests two of them (_rowwise_storage, _columnwise_storage), its
+# IdentityTensor holds _hp_data.
 QUANTIZED_BUFFERS = ("_data", "_transpose", "_scale_inv", "_rowwise_data", "_columnwise_data", "_rowwise_scale_inv",
-                     "_columnwise_scale_inv", "_amax_rowwise", "_amax_columnwise")
+                     "_columnwise_scale_inv", "_amax_rowwise", "_amax_columnwise", "_rowwise_storage",
+                     "_columnwise_storage", "_hp_data")
+# TE >= 2.14's GroupedTensor (the experts' one weight of GroupedLinear with single_grouped_weight,
+# megatron's moe_single_grouped_weight): names without the underscore, torch's own wrapper storage
+GROUPED_BUFFERS = ("rowwise_data", "columnwise_data", "scale_inv", "columnwise_scale_inv", "amax", "columnwise_amax",
+                   "scale", "first_dims", "last_dims", "tensor_offsets")
+GROUPED_CLASSES = {"GroupedTensor", "GroupedTensorStorage"}
 
 
 def held_tensors(t: torch.Tensor) -> list[torch.Tensor]:
-    """The plain tensors holding `t`'s bytes: `t` itself, or a wrapper's inner buffers (QUANTIZED_BUFFERS)."""
-    inner = [x for x in (getattr(t, name, None) for name in QUANTIZED_BUFFERS) if isinstance(x, torch.Tensor)]
+    """The plain tensors holding `t`'s bytes: `t` itself, or a wrapper's inner buffers
+    (QUANTIZED_BUFFERS; GROUPED_BUFFERS for a GroupedTensor), each nested wrapper opened too."""
+    names = QUANTIZED_BUFFERS
+    if any(c.__name__ in GROUPED_CLASSES for c in type(t).__mro__):
+        names = GROUPED_BUFFERS
+    inner = [x for x in (getattr(t, name, None) for name in names) if isinstance(x, torch.Tensor)]
     if not inner:
         return [t]
     return [held for x in inner for held in held_tensors(x)]

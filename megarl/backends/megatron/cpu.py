@@ -18,6 +18,8 @@ import threading
 import torch
 from torch.overrides import TorchFunctionMode
 
+from megarl.compat import name_te_general_gemm
+
 _lock = threading.Lock()
 _enabled = False
 
@@ -72,12 +74,9 @@ def enable_cpu_mode() -> bool:
         transformer_utils.get_default_causal_mask = causal_mask
         if hasattr(fused_softmax, "get_default_causal_mask"):
             fused_softmax.get_default_causal_mask = causal_mask
-        # the MoE router's gating GEMM tests `te_general_gemm is not None`, a name moe_utils
-        # imports from Transformer Engine only (megatron-core 0.16: a NameError without TE)
         from megatron.core.transformer.moe import moe_utils
 
-        if not hasattr(moe_utils, "te_general_gemm"):
-            moe_utils.te_general_gemm = None
+        name_te_general_gemm(moe_utils)  # megatron-core 0.16's router without TE (megarl.compat)
         # the all-to-all token dispatcher copies its split sizes to the host on a side stream
         # and waits on an event; on the CPU every copy is already done
         torch.cuda.Stream = _HostStream
