@@ -210,3 +210,21 @@ def test_a_python_without_megarl_is_named_with_what_to_do(tmp_path):
     found = find_install(tmp_path / "repo", python.parent)
     assert found.returncode == 2 and found.stdout == ""
     assert f"megarl: {python} cannot run megarl" in found.stderr and "pip install -e '.[gpu]'" in found.stderr
+
+
+def test_sglang_in_an_environment_of_its_own_is_the_runs_server_python(tmp_path):
+    """docs/install.md's container install: MEGARL_SGLANG_PYTHON becomes rollout.sglang.python;
+    a path that is no python stops the recipe before anything starts, naming it."""
+    inputs = stand_ins(tmp_path, "Qwen/Qwen2.5-32B")
+    server_python = tmp_path / "sglang-env" / "bin" / "python"
+    server_python.parent.mkdir(parents=True)
+    server_python.symlink_to(sys.executable)
+    result = run_recipe(ROOT / "examples/dapo/run_dapo_qwen2.5_32b.sh", MEGARL_NNODES="8",
+                        MEGARL_SGLANG_PYTHON=str(server_python), **inputs)
+    assert result.returncode == 0, result.stderr[-3000:]
+    cfg = yaml.safe_load(result.stdout[result.stdout.index("\nmodel:") + 1:])
+    assert cfg["rollout"]["engine"] == "sglang" and cfg["rollout"]["sglang"]["python"] == str(server_python)
+    missing = run_recipe(ROOT / "examples/dapo/run_dapo_qwen2.5_32b.sh", MEGARL_NNODES="8",
+                         MEGARL_SGLANG_PYTHON=str(tmp_path / "nowhere/python"), **inputs)
+    assert missing.returncode == 2 and "config OK" not in missing.stderr
+    assert f"MEGARL_SGLANG_PYTHON={tmp_path}/nowhere/python is not an executable python" in missing.stderr

@@ -239,7 +239,8 @@ _ray_on_slurm_requeue_if_taken() {
 # job's nodes, and a different value is refused; required outside slurm), MEGARL_GPUS_PER_NODE
 # [8], MEGARL_GPU_MEMORY [80GB], MEGARL_PLAN_MODEL (the model `megarl plan` sizes while
 # MEGARL_MODEL_PATH has no config.json yet) and MEGARL_PLAN_ARGS (more `megarl plan` flags, e.g.
-# --rollout-gpus). The layout (actor TP / PP / DP, recompute, offload, engine TP, SGLang memory
+# --rollout-gpus), MEGARL_SGLANG_PYTHON (the python of SGLang's own environment: rollout.sglang.python;
+# default the run's). The layout (actor TP / PP / DP, recompute, offload, engine TP, SGLang memory
 # fraction) is the one `megarl plan --config CONFIG key=value ...` recommends for the job's nodes,
 # planned from the run's own config and overrides (sequence lengths, batch, critic, KL), unless
 # MEGARL_LAYOUT is set. Prints what it runs; with MEGARL_DRY_RUN=1 it only validates the
@@ -271,6 +272,12 @@ megarl_train_on_slurm() {
     local args=(train "$config" "model.path=$MEGARL_MODEL_PATH" "trainer.output_dir=$MEGARL_OUTPUT_DIR"
                 "cluster.ray_address=auto" "cluster.nnodes=$nodes" "cluster.gpus_per_node=${MEGARL_GPUS_PER_NODE:-8}")
     [[ -n "${MLFLOW_TRACKING_URI:-}" ]] && args+=("tracking.uri=$MLFLOW_TRACKING_URI")
+    if [[ -n "${MEGARL_SGLANG_PYTHON:-}" ]]; then  # SGLang in an environment of its own (docs/install.md)
+        [[ -x "$MEGARL_SGLANG_PYTHON" ]] || {
+            echo "megarl: MEGARL_SGLANG_PYTHON=$MEGARL_SGLANG_PYTHON is not an executable python (docs/install.md#gpu-machine)" >&2
+            return 2; }
+        args+=("rollout.sglang.python=$MEGARL_SGLANG_PYTHON")
+    fi
     # shellcheck disable=SC2206
     args+=($layout "$@")
     echo "megarl on slurm job ${SLURM_JOB_ID:-?} ($nodes nodes): $megarl ${args[*]}"

@@ -46,6 +46,7 @@ journey_instead_install() {
     "${JOURNEY_BASE_PYTHON:-python3}" -m venv "$JOURNEY_ENV"
     pip install -q --no-compile "$JOURNEY_TORCH"
     pip install -q --no-compile -e . "$JOURNEY_ROUTER"
+    export MEGARL_SGLANG_PYTHON=$SGLANG_PY  # SGLang's own environment: the recipe gives it to the run
     hash -r
     megarl --version
 }
@@ -74,7 +75,7 @@ JOURNEY_TINY=(model.dtype=float32 data.max_prompt_length=256 data.train_batch_si
               algorithm.dynamic_sampling.enable=false actor.ppo_mini_batch_size=4 actor.ppo_micro_batch_size=4
               actor.optim.lr=1e-4 actor.optim.lr_warmup_steps=0 actor.parallel.sequence_parallel=false
               trainer.total_training_steps=$JOURNEY_STEPS trainer.save_freq=1 trainer.test_freq=2
-              reward.num_workers=1 rollout.sglang.server=sglang "rollout.sglang.python=$SGLANG_PY"
+              reward.num_workers=1 rollout.sglang.server=sglang
               rollout.num_engines=1 rollout.max_concurrency=16 cluster.threads_per_rank=1
               cluster.placement_strategy=SPREAD)
 JOURNEY_LAYOUT="actor.parallel.tensor_model_parallel_size=1 actor.parallel.pipeline_model_parallel_size=1 \
