@@ -114,7 +114,8 @@ test-sglang: $(STAMP) $(SGLANG_STAMP)
 # release and the torch / transformers of the GPU extra's SGLang (requirements/compat.txt), in
 # $(COMPAT_VENV); torch 2.14.1 for Python 3.12 is its CUDA build from the package index (about 6 GB
 # installed; it runs on the CPU). make test-compat runs the tests marked `megatron` there.
-PYTHON312 ?= $(shell for p in python3.12 $$(pyenv root 2>/dev/null)/versions/3.12*/bin/python3.12; do \
+PYTHON312 ?= $(shell for p in python3.12 $$(pyenv root 2>/dev/null)/versions/3.12*/bin/python3.12 \
+	$$HOME/.pyenv/versions/3.12*/bin/python3.12; do \
 	$$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { command -v $$p; break; }; done)
 COMPAT_VENV ?= .venv-compat
 COMPAT_STAMP := $(COMPAT_VENV)/.megarl-installed
