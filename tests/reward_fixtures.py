@@ -56,3 +56,17 @@ def odd_prompts_constant(data_source, solution_str, ground_truth, extra_info=Non
         return {"score": 0.0, "acc": False}
     correct = sum(map(ord, solution_str)) % 2 == 0
     return {"score": float(correct), "acc": correct}
+
+
+def scorer_shaped(solution_str, ground_truth, extra_info=None):
+    """A built-in scorer's signature, not a custom function's: refused when the run starts."""
+    return 1.0
+
+
+def keyword_only_score(*, data_source, solution_str, ground_truth, extra_info=None):
+    return 1.0
+
+
+def flexible_score(data_source, *rest, **options):
+    """Any function that takes the four positional arguments is accepted."""
+    return float(len(rest) == 3)

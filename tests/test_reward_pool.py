@@ -121,6 +121,9 @@ def test_serial_mode_uses_the_same_guard():
 def test_bad_custom_function_fails_at_construction_in_the_caller():
     with pytest.raises(ValueError, match="cannot import module 'no_such_module_xyz'"):
         RewardPool(RewardConfig(custom_function="no_such_module_xyz:score"), num_workers=2)
+    # a function of another signature stops the run as it starts, not with a zero on every sample
+    with pytest.raises(ValueError, match=r"reward_fixtures:scorer_shaped' takes \(solution_str, ground_truth"):
+        RewardPool(RewardConfig(custom_function=f"{FIXTURES}:scorer_shaped"), num_workers=0)
 
 
 @pytest.mark.parametrize(

@@ -86,6 +86,7 @@ def test_named_scorer_ignores_data_source():
 
 
 def test_custom_function_by_import_string():
+    assert score_task(f"{FIXTURES}:flexible_score", "x", "a", "a", None, {})["score"] == 1.0  # any fit is taken
     result = score_task(f"{FIXTURES}:length_score", "anything", "abcd", "4", None, {})
     assert result == {"score": 0.04, "acc": True, "pred": "abcd"}
     assert score_task(f"{FIXTURES}:float_score", "x", "a", "a", None, {}) == {"score": 0.5, "acc": True, "pred": None}
@@ -99,6 +100,10 @@ def test_custom_function_by_import_string():
         ("no_such_module_xyz:fn", "cannot import module 'no_such_module_xyz'"),
         (f"{FIXTURES}:missing_fn", "has no attribute 'missing_fn'"),
         (f"{FIXTURES}:NOT_A_FUNCTION", "names a int, not a function"),
+        (f"{FIXTURES}:scorer_shaped", "takes (solution_str, ground_truth, extra_info=None), but megarl calls it as "
+                                      "fn(data_source, solution_str, ground_truth, extra_info=None) -> float | dict "
+                                      "(too many positional arguments)"),
+        (f"{FIXTURES}:keyword_only_score", "takes (*, data_source, solution_str, ground_truth, extra_info=None), but"),
     ],
 )
 def test_bad_import_string_names_it_and_the_expected_form(import_string, message):

@@ -11,6 +11,7 @@ module anew and would not see such additions, while an import string works every
 from __future__ import annotations
 
 import importlib
+import inspect
 import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -147,7 +148,26 @@ def load_custom_function(import_string: str) -> Callable[..., Any]:
         target = getattr(target, name)
     if not callable(target):
         raise ValueError(f"reward custom_function {import_string!r} names a {type(target).__name__}, not a function")
+    _check_call(import_string, target)
     return target
+
+
+CUSTOM_SIGNATURE = "fn(data_source, solution_str, ground_truth, extra_info=None) -> float | dict"
+
+
+def _check_call(import_string: str, fn: Callable[..., Any]) -> None:
+    """ValueError where `fn` cannot take the call score_task makes (four positional arguments):
+    a function written for another signature would otherwise fail on every sample, each failure
+    counted as a zero score while training goes on."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a callable without one (some builtins): its first call tells
+        return
+    try:
+        signature.bind("data_source", "solution_str", "ground_truth", None)
+    except TypeError as error:
+        raise ValueError(f"reward custom_function {import_string!r} takes {signature}, but megarl calls it as "
+                         f"{CUSTOM_SIGNATURE} ({error})") from None
 
 
 def as_score_dict(value: Any, source: str) -> dict:
