@@ -14,9 +14,11 @@ from megarl.reward.scoring import (
     RewardRequest,
     RewardResult,
     apply_group_rewards,
+    characters_read,
     combine_rewards,
     failed_result,
     score_one,
+    warm_up,
 )
 from megarl.reward.settings import RewardConfig
 
@@ -197,6 +199,9 @@ def test_group_step_is_a_no_op_without_len():
         ({"weights": {"len": 1.0}, "length_rewards": "megarl"}, "nothing measures correctness"),
         ({"cosine_max_len": 0}, "reward.cosine_max_len: 0 is out of range"),
         ({"custom_function": "dapo_math", "weights": {"format": 1.0}}, "is never called"),
+        ({"data_sources": {"mine": "dapo"}}, "reward.data_sources.mine: 'dapo' is neither a built-in scorer"),
+        ({"data_sources": {"mine": "dapo_math"}, "custom_function": "search_r1_em"},
+         r"reward.data_sources: \['mine'\] are never consulted: reward.custom_function='search_r1_em' scores every row"),
         ({"dapo_math_normalization": "minerva"}, "reward.dapo_math_normalization: 'minerva' is not a normalisation"),
         ({"math_verify_gold": "sympy"}, "reward.math_verify_gold: 'sympy' is not a reading of the gold answer"),
         ({"length_rewards": "kimi"}, "reward.length_rewards: 'kimi' is not a way of computing the length rewards"),
@@ -216,3 +221,25 @@ def test_the_reward_options_from_the_run_config():
             RewardConfig().math_verify_gold) == ("verl", False, "open_r1")
     with pytest.raises(ConfigError, match="reward.dapo_math_normalization: expects one of 'verl', 'lenient'"):
         load_config(None, ["reward.dapo_math_normalization=minerva"])
+
+
+def test_a_data_set_is_routed_to_its_scorer_by_the_config():
+    """reward.data_sources: a new data_source gets a built-in scorer or a function of its own
+    without an edit of megarl/reward/registry.py; the built-in routes still serve the others."""
+    cfg = RewardConfig(data_sources={"my_math": "dapo_math", "my_len": f"{FIXTURES}:length_score",
+                                     "nq": f"{FIXTURES}:float_score"})  # a built-in route overridden
+    def score(data_source, text, truth):
+        return score_one(cfg, RewardRequest(data_source, text, truth)).score
+
+    assert score("my_math", "so Answer: 12", "12") == 1.0 and score("my_math", "Answer: 13", "12") == -1.0  # DAPO's
+    assert score("my_len", "abcd", "4") == pytest.approx(0.04)  # length_score: 1% a character
+    assert score("nq", "paris", "paris") == 0.5 and score("nq", "rome", "paris") == -0.5
+    assert score("triviaqa", "<answer>Paris</answer>", {"target": ["paris"]}) == 1.0  # its built-in route, EM
+    assert characters_read(cfg, "my_math") == 300 and characters_read(cfg, "my_len") is None
+    with pytest.raises(ValueError, match=r"no reward function for data_source 'other'.*reward.data_sources \({other:"):
+        score("other", "x", "y")
+
+
+def test_a_configured_function_of_another_signature_stops_the_start():
+    with pytest.raises(ValueError, match=r"'reward_fixtures:scorer_shaped' takes \(solution_str, ground_truth"):
+        warm_up(RewardConfig(data_sources={"mine": f"{FIXTURES}:scorer_shaped"}))

@@ -95,8 +95,9 @@ def scorer_for_data_source(data_source: str) -> Scorer:
             return SCORERS[route.scorer]
     raise ValueError(
         f"no reward function for data_source {data_source!r}. Known data sources: {describe_routes()}. "
-        f"For another data set set reward.custom_function to {CUSTOM_FUNCTION_FORM}, "
-        f"or to one of the built-in scorers {sorted(SCORERS)}."
+        f"For another data set name its scorer in reward.data_sources ({{{data_source}: SCORER}}) or set "
+        f"reward.custom_function (every row); a scorer is {CUSTOM_FUNCTION_FORM} or one of the built-in "
+        f"scorers {sorted(SCORERS)}."
     )
 
 

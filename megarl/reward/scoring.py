@@ -107,8 +107,9 @@ def characters_read(cfg: RewardConfig, data_source: str) -> int | None:
     (routed, or named by reward.custom_function) declares one (Scorer.last_chars)."""
     if set(cfg.effective_weights()) != {"task_score"}:
         return None
-    if cfg.custom_function is not None:
-        return SCORERS[cfg.custom_function].last_chars if cfg.custom_function in SCORERS else None
+    named = cfg.scorer_for(data_source)
+    if named is not None:
+        return SCORERS[named].last_chars if named in SCORERS else None
     try:
         return scorer_for_data_source(data_source).last_chars
     except ValueError:  # scoring names the unknown data source
@@ -123,7 +124,7 @@ def score_one(cfg: RewardConfig, request: RewardRequest) -> RewardResult:
     task: dict | None = None
     if "task_score" in weights:
         task = score_task(
-            cfg.custom_function, request.data_source, request.solution_str, request.ground_truth,
+            cfg.scorer_for(request.data_source), request.data_source, request.solution_str, request.ground_truth,
             request.extra_info, cfg.scorer_options(),
         )
         components["task_score"] = task["score"]
@@ -188,8 +189,8 @@ def warm_up(cfg: RewardConfig) -> None:
     """Import what scoring with these settings will need (custom function, math-verify), so
     that a worker's first call does not spend its time limit on imports, and a bad
     custom_function fails here, at start-up, with its own message."""
-    if cfg.custom_function is not None and cfg.custom_function not in SCORERS:
-        load_custom_function(cfg.custom_function)
+    for name in {cfg.custom_function, *cfg.data_sources.values()} - {None, *SCORERS}:
+        load_custom_function(name)
     weights = cfg.effective_weights()
     if "accuracy" in weights:
         math_verify_accuracy("\\boxed{1}", "1")

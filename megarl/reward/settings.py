@@ -46,6 +46,11 @@ class RewardConfig:
         None, "Scorer used instead of routing by data_source: a built-in name (search_r1_em, search_r1_format, "
         "dapo_math, code, code_binary, ioi, code_format) or 'module.path:function' (fn(data_source, solution_str, ground_truth, extra_info) -> "
         "float | dict).")
+    data_sources: dict[str, str] = param(
+        help="data_source -> the scorer of its rows, a built-in name or 'module.path:function' (as custom_function "
+        "takes them), before the built-in routes: a new data set without an edit of megarl/reward/registry.py, e.g. "
+        "{my_math: dapo_math, my_qa: my_pkg.rewards:score}. Unused when custom_function scores every row.",
+        factory=dict)
     weights: dict[str, float] = param(
         help="Component name -> weight; the reward is Σ weight · component. Empty = the task score alone "
         "(custom_function, or the scorer routed by data_source). Names: task_score (that score), accuracy "
@@ -115,6 +120,11 @@ class RewardConfig:
     def effective_weights(self) -> dict[str, float]:
         return dict(self.weights) if self.weights else {"task_score": 1.0}
 
+    def scorer_for(self, data_source: str) -> str | None:
+        """The scorer named for `data_source` (custom_function, else data_sources), or None:
+        the built-in routes pick it."""
+        return self.custom_function if self.custom_function is not None else self.data_sources.get(data_source)
+
     def scorer_options(self) -> dict[str, Any]:
         """The settings the named scorers take (format_score, …), by name."""
         return {name: getattr(self, name) for name in SCORER_OPTION_NAMES}
@@ -150,10 +160,15 @@ def check_reward_config(cfg: RewardConfig, problems: Problems, prefix: str = "re
             problems.add(f"{prefix}{name}", f"{getattr(cfg, name)!r} is not {what}",
                          f"use one of {list(get_args(choices))}")
     custom = cfg.custom_function
-    if custom is not None and custom not in SCORERS and ":" not in custom:
-        problems.add(f"{prefix}custom_function", f"{custom!r} is neither a built-in scorer {sorted(SCORERS)} "
-                     "nor an import string 'module.path:function'",
-                     f"use one of {sorted(SCORERS)} or 'module.path:function'")
+    named = [("custom_function", custom)] + [(f"data_sources.{k}", v) for k, v in cfg.data_sources.items()]
+    for key, name in named:
+        if name is not None and name not in SCORERS and ":" not in name:
+            problems.add(f"{prefix}{key}", f"{name!r} is neither a built-in scorer {sorted(SCORERS)} "
+                         "nor an import string 'module.path:function'",
+                         f"use one of {sorted(SCORERS)} or 'module.path:function'")
+    if custom is not None and cfg.data_sources:
+        problems.add(f"{prefix}data_sources", f"{sorted(cfg.data_sources)} are never consulted: "
+                     f"{prefix}custom_function={custom!r} scores every row", "unset one of the two")
     if custom is not None and weights and "task_score" not in weights:
         problems.add(f"{prefix}custom_function", f"{custom!r} is never called: with {prefix}weights it is the "
                      "'task_score' component", f"add task_score to {prefix}weights or unset {prefix}custom_function")
