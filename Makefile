@@ -3,8 +3,8 @@
 #   make test         set up .venv and run the tests
 #
 # On a CPU machine the install takes the CPU build of torch (TORCH_SPEC) before the project,
-# so nothing pulls a multi-GB CUDA build. On a GPU machine use the NGC PyTorch container
-# and `pip install -e '.[gpu,dev]'`, or run `make TORCH_SPEC= test` to keep the torch you have.
+# so nothing pulls a multi-GB CUDA build. On a GPU machine install as docs/install.md says (the
+# NGC PyTorch container, SGLang in a venv of its own), or run `make TORCH_SPEC= test` to keep the torch you have.
 # torch comes from pip (it finds the CPU wheel where pip is configured to look), the rest from uv
 # (parallel downloads: 20 s instead of 2 min), which keeps the torch it finds installed. Neither
 # compiles the .py files ahead (pip took 90 s for torch's alone): Python compiles a module at its
@@ -136,15 +136,15 @@ test-compat: $(COMPAT_STAMP)
 	$(COMPAT_VENV)/bin/python -m pytest tests $(PARALLEL) -m 'megatron and not ui and not sglang' $(PYTEST_ARGS)
 
 # On a GPU machine, first: tests/gpu, then PASS / FAIL / NOT RUN per GPU-only path (docs/testing.md).
-# On a GPU machine, in the environment megarl's GPU install made (the NGC PyTorch container with
-# `pip install -e '.[gpu,dev]'`: its CUDA torch, Transformer Engine, SGLang), not .venv (whose
+# On a GPU machine, in the environment megarl's GPU install made (docs/install.md: the NGC PyTorch
+# container's CUDA torch and Transformer Engine, megarl and pytest installed into it), not .venv (whose
 # CPU torch the CPU targets install), so that the recipes find the same install afterwards.
 # GPU_PYTHON: another interpreter with that install.
 GPU_PYTHON ?= python3
 .PHONY: test-gpu
 test-gpu:
 	@$(GPU_PYTHON) -c 'import megarl, pytest' 2>/dev/null || { echo "make test-gpu: $(GPU_PYTHON) has no megarl" \
-		"(or no pytest): install it into the GPU environment first, pip install -e '.[gpu,dev]' (docs/install.md)," \
+		"(or no pytest): install it into the GPU environment first (docs/install.md#gpu-machine, then pip install -e '.[dev]')," \
 		"or name that environment's python with GPU_PYTHON=..." >&2; exit 2; }
 	$(GPU_PYTHON) tests/gpu/gpu_status.py $(PYTEST_ARGS)
 

@@ -209,7 +209,7 @@ def test_a_python_without_megarl_is_named_with_what_to_do(tmp_path):
     python = wrapper(tmp_path / "usr/bin/python3", "false")
     found = find_install(tmp_path / "repo", python.parent)
     assert found.returncode == 2 and found.stdout == ""
-    assert f"megarl: {python} cannot run megarl" in found.stderr and "pip install -e '.[gpu]'" in found.stderr
+    assert f"megarl: {python} cannot run megarl" in found.stderr and "docs/install.md#gpu-machine" in found.stderr
 
 
 def test_sglang_in_an_environment_of_its_own_is_the_runs_server_python(tmp_path):

@@ -88,8 +88,8 @@ megarl_install() {
     if [[ -z "$MEGARL_PY" ]] || ! "$MEGARL_PY" -c "import importlib.util as u, sys
 sys.exit(not all(u.find_spec(m) for m in ('megarl.cli', 'ray')))" 2>/dev/null; then
         echo "megarl: ${MEGARL_PY:-python3 (none on PATH)} cannot run megarl (no megarl or no Ray installed there):" \
-             "install it into the environment the job runs in (pip install -e '.[gpu]' in the repository," \
-             "docs/install.md), or set MEGARL_PYTHON to a python that has it" >&2
+             "install it into the environment the job runs in (docs/install.md#gpu-machine)," \
+             "or set MEGARL_PYTHON to a python that has it" >&2
         return 2
     fi
     bin=$(dirname "$MEGARL_PY")

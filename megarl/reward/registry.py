@@ -22,9 +22,8 @@ from megarl.reward.code import binary_code_score, code_format_score, code_score,
 from megarl.reward.dapo_math import RESPONSE_TAIL_CHARS, dapo_math_score
 from megarl.reward.search_r1 import search_r1_em_score, search_r1_format_score
 
-CUSTOM_FUNCTION_FORM = (
-    "'module.path:function' with signature fn(data_source, solution_str, ground_truth, extra_info=None) -> float | dict"
-)
+CUSTOM_SIGNATURE = "fn(data_source, solution_str, ground_truth, extra_info=None) -> float | dict"
+CUSTOM_FUNCTION_FORM = f"'module.path:function' with signature {CUSTOM_SIGNATURE}"
 
 
 @dataclass(frozen=True)
@@ -151,9 +150,6 @@ def load_custom_function(import_string: str) -> Callable[..., Any]:
         raise ValueError(f"reward custom_function {import_string!r} names a {type(target).__name__}, not a function")
     _check_call(import_string, target)
     return target
-
-
-CUSTOM_SIGNATURE = "fn(data_source, solution_str, ground_truth, extra_info=None) -> float | dict"
 
 
 def _check_call(import_string: str, fn: Callable[..., Any]) -> None:
