@@ -12,7 +12,8 @@
     megarl --version
 
 Configuration errors are reported (every problem, with its key and fix) before anything
-heavy is imported, with exit status 2.
+heavy starts, with exit status 2 (the checks import torch only for the advantage estimator and
+the policy loss, megarl.config_algorithm).
 """
 
 from __future__ import annotations

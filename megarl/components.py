@@ -1,6 +1,6 @@
 """A run's components, built from its config: tokenizer, prompts and their order, the
 runtime (train worker, rollout engine, reward pool, retrieval server: megarl.runtime), the
-retrieval client — and closed again.
+agent's tools and the retrieval client of its search — and closed again.
 
 `megarl.train` calls `build_components` once and then only uses what it returns, through
 the typed interfaces (`TrainWorker`, `RolloutEngine`, `RewardComputer`); it never knows
@@ -29,6 +29,8 @@ from megarl.reward.pool import RewardComputer
 from megarl.rollout.agent import AgentSettings
 from megarl.rollout.engine import RolloutEngine
 from megarl.runtime import Runtime, build_runtime
+from megarl.tools import build_toolset
+from megarl.tools.base import ToolSet
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,7 @@ class Components:
     prompt_order: PromptOrder
     runtime: Runtime
     searcher: RetrievalClient | None
+    tools: ToolSet | None  # the agent's tools (agent.tools) where the run is multi-turn
     total_steps: int
     dropped_prompts: int
     last_samples: list = field(default_factory=list)  # the latest training samples, for the rollout table
@@ -101,7 +104,9 @@ class Components:
         try:
             self.runtime.shutdown()
         finally:
-            if self.searcher is not None:  # its connections, on the driver loop's thread
+            if self.tools is not None:  # their connections, on the driver loop's thread
+                run_async(self.tools.aclose())
+            if self.searcher is not None:
                 run_async(self.searcher.aclose())
 
 
@@ -120,7 +125,7 @@ def build_components(cfg: RunConfig) -> Components:
     if d.val_files:
         val_records, _ = load_prompts(d.val_files, tokenizer, prompt_key=d.prompt_key,
                                       max_prompt_length=d.max_prompt_length, apply_chat_template=d.apply_chat_template)
-    if cfg.agent.max_turns > 0 and cfg.agent.retrieval.url is None:
+    if cfg.agent.uses_search() and cfg.agent.retrieval.url is None:
         _warn_if_other_corpus(cfg.agent.retrieval.index_dir, d.train_files + d.val_files)
     steps_per_epoch = max(len(train_records) // d.train_batch_size, 1)
     total_steps = cfg.trainer.total_training_steps or steps_per_epoch * cfg.trainer.total_epochs
@@ -131,7 +136,7 @@ def build_components(cfg: RunConfig) -> Components:
         runtime.shutdown()
         raise
     searcher = None
-    if cfg.agent.max_turns > 0:
+    if cfg.agent.uses_search():
         r = cfg.agent.retrieval
         url = r.url or runtime.retrieval_url
         key = runtime.retrieval_api_key if r.url is None else r.api_key or os.environ.get(RETRIEVAL_KEY_ENV)
@@ -142,8 +147,17 @@ def build_components(cfg: RunConfig) -> Components:
             runtime.shutdown()
             raise ComponentDied(f"the retrieval server refuses megarl's requests ({refused}): give megarl the key it "
                                 f"was started with (${RETRIEVAL_KEY_ENV} or agent.retrieval.api_key)")
+    tools = None
+    if cfg.agent.max_turns > 0:
+        a = cfg.agent
+        try:
+            tools = build_toolset(a.tools, a.tool_format, tokenizer, searcher, a.retrieval.topk)
+        except Exception:
+            runtime.shutdown()
+            raise
+        log.info("agent tools: %s (%s format)", ", ".join(tools.tools), a.tool_format)
     return Components(cfg, tokenizer, train_records, val_records,
-                      PromptOrder(len(train_records), cfg.trainer.seed, d.shuffle), runtime, searcher,
+                      PromptOrder(len(train_records), cfg.trainer.seed, d.shuffle), runtime, searcher, tools,
                       total_steps, dropped)
 
 

@@ -16,7 +16,7 @@ import math
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from megarl.config_loader import (
     ConfigError,
@@ -26,6 +26,7 @@ from megarl.config_loader import (
     param,
     save_config,
 )
+from megarl.config_algorithm import AlgorithmConfig, DynamicSamplingConfig, OverlongConfig, check_algorithm
 from megarl.config_async import AsyncRolloutConfig, check_async_rollout
 from megarl.config_cluster import ClusterConfig
 from megarl.config_megatron import check_megatron
@@ -33,7 +34,8 @@ from megarl.config_probe import ProbeConfig, check_probe
 from megarl.config_rollout import RolloutConfig, SamplingConfig, SGLangConfig, check_rollout
 from megarl.reward.settings import RewardConfig, check_reward_config
 
-__all__ = ["RunConfig", "RewardConfig", "RolloutConfig", "SamplingConfig", "SGLangConfig", "ConfigError", "load_config", "save_config", "config_to_dict"]
+__all__ = ["RunConfig", "AlgorithmConfig", "DynamicSamplingConfig", "OverlongConfig", "RewardConfig", "RolloutConfig",
+           "SamplingConfig", "SGLangConfig", "ConfigError", "load_config", "save_config", "config_to_dict"]
 
 
 Dtype = Literal["float32", "bfloat16", "float16"]
@@ -87,61 +89,25 @@ class RetrievalConfig:
 
 @dataclass
 class AgentConfig:
-    max_turns: int = param(0, "Search turns per trajectory; 0 = single-turn generation (e.g. DAPO math).", ge=0)
+    max_turns: int = param(0, "Tool-calling turns per trajectory; 0 = single-turn generation (e.g. DAPO math).", ge=0)
     max_turn_length: int = param(500, "Tokens the model may generate in one turn.", gt=0)
-    max_obs_length: int = param(500, "Retrieved-information tokens kept per observation.", gt=0)
-    mask_observations: bool = param(True, "Exclude retrieved tokens from the loss (Search-R1's loss mask).")
-    retrieval: RetrievalConfig = param(help="Retriever used by the search agent.", factory=RetrievalConfig)
+    max_obs_length: int = param(500, "Observation tokens kept per tool call (the rest is cut).", gt=0)
+    mask_observations: bool = param(True, "Exclude observation tokens from the loss (Search-R1's loss mask).")
+    tools: dict[str, dict[str, Any]] = param(
+        help="The tools the model may call, by name (its tag): each a mapping of settings, `class` "
+        "('package.module:Class', not needed for the built-ins search, calculator and python), `timeout_s`, and "
+        "the class's own. Replaced whole by an override, e.g. 'agent.tools={calculator: {}}'. See docs/extending.md.",
+        factory=lambda: {"search": {}})
+    tool_format: Literal["tags", "tool_call"] = param(
+        "tags", "How the model calls a tool: tags (Search-R1, <search> query </search>) or tool_call (the chat "
+        "template's <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>, e.g. Qwen2.5 and Qwen3).")
+    retrieval: RetrievalConfig = param(help="Retriever used by the search tool.", factory=RetrievalConfig)
 
+    def uses_search(self) -> bool:
+        """Whether the run searches: multi-turn, with a search tool (it then needs a retrieval server)."""
+        from megarl.tools import is_search
 
-@dataclass
-class DynamicSamplingConfig:
-    enable: bool = param(True, "Drop prompt groups whose metric is constant and refill (DAPO dynamic sampling).")
-    metric: str = param("acc", "Per-sample value whose variance decides a group is informative (acc, score, ...).")
-    max_num_gen_batches: int = param(10, "Generation batches per step before giving up; 0 = unlimited.", ge=0)
-
-
-@dataclass
-class OverlongConfig:
-    enable: bool = param(True, "Soft overlong punishment (DAPO): penalise responses inside the last buffer_len tokens.")
-    buffer_len: int = param(4096, "Length of the punishment zone in tokens, ending at rollout.max_response_length.", gt=0)
-    penalty_factor: float = param(1.0, "Penalty at the maximum length.", ge=0.0)
-
-
-@dataclass
-class AlgorithmConfig:
-    adv_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"] = param(
-        "grpo", "Advantage estimator; gae needs critic.enable=true."
-    )
-    norm_adv_by_std: bool = param(True, "GRPO divides by the group std; false is Dr.GRPO.")
-    gamma: float = param(1.0, "Discount factor (REINFORCE++, GAE).", ge=0.0, le=1.0)
-    lam: float = param(1.0, "GAE lambda.", ge=0.0, le=1.0)
-    clip_ratio_low: float = param(0.2, "PPO clip below: ratio >= 1 - clip_ratio_low.", ge=0.0, lt=1.0)
-    clip_ratio_high: float = param(0.28, "PPO clip above (DAPO clip-higher): ratio <= 1 + clip_ratio_high.", ge=0.0)
-    clip_ratio_c: float = param(3.0, "Dual-clip bound on negative-advantage losses (> 1).", gt=1.0)
-    ratio_level: Literal["token", "sequence"] = param("token", "Importance ratio per token (PPO) or per sequence (GSPO).")
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = param(
-        "token-mean", "Loss aggregation; token-mean is DAPO's token-level loss over the global batch."
-    )
-    entropy_coeff: float = param(0.0, "Entropy bonus coefficient.", ge=0.0)
-    use_kl_loss: bool = param(False, "Add a KL(policy || reference) loss term (DAPO: off).")
-    kl_loss_coef: float = param(0.001, "Weight of the KL loss term.", ge=0.0)
-    kl_loss_type: Literal["k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl"] = param("low_var_kl", "KL estimator of the loss term.")
-    use_kl_in_reward: bool = param(False, "Subtract a per-token KL penalty from the reward instead.")
-    kl_reward_coef: float = param(0.001, "Weight of the KL reward penalty.", ge=0.0)
-    kl_reward_type: Literal["k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl"] = param("k1", "KL estimator of the reward penalty.")
-    tis_cap: float | None = param(
-        None, "Truncated importance sampling against the rollout log-probs, weights capped here; None = off.", gt=0.0
-    )
-    tis_level: Literal["token", "sequence"] = param(
-        "token", "TIS weight per token, or one per sequence (the product of its token ratios, capped).")
-    old_log_probs: Literal["trainer", "engine"] = param(
-        "trainer", "Where the old policy's log-probs (the PPO ratio's denominator) come from: trainer = a forward "
-        "pass of the step's batch by the train model; engine = the log-probs the engine returned with each sampled "
-        "token (one forward pass less a step; exact only where engine and trainer compute the same numbers, as the "
-        "embedded engine in float32 on the CPU; on GPUs their kernels differ, and the ratio then starts off 1).")
-    dynamic_sampling: DynamicSamplingConfig = param(help="DAPO dynamic sampling.", factory=DynamicSamplingConfig)
-    overlong: OverlongConfig = param(help="DAPO soft overlong punishment.", factory=OverlongConfig)
+        return self.max_turns > 0 and any(is_search(name, spec) for name, spec in self.tools.items())
 
 
 @dataclass
@@ -388,11 +354,7 @@ class RunConfig:
             problems.add("algorithm.overlong.buffer_len",
                          f"{a.overlong.buffer_len} is not below rollout.max_response_length={r.max_response_length}",
                          "use a buffer shorter than the maximum response (DAPO: 4096 of 20480)")
-        if a.adv_estimator == "gae" and not self.critic.enable:
-            problems.add("algorithm.adv_estimator", "gae needs a critic", "set critic.enable=true or use grpo / rloo")
-        if a.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline") and r.n < 2:
-            problems.add("rollout.n", f"{r.n} gives groups of one sample, so {a.adv_estimator} has no baseline",
-                         "use rollout.n >= 2 (DAPO: 16)")
+        check_algorithm(self, problems)
         if self.trainer.sleep_during_generation and self.trainer.async_rollout.enable:
             problems.add("trainer.sleep_during_generation", "is on with trainer.async_rollout, where the engines "
                          "generate while the trainer trains", "turn one of them off")
@@ -406,9 +368,10 @@ class RunConfig:
             problems.add("agent.max_turn_length",
                          f"{self.agent.max_turn_length} exceeds rollout.max_response_length={r.max_response_length}",
                          "a single turn cannot be longer than the whole trajectory budget")
-        if self.agent.max_turns > 0 and self.agent.retrieval.url is None and self.agent.retrieval.index_dir is None:
+        if self.agent.uses_search() and self.agent.retrieval.url is None and self.agent.retrieval.index_dir is None:
             problems.add("agent.retrieval", f"agent.max_turns={self.agent.max_turns} searches, but nothing serves the searches",
                          "set agent.retrieval.index_dir (megarl starts a server on it) or agent.retrieval.url")
+        check_tools(self.agent, problems)
         for name, worker in (("actor", actor), ("critic", self.critic)):
             p = worker.parallel
             if worker.backend == "torch" and (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
@@ -435,6 +398,21 @@ class RunConfig:
         check_rollout(self, problems)
         check_probe(self, problems)
 
+
+
+def check_tools(agent: AgentConfig, problems: Problems) -> None:
+    """Each tool's class imports and takes its settings (megarl.tools.tool_problems)."""
+    from megarl.tools import tool_problems
+
+    if agent.max_turns > 0 and not agent.tools:
+        problems.add("agent.tools", f"is empty, but agent.max_turns={agent.max_turns} calls tools",
+                     "name at least one tool, e.g. agent.tools={search: {}}, or set agent.max_turns=0")
+    for name, spec in agent.tools.items():
+        for problem in tool_problems(name, spec):
+            key, _, message = problem.partition(": ")
+            if not key.startswith(f"agent.tools.{name}"):
+                key, message = f"agent.tools.{name}", problem
+            problems.add(key, message, "see docs/extending.md, 'A tool'")
 
 
 def load_config(path: str | None, overrides: list[str] | None = None, consistent: bool = True) -> RunConfig:

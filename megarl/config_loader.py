@@ -212,6 +212,8 @@ def _coerce(value: Any, tp: Any) -> tuple[bool, Any, str]:
         return False, None, expected
     text = value.text if isinstance(value, _Override) else None
     value = _plain(value)
+    if tp is Any:  # an extension's own settings: checked by the extension
+        return True, value, "any value"
     if origin is Literal:
         expected = "one of " + ", ".join(repr(a) for a in args)
         if text is not None and text in args:
@@ -265,7 +267,7 @@ def _coerce(value: Any, tp: Any) -> tuple[bool, Any, str]:
 
 
 def _plural(tp: Any) -> str:
-    return {int: "integers", float: "numbers", str: "strings", bool: "booleans"}.get(tp, str(tp))
+    return {int: "integers", float: "numbers", str: "strings", bool: "booleans", Any: "values"}.get(tp, str(tp))
 
 
 def check_ranges(cfg: Any, prefix: str, problems: Problems) -> None:

@@ -11,9 +11,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from megarl.algo import (compute_gae_advantages, compute_grpo_advantages, compute_reinforce_plus_plus_advantages,
-                         compute_reinforce_plus_plus_baseline_advantages, compute_rloo_advantages, kl_penalty,
-                         overlong_penalty, scores_to_token_rewards)
+from megarl.algo import AdvantageEstimator, advantage_estimator, kl_penalty, overlong_penalty, scores_to_token_rewards
+from megarl.algo.registry import SIGNATURES
 from megarl.backends.batch import TrainBatch
 from megarl.backends.packed import PackedBatch
 from megarl.config import AlgorithmConfig
@@ -108,55 +107,49 @@ def compute_advantages(batch: PackedBatch, scores: list[float], groups: list[int
                        ref_log_probs: torch.Tensor | None = None,
                        old_log_probs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """(advantages, returns, metrics), each tensor (N,) aligned with the packed batch's tokens,
-    zero off the loss mask.
+    zero off the loss mask, by the estimator algorithm.adv_estimator names (megarl.algo.registry).
 
-    Outcome estimators (grpo, rloo) broadcast one value per sequence over its loss tokens
-    (returns are the advantages, the same tensor); token estimators (reinforce_plus_plus, gae)
-    see the score on the last loss token, minus a per-token KL penalty when
-    algorithm.use_kl_in_reward, and run on the rows padded.
+    An outcome estimator's one value per sequence is broadcast over its loss tokens (returns
+    are the advantages, the same tensor); a token estimator runs on the rows padded, with the
+    score on the last loss token, minus a per-token KL penalty when algorithm.use_kl_in_reward.
     """
+    estimator = advantage_estimator(algo.adv_estimator)
     scores_t = torch.tensor(scores, dtype=torch.float32)
     groups_t = torch.tensor(groups)
-    estimator = algo.adv_estimator
-    if estimator in ("grpo", "rloo"):
-        if estimator == "grpo":
-            per_seq = compute_grpo_advantages(scores_t, groups_t, norm_by_std=algo.norm_adv_by_std)
-        else:
-            per_seq = compute_rloo_advantages(scores_t, groups_t)
+    if estimator.kind == "outcome":
+        per_seq = estimator.fn(scores_t, groups_t, algo)
+        _check_shape(estimator, "advantages", per_seq, scores_t.shape)
         advantages = per_seq.repeat_interleave(batch.lengths).masked_fill_(~batch.loss_mask, 0.0)
         return advantages, advantages, {}
     padded = replace(batch.only("values"), routed_experts=None, ref_log_probs=ref_log_probs,
                      old_log_probs=old_log_probs).padded()
-    advantages, returns, metrics = _token_advantages(padded, scores_t, groups_t, algo)
+    advantages, returns, metrics = _token_advantages(estimator, padded, scores_t, groups_t, algo)
     return batch.pack(advantages), batch.pack(returns), metrics
 
 
-def _token_advantages(batch: TrainBatch, scores_t: torch.Tensor, groups_t: torch.Tensor,
+def _token_advantages(estimator: AdvantageEstimator, batch: TrainBatch, scores_t: torch.Tensor, groups_t: torch.Tensor,
                       algo: AlgorithmConfig) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-    """The token estimators on (B, L) rows."""
+    """A token estimator on (B, L) rows, given the token rewards."""
     mask = batch.loss_mask.float()
-    ref_log_probs, old_log_probs = batch.ref_log_probs, batch.old_log_probs
     metrics: dict[str, float] = {}
-    estimator = algo.adv_estimator
-    if estimator == "reinforce_plus_plus_baseline":
-        advantages, returns = compute_reinforce_plus_plus_baseline_advantages(scores_t, groups_t, batch.loss_mask)
-        return advantages, returns, metrics
     rewards = scores_to_token_rewards(scores_t, batch.loss_mask)
     if algo.use_kl_in_reward:
-        if ref_log_probs is None or old_log_probs is None:
+        if batch.ref_log_probs is None or batch.old_log_probs is None:
             raise ValueError("algorithm.use_kl_in_reward needs reference and old log-probs")
-        kl = kl_penalty(old_log_probs, ref_log_probs, algo.kl_reward_type) * mask
+        kl = kl_penalty(batch.old_log_probs, batch.ref_log_probs, algo.kl_reward_type) * mask
         rewards = rewards - algo.kl_reward_coef * kl
         metrics["kl_in_reward"] = float(kl.sum() / mask.sum().clamp_min(1))
-    if estimator == "reinforce_plus_plus":
-        advantages, returns = compute_reinforce_plus_plus_advantages(rewards, batch.loss_mask, algo.gamma)
-        return advantages, returns, metrics
-    if estimator == "gae":
-        if batch.values is None:
-            raise ValueError("the gae estimator needs batch.values from the critic")
-        advantages, returns = compute_gae_advantages(rewards, batch.values, batch.loss_mask, algo.gamma, algo.lam)
-        return advantages, returns, metrics
-    raise ValueError(f"unknown advantage estimator {estimator!r}")
+    advantages, returns = estimator.fn(batch, rewards, scores_t, groups_t, algo)
+    _check_shape(estimator, "advantages", advantages, rewards.shape)
+    _check_shape(estimator, "returns", returns, rewards.shape)
+    return advantages, returns, metrics
+
+
+def _check_shape(estimator: AdvantageEstimator, what: str, tensor, shape: torch.Size) -> None:
+    if not isinstance(tensor, torch.Tensor) or tensor.shape != shape:
+        found = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+        raise ValueError(f"advantage estimator {estimator.name!r} ({estimator.kind}) returned {what} of shape {found}, "
+                         f"expected {tuple(shape)}: {SIGNATURES[estimator.kind]}")
 
 
 class EnginesDisagree(RuntimeError):

@@ -13,9 +13,9 @@ from megarl.experience import Sample
 from megarl.tracking import server_uri, ui_command
 
 
-PROGRESS_KEYS = {"reward": "train/reward_mean", "acc": "train/acc", "searches": "rollout/search_calls_mean",
+PROGRESS_KEYS = {"reward": "train/reward_mean", "acc": "train/acc", "calls": "rollout/tool_calls_mean",
                  "val_acc": "val/acc"}
-HISTORY_KEYS = ("train/reward_mean", "train/acc", "rollout/search_calls_mean", "val/acc", "perf/trainer_offload_s",
+HISTORY_KEYS = ("train/reward_mean", "train/acc", "rollout/tool_calls_mean", "val/acc", "perf/trainer_offload_s",
                 "perf/trainer_onload_s")
 
 
@@ -52,7 +52,7 @@ def tracking_line(tracking: TrackingConfig, out: Path, run_id: str | None) -> st
 # the step's one line in the console log: (label, metric, format), shown when the step has it
 STEP_LINE = (("reward", "train/reward_mean", ".3f"), ("acc", "train/acc", ".3f"),
              ("length", "train/response_length_mean", ".1f"), ("mismatch", "rollout/logprob_mismatch", ".4f"),
-             ("searches", "rollout/search_calls_mean", ".2f"), ("val/acc", "val/acc", ".3f"))
+             ("tool calls", "rollout/tool_calls_mean", ".2f"), ("val/acc", "val/acc", ".3f"))
 
 
 def step_line(done: int, total: int, metrics: dict) -> str:
@@ -69,12 +69,12 @@ ROLLOUT_TABLE_ROWS = 16
 
 
 def rollout_table(c: Components, samples: list[Sample], rows: int = ROLLOUT_TABLE_ROWS) -> dict[str, list]:
-    """A few samples of the step as columns (prompt, response, score, acc, searches)."""
+    """A few samples of the step as columns (prompt, response, score, acc, tool calls)."""
     picked = samples[:rows]
     return {"prompt": [c.tokenizer.decode(s.trajectory.prompt_ids) for s in picked],
             "response": [c.tokenizer.decode(s.trajectory.response_ids) for s in picked],
             "score": [s.score for s in picked], "acc": [bool(s.acc) for s in picked],
-            "searches": [s.trajectory.num_searches for s in picked]}
+            "tool_calls": [sum(s.trajectory.tool_calls.values()) for s in picked]}
 
 
 def plot_curves(history: list[dict], path: Path) -> Path:

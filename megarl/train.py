@@ -305,7 +305,7 @@ def rollout(c: Components, records, n: int, seed_base: int, group_base: int,
     prompts = [r.prompt_ids for r in records for _ in range(n)]
     seeds = [seed_base + i for i in range(len(prompts))]
     trajectories = run_async(run_trajectories(c.engine, c.tokenizer, prompts, c.agent_settings(validation),
-                                                c.searcher, seeds))
+                                              c.tools, seeds))
     failed = sum(t.num_failed_searches for t in trajectories)
     if failed:
         c.check_retrieval()  # a dead server stops the run with its name; a transient failure is counted
@@ -359,7 +359,19 @@ def validate(c: Components) -> dict[str, float]:
     return {"val/score": sum(s.score for s in samples) / len(samples),
             "val/acc": sum(s.acc for s in samples) / len(samples),  # = avg@n
             f"val/pass_at_{v.n}": sum(any(s.acc for s in g) for g in by_prompt.values()) / len(by_prompt),
-            "val/search_calls_mean": sum(s.trajectory.num_searches for s in samples) / len(samples)}
+            "val/search_calls_mean": sum(s.trajectory.num_searches for s in samples) / len(samples)} | {
+        f"val/tools/{name}/calls_mean": calls / len(samples) for name, calls in _tool_totals(samples)["calls"].items()}
+
+
+def _tool_totals(samples: list[Sample]) -> dict[str, dict[str, float]]:
+    """{"calls" | "failures" | "seconds": {tool: total over the samples}}."""
+    totals: dict[str, dict[str, float]] = {"calls": {}, "failures": {}, "seconds": {}}
+    for s in samples:
+        t = s.trajectory
+        for kind, counts in (("calls", t.tool_calls), ("failures", t.tool_failures), ("seconds", t.tool_seconds)):
+            for name, value in counts.items():
+                totals[kind][name] = totals[kind].get(name, 0) + value
+    return totals
 
 
 TALLIED = ("samples", "acc", "response_tokens", "searches", "valid_actions", "turns", "failed_searches")
@@ -373,6 +385,9 @@ def _tally(samples: list[Sample], tally: dict[str, float]) -> None:
                        ("searches", sum(x.num_searches for x in t)), ("valid_actions", sum(x.num_valid_actions for x in t)),
                        ("turns", sum(x.num_turns for x in t)), ("failed_searches", sum(x.num_failed_searches for x in t))):
         tally[key] += value
+    for kind, by_tool in _tool_totals(samples).items():
+        for name, value in by_tool.items():
+            tally[f"tool_{kind}/{name}"] = tally.get(f"tool_{kind}/{name}", 0.0) + value
 
 
 def _rollout_metrics(tally: dict[str, float], kept: list[Sample], gen_batches: int, metrics: dict) -> None:
@@ -384,10 +399,16 @@ def _rollout_metrics(tally: dict[str, float], kept: list[Sample], gen_batches: i
         "train/kept_groups": len({s.group for s in kept}),
         "train/gen_batches": gen_batches,
         "rollout/search_calls_mean": tally["searches"] / n,
+        "rollout/tool_calls_mean": sum(v for k, v in tally.items() if k.startswith("tool_calls/")) / n,
         "rollout/valid_action_rate": tally["valid_actions"] / max(tally["turns"], 1),
         "rollout/failed_searches": int(tally["failed_searches"]),
         "rollout/turns_mean": tally["turns"] / n,
     })
+    for key in [k for k in tally if k.startswith("tool_calls/")]:
+        name, calls = key.removeprefix("tool_calls/"), tally[key]
+        metrics.update({f"rollout/tools/{name}/calls_mean": calls / n,
+                        f"rollout/tools/{name}/failures": int(tally[f"tool_failures/{name}"]),
+                        f"rollout/tools/{name}/latency_s": tally[f"tool_seconds/{name}"] / max(calls, 1)})
 
 
 def _save(c: Components, root: Path, step: int, run_id: str | None, history: list, rollouts: SyncRollouts) -> None:

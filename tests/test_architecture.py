@@ -18,10 +18,10 @@ PACKAGE = ROOT / "megarl"
 LAYERS = [
     ("foundations", ["megarl", "megarl.errors", "megarl.config_loader", "megarl.versions", "megarl.termination",
                      "megarl.driver_loop", "megarl.memory"]),
-    ("domain", ["megarl.algo", "megarl.models", "megarl.retrieval", "megarl.reward", "megarl.weights",
+    ("domain", ["megarl.algo", "megarl.models", "megarl.retrieval", "megarl.reward", "megarl.tools", "megarl.weights",
                 "megarl.data.prompts", "megarl.data.tokenizer", "megarl.data"]),
-    ("config", ["megarl.config", "megarl.config_cluster", "megarl.config_async", "megarl.config_megatron",
-                "megarl.config_rollout"]),
+    ("config", ["megarl.config", "megarl.config_algorithm", "megarl.config_cluster", "megarl.config_async",
+                "megarl.config_megatron", "megarl.config_rollout"]),
     ("parts", ["megarl.backends", "megarl.rollout", "megarl.tracking", "megarl.checkpoint"]),
     ("runtime", ["megarl.runtime"]),
     ("loop", ["megarl.components", "megarl.experience", "megarl.export", "megarl.async_rollouts", "megarl.run_report",

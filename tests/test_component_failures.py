@@ -55,7 +55,7 @@ def test_stopped_in_process_retrieval_server_is_named(world, tmp_path, monkeypat
         # a rollout whose searches failed asks for the check (the tiny model rarely searches by itself)
         async def failed_searches(engine, tokenizer, prompts, settings, searcher, seeds):
             return [Trajectory(prompt_ids=p, response_ids=[1], loss_mask=[1], rollout_log_probs=[0.0],
-                               num_searches=1, num_failed_searches=1) for p in prompts]
+                               tool_calls={"search": 1}, tool_failures={"search": 1}) for p in prompts]
 
         monkeypatch.setattr(train_module, "run_trajectories", failed_searches)
         with pytest.raises(ComponentDied, match="retrieval server"):

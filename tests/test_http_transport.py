@@ -257,7 +257,7 @@ def test_a_run_s_close_closes_its_retrieval_client(shutdown_fails):
             client = RetrievalClient(server.url, max_retries=0)
             assert run_async(client.search(["q"]))[0].error is None
             with pytest.raises(RuntimeError) if shutdown_fails else contextlib.nullcontext():
-                Components(None, None, [], [], None, Runtime(), client, 1, 0).close()
+                Components(None, None, [], [], None, Runtime(), client, None, 1, 0).close()
             del client
     finally:
         server.close()
@@ -364,5 +364,5 @@ def test_a_retrieval_client_that_fails_to_close_leaves_the_run_s_shutdown_done()
             raise RuntimeError("broken")
 
     with pytest.raises(RuntimeError, match="broken"):
-        Components(None, None, [], [], None, Runtime(), Searcher(), 1, 0).close()
+        Components(None, None, [], [], None, Runtime(), Searcher(), None, 1, 0).close()
     assert shut == [True]  # the engines and servers are stopped all the same

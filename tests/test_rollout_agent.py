@@ -9,8 +9,9 @@ import torch
 
 from megarl.retrieval.client import SearchResult
 from megarl.retrieval.documents import Document
-from megarl.rollout.agent import (INVALID_ACTION_MESSAGE, AgentSettings, build_search_prompt, parse_action,
-                                  run_trajectories, run_trajectory)
+from megarl.rollout.agent import (INVALID_ACTION_MESSAGE, AgentSettings, build_search_prompt, run_trajectories,
+                                  run_trajectory)
+from megarl.tools.search import SEARCH_TOOLS
 from megarl.rollout.engine import GenerationOutput, SamplingParams
 from megarl.rollout.local import LocalEngine
 from tiny_models import reference_log_probs, tiny_model, tiny_tokenizer
@@ -72,7 +73,16 @@ def run(engine, settings=SETTINGS, searcher=None, prompt=None):
     ("<answer> 東京 </answer>", ("answer", "東京")),
 ])
 def test_parse_action(text, expected):
-    assert parse_action(text) == expected
+    action = SEARCH_TOOLS.parse(text)
+    got = {"call": ("search", (action.arguments or {}).get("query")), "answer": ("answer", action.content),
+           "invalid": ("invalid", "")}[action.kind]
+    assert got == expected
+
+
+def test_the_invalid_action_message_is_search_r1s():
+    assert INVALID_ACTION_MESSAGE == (  # Search-R1's generation.py, word for word
+        "\nMy previous action is invalid. If I want to search, I should put the query between <search> and </search>. "
+        "If I want to give the final answer, I should put the answer between <answer> and </answer>. Let me try again.\n")
 
 
 def test_search_then_answer_masks_and_token_exactness():

@@ -97,16 +97,16 @@ def test_rollout_table_and_reward_curve_artifacts(inputs, tmp_path):
 
 
 def test_nan_steps_stop_the_run_after_saving(inputs, tmp_path, monkeypatch):
-    import megarl.backends.loss as loss_module
+    from megarl.algo.registry import POLICY_LOSSES
     from megarl.train import TrainingStopped
 
-    real = loss_module.policy_loss
+    real = POLICY_LOSSES["ppo"]
 
     def nan_loss(*args, **kwargs):  # test double: a loss that went NaN
         loss, metrics = real(*args, **kwargs)
         return loss * float("nan"), metrics
 
-    monkeypatch.setattr(loss_module, "policy_loss", nan_loss)
+    monkeypatch.setitem(POLICY_LOSSES, "ppo", nan_loss)
     out = tmp_path / "run"
     cfg = load_config(None, tiny_overrides(inputs, out, steps=5) + ["trainer.max_bad_steps=2", "trainer.save_freq=0"])
     with pytest.raises(TrainingStopped, match="2 steps in a row"):

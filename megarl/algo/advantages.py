@@ -12,6 +12,9 @@ of a response. Token-level estimators skip them: such a position adds no reward 
 does not count as a step of discounting, so the policy's own tokens form one chain.
 
 Advantages are constants of the policy loss, so every estimator runs under no_grad.
+
+At the end of the file, each estimator is registered under the name algorithm.adv_estimator
+selects it by (megarl.algo.registry), as a thin adapter to its formula.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 
 from megarl.algo.groups import GroupIds, group_index, group_mean_std, group_sizes, group_sum
 from megarl.algo.masked import masked_whiten, zero_outside_mask
+from megarl.algo.registry import register_advantage_estimator
 
 
 def _as_float(scores: torch.Tensor) -> torch.Tensor:
@@ -184,3 +188,41 @@ def compute_gae_advantages(
     returns = zero_outside_mask(raw_advantages + values, response_mask)
     advantages = masked_whiten(raw_advantages, response_mask) if whiten else zero_outside_mask(raw_advantages, response_mask)
     return advantages, returns
+
+
+# The registered estimators (megarl.algo.registry): thin adapters from what the trainer has
+# (scores, group ids, the padded batch, the algorithm settings) to the formulas above.
+
+
+@register_advantage_estimator("grpo", kind="outcome", needs_groups=True)
+def grpo_estimator(scores: torch.Tensor, groups: torch.Tensor, algo) -> torch.Tensor:
+    """GRPO, or Dr.GRPO with algorithm.norm_adv_by_std=false."""
+    return compute_grpo_advantages(scores, groups, norm_by_std=algo.norm_adv_by_std)
+
+
+@register_advantage_estimator("rloo", kind="outcome", needs_groups=True)
+def rloo_estimator(scores: torch.Tensor, groups: torch.Tensor, algo) -> torch.Tensor:
+    return compute_rloo_advantages(scores, groups)
+
+
+@register_advantage_estimator("reinforce_plus_plus", kind="token")
+def reinforce_plus_plus_estimator(batch, token_rewards: torch.Tensor, scores: torch.Tensor, groups: torch.Tensor,
+                                  algo) -> tuple[torch.Tensor, torch.Tensor]:
+    """Discounted by algorithm.gamma."""
+    return compute_reinforce_plus_plus_advantages(token_rewards, batch.loss_mask, algo.gamma)
+
+
+@register_advantage_estimator("reinforce_plus_plus_baseline", kind="token", needs_groups=True)
+def reinforce_plus_plus_baseline_estimator(batch, token_rewards: torch.Tensor, scores: torch.Tensor,
+                                           groups: torch.Tensor, algo) -> tuple[torch.Tensor, torch.Tensor]:
+    """From the scores alone: token_rewards (and a KL penalty in them) are not used."""
+    return compute_reinforce_plus_plus_baseline_advantages(scores, groups, batch.loss_mask)
+
+
+@register_advantage_estimator("gae", kind="token", needs_critic=True)
+def gae_estimator(batch, token_rewards: torch.Tensor, scores: torch.Tensor, groups: torch.Tensor,
+                  algo) -> tuple[torch.Tensor, torch.Tensor]:
+    """Over the critic's values (batch.values), with algorithm.gamma and algorithm.lam."""
+    if batch.values is None:
+        raise ValueError("the gae estimator needs batch.values from the critic")
+    return compute_gae_advantages(token_rewards, batch.values, batch.loss_mask, algo.gamma, algo.lam)

@@ -1,5 +1,8 @@
 """Actor and critic losses: clipped PPO policy loss (clip-higher, dual clip, GSPO
-sequence ratio, truncated importance sampling), clipped value loss, and entropy.
+sequence ratio, truncated importance sampling), CISPO, clipped value loss, and entropy.
+
+The policy losses algorithm.policy_loss selects are registered here (megarl.algo.registry):
+"ppo" (`policy_loss` with the run's settings) and "cispo".
 
 Main entry points: `policy_loss`, `value_loss`. Both return (loss, metrics) where loss is
 reduced by `agg_loss` (pass the global num_tokens / num_seqs for gradient accumulation,
@@ -13,6 +16,7 @@ import torch
 
 from megarl.algo.aggregation import Count, agg_loss
 from megarl.algo.masked import masked_mean
+from megarl.algo.registry import register_policy_loss
 
 RATIO_LEVELS = ("token", "sequence")
 
@@ -33,6 +37,36 @@ def _importance_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mask: 
     seq_log_ratio = masked_mean(log_ratio.detach(), mask, dim=-1)
     seq_ratio = torch.exp(seq_log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
     return seq_ratio[:, None] * torch.exp(log_prob - log_prob.detach())
+
+
+def _check_tis(rollout_log_prob: torch.Tensor | None, tis_cap: float | None, tis_level: str) -> None:
+    if tis_cap is not None and rollout_log_prob is None:
+        raise ValueError(
+            f"tis_cap={tis_cap} turns on truncated importance sampling but rollout_log_prob is None; "
+            "have the rollout engine return log-probs, or set algorithm.tis_cap=null"
+        )
+    if tis_level not in RATIO_LEVELS:
+        raise ValueError(f"unknown tis_level {tis_level!r}; valid: {', '.join(RATIO_LEVELS)}")
+    if tis_cap is not None and tis_cap <= 0:
+        raise ValueError(f"tis_cap={tis_cap} must be > 0 (it caps the importance weights)")
+
+
+def _truncated_importance_sampling(token_loss: torch.Tensor, old_log_prob: torch.Tensor,
+                                   rollout_log_prob: torch.Tensor | None, mask: torch.Tensor, tis_cap: float | None,
+                                   tis_level: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(token_loss·w, TIS metrics), w = sg(min(exp(old − rollout), tis_cap)) per token, or per
+    sequence from the sum over its valid tokens; (token_loss, {}) when tis_cap is None."""
+    if tis_cap is None:
+        return token_loss, {}
+    mismatch_log_ratio = (old_log_prob - rollout_log_prob).masked_fill(~mask, 0.0)
+    if tis_level == "sequence":
+        mismatch_log_ratio = mismatch_log_ratio.sum(dim=-1, keepdim=True).expand_as(mismatch_log_ratio)
+    mismatch_log_ratio = mismatch_log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    raw_tis_weight = torch.exp(mismatch_log_ratio).detach()
+    tis_weight = raw_tis_weight.clamp_max(tis_cap)
+    metrics = {"tis_weight_mean": masked_mean(tis_weight, mask),
+               "tis_clipfrac": masked_mean((raw_tis_weight > tis_cap).float(), mask)}
+    return token_loss * tis_weight, metrics
 
 
 def _as_floats(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -86,15 +120,7 @@ def policy_loss(
         raise ValueError(f"clip_ratio_c={clip_ratio_c} must be > 1 (the dual-clip bound; DAPO/verl use 3.0)")
     if ratio_level not in RATIO_LEVELS:
         raise ValueError(f"unknown ratio_level {ratio_level!r}; valid: {', '.join(RATIO_LEVELS)}")
-    if tis_cap is not None and rollout_log_prob is None:
-        raise ValueError(
-            f"tis_cap={tis_cap} turns on truncated importance sampling but rollout_log_prob is None; "
-            "have the rollout engine return log-probs, or set algorithm.tis_cap=null"
-        )
-    if tis_level not in RATIO_LEVELS:
-        raise ValueError(f"unknown tis_level {tis_level!r}; valid: {', '.join(RATIO_LEVELS)}")
-    if tis_cap is not None and tis_cap <= 0:
-        raise ValueError(f"tis_cap={tis_cap} must be > 0 (it caps the importance weights)")
+    _check_tis(rollout_log_prob, tis_cap, tis_level)
 
     mask = response_mask.bool()
     ratio = _importance_ratio(log_prob, old_log_prob, mask, ratio_level)
@@ -104,16 +130,8 @@ def policy_loss(
     dual_bound = -advantages * clip_ratio_c
     token_loss = torch.where(advantages < 0, torch.minimum(clip_loss, dual_bound), clip_loss)
 
-    tis_weight = None
-    if tis_cap is not None:
-        mismatch_log_ratio = (old_log_prob - rollout_log_prob).masked_fill(~mask, 0.0)
-        if tis_level == "sequence":
-            mismatch_log_ratio = mismatch_log_ratio.sum(dim=-1, keepdim=True).expand_as(mismatch_log_ratio)
-        mismatch_log_ratio = mismatch_log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-        raw_tis_weight = torch.exp(mismatch_log_ratio).detach()
-        tis_weight = raw_tis_weight.clamp_max(tis_cap)
-        token_loss = token_loss * tis_weight
-
+    token_loss, tis_metrics = _truncated_importance_sampling(token_loss, old_log_prob, rollout_log_prob, mask, tis_cap,
+                                                             tis_level)
     loss = agg_loss(token_loss, mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length)
 
     with torch.no_grad():
@@ -125,10 +143,65 @@ def policy_loss(
             "clipfrac_dual": masked_mean(((advantages < 0) & (clip_loss > dual_bound)).float(), mask),
             "ppo_kl": masked_mean(old_log_prob - log_prob, mask),
         }
-        if tis_weight is not None:
-            metrics["tis_weight_mean"] = masked_mean(tis_weight, mask)
-            metrics["tis_clipfrac"] = masked_mean((raw_tis_weight > tis_cap).float(), mask)
-    return loss, _as_floats(metrics)
+    return loss, _as_floats(metrics | tis_metrics)
+
+
+@register_policy_loss("ppo")
+def ppo_policy_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
+                    mask: torch.Tensor, algo, *, rollout_log_prob: torch.Tensor | None = None,
+                    num_tokens: Count | None = None, num_seqs: Count | None = None,
+                    norm_length: Count | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """`policy_loss` with the run's settings: algorithm.clip_ratio_low / _high / _c,
+    loss_agg_mode, ratio_level (GSPO), tis_cap and tis_level (TIS, when tis_cap is set)."""
+    a = algo
+    return policy_loss(log_prob, old_log_prob, advantages, mask, clip_ratio_low=a.clip_ratio_low,
+                       clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c, loss_agg_mode=a.loss_agg_mode,
+                       ratio_level=a.ratio_level, rollout_log_prob=rollout_log_prob, tis_cap=a.tis_cap,
+                       tis_level=a.tis_level, num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length)
+
+
+@register_policy_loss("cispo")
+def cispo_policy_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
+                      mask: torch.Tensor, algo, *, rollout_log_prob: torch.Tensor | None = None,
+                      num_tokens: Count | None = None, num_seqs: Count | None = None,
+                      norm_length: Count | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """CISPO (MiniMax-M1, arXiv:2506.13585): clip the importance weight, never the gradient.
+
+    ρ = exp(clamp(logp − old, −20, 20))   (algorithm.ratio_level="sequence": GSPO's s_i on every token)
+    w = sg(clip(ρ, 1 − clip_ratio_low, 1 + clip_ratio_high))
+    L = −w·A·logp,   so ∇L = −w·A·∇logp
+    TIS as in `policy_loss` (algorithm.tis_cap, tis_level): L ← L·w_tis.
+    loss = agg_loss(L, mask, algorithm.loss_agg_mode, num_tokens, num_seqs, norm_length)
+    (the paper's is token-mean).
+
+    PPO's clip drops the gradient of a token whose ratio left the clip range in the direction
+    its advantage pushes; after the first update that is mostly rare tokens that fork the
+    reasoning ("However", "Wait"). CISPO keeps every token's gradient and only bounds its
+    weight. The paper sets no lower bound in practice (a large ε_low, here clip_ratio_low near
+    1) and tunes ε_high (clip_ratio_high). algorithm.clip_ratio_c (dual clip) does not apply.
+
+    Inputs as `policy_loss`, algo the run's AlgorithmConfig. Metrics: pg_loss (mean L),
+    clipfrac (w ≠ ρ), clipfrac_low (ρ < 1 − low), clipfrac_high (ρ > 1 + high), ppo_kl, and
+    with TIS tis_weight_mean, tis_clipfrac.
+    """
+    a = algo
+    _check_tis(rollout_log_prob, a.tis_cap, a.tis_level)
+    mask = mask.bool()
+    ratio = _importance_ratio(log_prob, old_log_prob, mask, a.ratio_level).detach()
+    low, high = 1.0 - a.clip_ratio_low, 1.0 + a.clip_ratio_high
+    weight = ratio.clamp(low, high)
+    token_loss, tis_metrics = _truncated_importance_sampling(-weight * advantages * log_prob, old_log_prob,
+                                                             rollout_log_prob, mask, a.tis_cap, a.tis_level)
+    loss = agg_loss(token_loss, mask, a.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, norm_length=norm_length)
+    with torch.no_grad():
+        metrics = {
+            "pg_loss": masked_mean(token_loss, mask),
+            "clipfrac": masked_mean((weight != ratio).float(), mask),
+            "clipfrac_low": masked_mean((ratio < low).float(), mask),
+            "clipfrac_high": masked_mean((ratio > high).float(), mask),
+            "ppo_kl": masked_mean(old_log_prob - log_prob, mask),
+        }
+    return loss, _as_floats(metrics | tis_metrics)
 
 
 def value_loss(

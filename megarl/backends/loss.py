@@ -1,16 +1,17 @@
 """The actor's loss for one micro-batch, shared by the torch and megatron backends.
 
 Given the micro-batch's log-probs and entropy under the current weights, it combines the
-clipped policy loss, the optional entropy bonus and the optional KL loss, each aggregated
-with the counts of the whole mini-batch (`counts`: num_tokens, num_seqs, norm_length), so
-the gradient does not depend on how the mini-batch is split. Main entry point: `actor_loss`.
+policy loss algorithm.policy_loss names (megarl.algo.registry), the optional entropy bonus
+and the optional KL loss, each aggregated with the counts of the whole mini-batch (`counts`:
+num_tokens, num_seqs, norm_length), so the gradient does not depend on how the mini-batch is
+split. Main entry point: `actor_loss`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from megarl.algo import agg_loss, kl_penalty, masked_mean, policy_loss
+from megarl.algo import agg_loss, kl_penalty, masked_mean, policy_loss_function
 from megarl.backends.batch import TrainBatch
 from megarl.config import AlgorithmConfig
 
@@ -20,12 +21,10 @@ def actor_loss(log_probs: torch.Tensor, entropy: torch.Tensor, micro: TrainBatch
     """(loss, metrics) of `micro`; its per-token fields are moved to log_probs' device."""
     a, device = algo, log_probs.device
     mask = micro.loss_mask.to(device)
-    loss, metrics = policy_loss(
-        log_probs, micro.old_log_probs.to(device), micro.advantages.to(device), mask,
-        clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
-        loss_agg_mode=a.loss_agg_mode, ratio_level=a.ratio_level,
-        rollout_log_prob=micro.rollout_log_probs.to(device) if a.tis_cap else None,
-        tis_cap=a.tis_cap, tis_level=a.tis_level, **counts)
+    rollout = micro.rollout_log_probs
+    loss, metrics = policy_loss_function(a.policy_loss)(
+        log_probs, micro.old_log_probs.to(device), micro.advantages.to(device), mask, a,
+        rollout_log_prob=None if rollout is None else rollout.to(device), **counts)
     if a.entropy_coeff:
         loss = loss - a.entropy_coeff * agg_loss(entropy, mask, a.loss_agg_mode, **counts)
     if a.use_kl_loss:

@@ -9,6 +9,8 @@ what each command writes):
     megarl train examples/quickstart/dapo_math_tiny.yaml
     python -m megarl.quickstart prepare-code outputs/quickstart_code      # code RL, programs in a sandbox
     megarl train examples/quickstart/code_tiny.yaml
+    python -m megarl.quickstart prepare-tools outputs/quickstart_tools    # learning to call a calculator
+    megarl train examples/quickstart/tools_tiny.yaml
 
 Main entry point: `main`.
 """
@@ -20,7 +22,8 @@ import logging
 import sys
 from dataclasses import replace
 
-from megarl.quickstart.inputs import MathSettings, QuickstartSettings, prepare, prepare_code, prepare_math
+from megarl.quickstart.inputs import (MathSettings, QuickstartSettings, ToolSettings, prepare, prepare_code,
+                                     prepare_math, prepare_tools)
 
 
 def _search_settings(warmup_steps: int | None, think_words: int = 0) -> QuickstartSettings:
@@ -42,6 +45,14 @@ def _math_settings(warmup_steps: int | None) -> MathSettings:
     if warmup_steps < 1:
         raise SystemExit("--warmup-steps must be at least 1")
     return MathSettings(bare_steps=warmup_steps, steps=warmup_steps)
+
+
+def _tool_settings(tool: str, warmup_steps: int | None) -> ToolSettings:
+    if warmup_steps is None:
+        return ToolSettings(tool=tool)
+    if warmup_steps < 1:
+        raise SystemExit("--warmup-steps must be at least 1")
+    return ToolSettings(tool=tool, read_steps=warmup_steps, mix_steps=warmup_steps)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,6 +79,15 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("out_dir", help="where data/ and model/ go (the code config reads outputs/quickstart_code)")
     c.add_argument("--force", action="store_true", help="rebuild even when up to date")
     c.set_defaults(run=lambda a: prepare_code(a.out_dir, force=a.force))
+    t = sub.add_parser("prepare-tools", help="build the products to compute and a tiny model that calls a tool sometimes")
+    t.add_argument("out_dir", help="where data/ and model/ go (the tools config reads outputs/quickstart_tools)")
+    t.add_argument("--tool", choices=("calculator", "python"), default="calculator",
+                   help="the tool the model learns to call (python: the Python variant, code run in the sandbox)")
+    t.add_argument("--force", action="store_true", help="rebuild even when up to date")
+    t.add_argument("--warmup-steps", type=int, default=None,
+                   help="steps of each warm-up phase (default 400 and 300); a few dozen make a model good only "
+                        "for smoke runs of the pipeline")
+    t.set_defaults(run=lambda a: prepare_tools(a.out_dir, _tool_settings(a.tool, a.warmup_steps), force=a.force))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args.run(args)

@@ -162,7 +162,8 @@ def prepare_math(out_dir: str | Path, settings: MathSettings = MathSettings(), f
                                    repeats=-(-s.steps * s.batch_size // len(items)))
     losses = supervised_warmup(model, examples, steps=s.steps, batch_size=s.batch_size, optim=optim,
                                seed=s.seed + 1, pad_id=tokenizer.pad_token_id, desc="warm-up 2/2 (DAPO prompt)")
-    return _finish(model, model_dir, out, s, losses, start, "answers")
+    return _finish(model, model_dir, out, s, losses, start,
+                   f"answers right {s.correct_fraction:.0%} of the time in the demonstrations")
 
 
 @dataclass(frozen=True)
@@ -202,10 +203,66 @@ def prepare_code(out_dir: str | Path, settings: CodeSettings = CodeSettings(), f
                              repeats=-(-s.steps * s.batch_size // len(problems)))
     losses = supervised_warmup(model, examples, steps=s.steps, batch_size=s.batch_size, optim=optim, seed=s.seed,
                                pad_id=tokenizer.pad_token_id, desc="warm-up (programs)")
-    return _finish(model, model_dir, out, s, losses, start, "programs")
+    return _finish(model, model_dir, out, s, losses, start,
+                   f"programs right {s.correct_fraction:.0%} of the time in the demonstrations")
 
 
-def _tokenizer_and_model(texts: list[str], out: Path, s: MathSettings | CodeSettings):
+@dataclass(frozen=True)
+class ToolSettings:
+    tool: str = "calculator"  # or python: the Python variant
+    num_train: int = 400
+    num_val: int = 40
+    seed: int = 0
+    vocab_size: int = 600
+    hidden_size: int = 256
+    num_layers: int = 2
+    num_heads: int = 8
+    num_kv_heads: int = 4
+    read_steps: int = 400  # phase one: calling demonstrations on bare questions
+    mix_steps: int = 300  # phase two: the full instruction, call_fraction of the demonstrations call
+    call_fraction: float = 0.3
+    batch_size: int = 16
+    lr: float = 1e-3
+
+
+def prepare_tools(out_dir: str | Path, settings: ToolSettings = ToolSettings(), force: bool = False) -> Path:
+    """Build data/ and model/ for the tool-use run (skipped when up to date)."""
+    from megarl.config import OptimConfig
+    from megarl.quickstart.sft import supervised_warmup
+    from megarl.quickstart.tool_task import call_pieces, prompt_text, read_products, tool_examples, write_tool_world
+    from megarl.tools.base import invalid_action_message
+    from megarl.tools.calculator import Calculator
+    from megarl.tools.python import PythonTool
+
+    out = Path(out_dir)
+    if _up_to_date(out, settings, force):
+        return out
+    s, start = settings, time.perf_counter()
+    data = _fresh(out / "data")
+    write_tool_world(data, s.tool, s.num_train, s.num_val, s.seed)
+    _replace(data, out / "data")
+    items = read_products(out / "data" / "train.parquet") + read_products(out / "data" / "val.parquet")
+    print(f"[1/3] products of two-digit numbers: {s.num_train} for training, {s.num_val} for validation")
+    texts = [prompt_text(x, s.tool) + "".join(text for text, _ in call_pieces(x, s.tool)) for x in items]
+    texts += [invalid_action_message({s.tool: PythonTool if s.tool == "python" else Calculator})] * 20
+    model, tokenizer, model_dir = _tokenizer_and_model(texts, out, s)
+    optim = OptimConfig(lr=s.lr, lr_warmup_steps=50, lr_scheduler="constant", weight_decay=0.0, grad_clip=1.0)
+    train = items[: s.num_train]
+
+    def repeats(steps: int) -> int:  # a fresh draw of call or guess every epoch
+        return -(-steps * s.batch_size // len(train))
+
+    calling = tool_examples(train, tokenizer, s.tool, 1.0, s.seed, repeats=repeats(s.read_steps), bare_question=True)
+    supervised_warmup(model, calling, steps=s.read_steps, batch_size=s.batch_size, optim=optim, seed=s.seed,
+                      pad_id=tokenizer.pad_token_id, desc="warm-up 1/2 (calling)")
+    mixed = tool_examples(train, tokenizer, s.tool, s.call_fraction, s.seed + 1, repeats=repeats(s.mix_steps))
+    losses = supervised_warmup(model, mixed, steps=s.mix_steps, batch_size=s.batch_size, optim=optim,
+                               seed=s.seed + 1, pad_id=tokenizer.pad_token_id, desc="warm-up 2/2 (call or guess)")
+    return _finish(model, model_dir, out, s, losses, start,
+                   f"{sum(d.searched for d in mixed) / len(mixed):.0%} of the phase-two demonstrations call {s.tool}")
+
+
+def _tokenizer_and_model(texts: list[str], out: Path, s: MathSettings | CodeSettings | ToolSettings):
     """Step 2 of 3 of the single-turn quickstarts: a BPE tokenizer trained on `texts`, a tiny
     Qwen2 for it, and model/ (a fresh directory) with both, the tokenizer as the trainer loads it."""
     from megarl.data.tokenizer import train_bpe_tokenizer
@@ -219,16 +276,15 @@ def _tokenizer_and_model(texts: list[str], out: Path, s: MathSettings | CodeSett
     return model, tokenizer, model_dir
 
 
-def _finish(model, model_dir: Path, out: Path, s: MathSettings | CodeSettings, losses: list[float], start: float,
-            what: str) -> Path:
+def _finish(model, model_dir: Path, out: Path, s, losses: list[float], start: float, summary: str) -> Path:
     """Step 3 of 3: the warmed-up model into place and the stamp that marks the preparation done."""
     model.save_pretrained(model_dir)
     _replace(model_dir, out / "model")
     tail = losses[-50:]
     stats = {"final_loss": sum(tail) / len(tail), "seconds": round(time.perf_counter() - start, 1)}
     (out / STAMP).write_text(json.dumps({"settings": asdict(s), "stats": stats}, indent=2))
-    print(f"[3/3] warmed-up model in {out / 'model'} (final loss {stats['final_loss']:.4f}; {what} right "
-          f"{s.correct_fraction:.0%} of the time in the demonstrations); {stats['seconds']:.0f} s in all")
+    print(f"[3/3] warmed-up model in {out / 'model'} (final loss {stats['final_loss']:.4f}; {summary}); "
+          f"{stats['seconds']:.0f} s in all")
     return out
 
 

@@ -10,14 +10,13 @@ module anew and would not see such additions, while an import string works every
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
+from megarl.import_string import check_call, import_function
 from megarl.reward.code import binary_code_score, code_format_score, code_score, ioi_score
 from megarl.reward.dapo_math import RESPONSE_TAIL_CHARS, dapo_math_score
 from megarl.reward.search_r1 import search_r1_em_score, search_r1_format_score
@@ -124,47 +123,16 @@ def compute_score(
 
 @cache
 def load_custom_function(import_string: str) -> Callable[..., Any]:
-    """The function named by "module.path:function" (the part after ':' may be dotted,
-    e.g. "pkg.rewards:Grader.score"); ValueError naming the string and what went wrong."""
-    module_name, sep, attribute = import_string.partition(":")
-    if not sep or not module_name or not attribute:
-        raise ValueError(
-            f"reward custom_function {import_string!r} is neither a built-in scorer {sorted(SCORERS)} "
-            f"nor an import string; write it as {CUSTOM_FUNCTION_FORM}"
-        )
-    try:
-        target: Any = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ValueError(
-            f"reward custom_function {import_string!r}: cannot import module {module_name!r} ({error}); "
-            "make sure it is importable (installed or on PYTHONPATH) in the trainer and in the reward workers"
-        ) from error
-    for name in attribute.split("."):
-        if not hasattr(target, name):
-            raise ValueError(
-                f"reward custom_function {import_string!r}: {target.__name__!r} has no attribute {name!r}; "
-                f"expected {CUSTOM_FUNCTION_FORM}"
-            )
-        target = getattr(target, name)
-    if not callable(target):
-        raise ValueError(f"reward custom_function {import_string!r} names a {type(target).__name__}, not a function")
-    _check_call(import_string, target)
-    return target
-
-
-def _check_call(import_string: str, fn: Callable[..., Any]) -> None:
-    """ValueError where `fn` cannot take the call score_task makes (four positional arguments):
-    a function written for another signature would otherwise fail on every sample, each failure
-    counted as a zero score while training goes on."""
-    try:
-        signature = inspect.signature(fn)
-    except (TypeError, ValueError):  # a callable without one (some builtins): its first call tells
-        return
-    try:
-        signature.bind("data_source", "solution_str", "ground_truth", None)
-    except TypeError as error:
-        raise ValueError(f"reward custom_function {import_string!r} takes {signature}, but megarl calls it as "
-                         f"{CUSTOM_SIGNATURE} ({error})") from None
+    """The function named by "module.path:function" (the part after ':' may be dotted, e.g.
+    "pkg.rewards:Grader.score"), checked to take the call score_task makes (four positional
+    arguments): one written for another signature would otherwise fail on every sample, each
+    failure counted as a zero score while training goes on. ValueError naming the string and
+    what went wrong."""
+    fn = import_function(import_string, "reward custom_function", CUSTOM_FUNCTION_FORM,
+                         names=f"a built-in scorer {sorted(SCORERS)}")
+    check_call(fn, f"reward custom_function {import_string!r}", CUSTOM_SIGNATURE,
+               "data_source", "solution_str", "ground_truth", None)
+    return fn
 
 
 def as_score_dict(value: Any, source: str) -> dict:

@@ -1,10 +1,13 @@
-"""Multi-turn search rollouts (Search-R1) and plain single-turn rollouts, token-exact.
+"""Multi-turn tool-calling rollouts (Search-R1 and any set of tools) and plain single-turn
+rollouts, token-exact.
 
-One trajectory: the model generates until `</search>`, `</answer>` or EOS; a search is
-answered with retrieved documents inside `<information>` as observation tokens (masked out
-of the loss); an answer ends the trajectory; anything else gets Search-R1's invalid-action
-message and another turn. After `max_turns` turns a last turn runs without search.
-`max_turns=0` is single-turn generation (DAPO math) through the same path.
+One trajectory: the model generates until a tool call closes (`</search>`, `</calculator>`,
+`</tool_call>`: megarl.tools.base.ToolSet), `</answer>` or EOS; a call is answered with the
+tool's observation as observation tokens (masked out of the loss); an answer ends the
+trajectory; anything else gets Search-R1's invalid-action message and another turn (with
+the chat template's tool calls, a turn without a call is the reply and ends it). After
+`max_turns` turns a last turn runs without tools. `max_turns=0` is single-turn generation
+(DAPO math) through the same path.
 
 Tokens, not text, are carried: each turn's prompt is the prompt ids plus the response ids so
 far, exactly as sampled, so nothing is re-tokenized (text is decoded only to read actions).
@@ -16,54 +19,27 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field, replace
-from typing import Protocol
 
 import torch
 
 from megarl.data.tokenizer import rust_backend
 from megarl.rollout.engine import GenerationOutput, RolloutEngine, SamplingParams
 from megarl.rollout.token_rows import TokenRow, VersionRuns, token_row
+from megarl.tools.base import Observation, ToolSet
+from megarl.tools.search import (INVALID_ACTION_MESSAGE, SEARCH_INSTRUCTION, Searcher, SearchTool,
+                                 build_search_prompt, format_observation)
 
-SEARCH_OPEN, SEARCH_CLOSE = "<search>", "</search>"
-ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
-INVALID_ACTION_MESSAGE = (
-    "\nMy previous action is invalid. If I want to search, I should put the query between <search> and </search>. "
-    "If I want to give the final answer, I should put the answer between <answer> and </answer>. Let me try again.\n"
-)
-
-SEARCH_INSTRUCTION = (
-    "Answer the given question. You must conduct reasoning inside <think> and </think> first every time you get "
-    "new information. After reasoning, if you find you lack some knowledge, you can call a search engine by "
-    "<search> query </search> and it will return the top searched results between <information> and "
-    "</information>. You can search as many times as your want. If you find no further external knowledge needed, "
-    "you can directly provide the answer inside <answer> and </answer>, without detailed illustrations. "
-    "For example, <answer> Beijing </answer>. Question: {question}\n"
-)
-
-
-def build_search_prompt(tokenizer, question: str) -> list[int]:
-    """Prompt token ids for one question: the search instruction as the user's message,
-    rendered with the tokenizer's chat template when it has one (instruct models), else
-    as plain text (base models, as Search-R1 trains them)."""
-    content = SEARCH_INSTRUCTION.format(question=question.strip())
-    if getattr(tokenizer, "chat_template", None):
-        rendered = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                                 tokenize=False)
-        return tokenizer.encode(rendered, add_special_tokens=False)
-    return tokenizer.encode(content, add_special_tokens=False)
-
-
-class Searcher(Protocol):
-    async def search(self, queries: list[str], topk: int = 3) -> list: ...
+__all__ = ["INVALID_ACTION_MESSAGE", "SEARCH_INSTRUCTION", "AgentSettings", "Trajectory", "build_search_prompt", "format_observation",
+           "run_trajectories", "run_trajectory"]
 
 
 @dataclass(frozen=True)
 class AgentSettings:
-    max_turns: int = 0  # turns that may search; 0 = single-turn
+    max_turns: int = 0  # turns that may call a tool; 0 = single-turn
     max_turn_length: int = 500  # tokens generated per turn
-    max_obs_length: int = 500  # observation tokens kept per search
+    max_obs_length: int = 500  # observation tokens kept per tool call
     max_response_length: int = 4096  # all response tokens of a trajectory (model + observations)
-    topk: int = 3
+    topk: int = 3  # documents per search, where a Searcher stands for the tools
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -78,8 +54,9 @@ class Trajectory:
     rollout_log_probs: TokenRow = field(default_factory=lambda: TokenRow("f"))  # float32; 0.0 on observations
     token_versions: VersionRuns = field(default_factory=VersionRuns)  # weights of each token (observations: the turn's last)
     num_turns: int = 0
-    num_searches: int = 0
-    num_failed_searches: int = 0
+    tool_calls: dict[str, int] = field(default_factory=dict)  # calls by tool name
+    tool_failures: dict[str, int] = field(default_factory=dict)  # of those, the failed (errors, timeouts)
+    tool_seconds: dict[str, float] = field(default_factory=dict)  # their time, by tool
     num_valid_actions: int = 0
     finish_reason: str = ""  # answer | eos | length | max_turns | abort
     weight_version: int = 0  # the weights its first token came from
@@ -91,6 +68,20 @@ class Trajectory:
         self.rollout_log_probs = token_row("f", self.rollout_log_probs)
         if not isinstance(self.token_versions, VersionRuns):
             self.token_versions = VersionRuns(self.token_versions)
+
+    @property
+    def num_searches(self) -> int:
+        return self.tool_calls.get(SearchTool.name, 0)
+
+    @property
+    def num_failed_searches(self) -> int:
+        return self.tool_failures.get(SearchTool.name, 0)
+
+    def count_call(self, observation: Observation) -> None:
+        name = observation.tool
+        self.tool_calls[name] = self.tool_calls.get(name, 0) + 1
+        self.tool_failures[name] = self.tool_failures.get(name, 0) + observation.failed
+        self.tool_seconds[name] = self.tool_seconds.get(name, 0.0) + observation.seconds
 
     @property
     def routed_rows(self) -> int:
@@ -118,38 +109,6 @@ class Trajectory:
                                            len(ids))
 
 
-def parse_action(text: str) -> tuple[str, str]:
-    """("search", query) | ("answer", answer) | ("invalid", "") from one turn's text.
-
-    The action whose closing tag comes first wins; its content is taken from the nearest
-    opening tag before it (so a stray, unclosed opening tag earlier does not leak in).
-    An empty search query is invalid.
-    """
-    found = []
-    for kind, open_tag, close_tag in (("search", SEARCH_OPEN, SEARCH_CLOSE), ("answer", ANSWER_OPEN, ANSWER_CLOSE)):
-        close = text.find(close_tag)
-        start = text.rfind(open_tag, 0, close) if close >= 0 else -1
-        if start >= 0:
-            found.append((close, kind, text[start + len(open_tag): close].strip()))
-    if not found:
-        return "invalid", ""
-    _, kind, content = min(found)
-    if kind == "search" and not content:
-        return "invalid", ""
-    return kind, content
-
-
-def format_observation(results) -> str:
-    """Search-R1's observation: the documents inside <information>, blank lines around."""
-    from megarl.retrieval.documents import format_documents
-
-    if results.error is not None:
-        body = f"Search failed: {results.error}"
-    else:
-        body = format_documents(results.docs).strip()
-    return f"\n\n<information>{body}</information>\n\n"
-
-
 def text_of(tokenizer, ids) -> str:
     """`tokenizer.decode(ids)`, through its Rust backend where that is the same (rust_backend)."""
     backend = rust_backend(tokenizer)
@@ -164,10 +123,13 @@ def ids_of(tokenizer, text: str) -> list[int]:
 
 
 async def run_trajectory(engine: RolloutEngine, tokenizer, prompt_ids: list[int], settings: AgentSettings,
-                         searcher: Searcher | None = None, seed: int | None = None) -> Trajectory:
-    """Roll out one trajectory (see the module docstring)."""
-    if settings.max_turns > 0 and searcher is None:
-        raise ValueError("max_turns > 0 needs a searcher (the retrieval client)")
+                         tools: ToolSet | Searcher | None = None, seed: int | None = None) -> Trajectory:
+    """Roll out one trajectory (see the module docstring). `tools`: the run's ToolSet, or a
+    Searcher alone (Search-R1's one search tool)."""
+    if tools is not None and not isinstance(tools, ToolSet):
+        tools = ToolSet([SearchTool(tools, topk=settings.topk)])
+    if settings.max_turns > 0 and tools is None:
+        raise ValueError("max_turns > 0 needs tools (agent.tools) for the model to call")
     traj = Trajectory(prompt_ids=list(prompt_ids))
     single_turn = settings.max_turns == 0
     for turn in range(settings.max_turns + 1):
@@ -181,7 +143,7 @@ async def run_trajectory(engine: RolloutEngine, tokenizer, prompt_ids: list[int]
         params = SamplingParams(
             max_new_tokens=budget if single_turn else min(settings.max_turn_length, budget),
             temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
-            stop=() if single_turn else ((ANSWER_CLOSE,) if final else (SEARCH_CLOSE, ANSWER_CLOSE)),
+            stop=() if single_turn else tools.stop_strings(final),
             seed=None if seed is None else seed + turn,
             routed_experts_from=traj.routed_rows if settings.routed_experts else None,
         )
@@ -196,23 +158,24 @@ async def run_trajectory(engine: RolloutEngine, tokenizer, prompt_ids: list[int]
         if single_turn:
             traj.finish_reason = "eos" if out.finish_reason == "stop" else "length"
             return traj
-        kind, content = parse_action(text_of(tokenizer, out.token_ids))
-        if kind == "answer":
+        action = tools.parse(text_of(tokenizer, out.token_ids))
+        if action.kind == "answer":
             traj.num_valid_actions += 1
             traj.finish_reason = "answer"
+            return traj
+        if action.kind == "reply":  # tool_call format: a turn that calls nothing is the model's reply
+            traj.finish_reason = "eos" if out.finish_reason == "stop" else "length"
             return traj
         if final:
             traj.finish_reason = "max_turns"
             return traj
-        if kind == "search":
-            traj.num_valid_actions += 1
-            traj.num_searches += 1
-            (result,) = await searcher.search([content], topk=settings.topk)
-            traj.num_failed_searches += result.error is not None
-            observation = ids_of(tokenizer, format_observation(result))
-            observation = observation[: settings.max_obs_length]
+        if action.kind == "call":
+            traj.num_valid_actions += not action.error
+            result = await tools.run(action)
+            traj.count_call(result)
+            observation = ids_of(tokenizer, result.text)[: settings.max_obs_length]
         else:
-            observation = ids_of(tokenizer, INVALID_ACTION_MESSAGE)
+            observation = ids_of(tokenizer, tools.invalid_message())
         room = settings.max_response_length - len(traj.response_ids)
         traj.extend(observation[:room], None)
     return traj  # not reached: the last turn always returns
@@ -292,8 +255,8 @@ def _stop_across_parts(out: GenerationOutput, lengths: list[int], params: Sampli
 
 
 async def run_trajectories(engine: RolloutEngine, tokenizer, prompts: list[list[int]], settings: AgentSettings,
-                           searcher: Searcher | None = None, seeds: list[int] | None = None) -> list[Trajectory]:
+                           tools: ToolSet | Searcher | None = None, seeds: list[int] | None = None) -> list[Trajectory]:
     """All trajectories concurrently; each goes at its own pace (no lockstep between turns)."""
     seeds = seeds if seeds is not None else [None] * len(prompts)
-    return await asyncio.gather(*[run_trajectory(engine, tokenizer, p, settings, searcher, s)
+    return await asyncio.gather(*[run_trajectory(engine, tokenizer, p, settings, tools, s)
                                   for p, s in zip(prompts, seeds)])

@@ -68,7 +68,7 @@ class InProcessRuntime(Runtime):
 
     def _start_retrieval(self) -> None:
         r = self.cfg.agent.retrieval
-        if self.cfg.agent.max_turns == 0 or r.url is not None:
+        if not self.cfg.agent.uses_search() or r.url is not None:
             return
         from megarl.retrieval.index import load_index
         from megarl.http_server import BackgroundServer

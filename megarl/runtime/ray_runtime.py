@@ -93,7 +93,7 @@ class RayRuntime(Runtime):
         reward, env = self._start_sandboxes(cfg)
         self.reward_actor = RewardActor.options(num_cpus=0.5, scheduling_strategy=place[misc]).remote(
             reward, cfg.reward.num_workers, cfg.reward.timeout_s, env)
-        if cfg.agent.max_turns > 0 and cfg.agent.retrieval.url is None:
+        if cfg.agent.uses_search() and cfg.agent.retrieval.url is None:
             self.retrieval_api_key = hosted_retrieval_key(cfg.agent.retrieval)
             self.retrieval_actor = RetrievalActor.options(num_cpus=0.5, scheduling_strategy=place[misc]).remote(
                 cfg.agent.retrieval, self.retrieval_api_key, cfg.cluster.nnodes)

@@ -44,8 +44,9 @@ from megarl.data.tokenizer import train_bpe_tokenizer
 from megarl.http_auth import RETRIEVAL_KEY_ENV
 from megarl.retrieval.client import RetrievalClient, SearchResult
 from megarl.retrieval.documents import Document
-from megarl.rollout.agent import (ANSWER_CLOSE, INVALID_ACTION_MESSAGE, SEARCH_CLOSE, SEARCH_INSTRUCTION,
-                                  AgentSettings, Trajectory, build_search_prompt, format_observation, parse_action,
+from megarl.tools.search import SEARCH_TOOLS
+from megarl.rollout.agent import (INVALID_ACTION_MESSAGE, SEARCH_INSTRUCTION,
+                                  AgentSettings, Trajectory, build_search_prompt, format_observation,
                                   run_trajectory)
 from megarl.rollout.engine import GenerationOutput, SamplingParams
 from megarl.rollout.local import LocalEngine
@@ -124,7 +125,7 @@ class ScriptedPolicy:
         action = self.answer if final else self.search[i]
         return replace(out, token_ids=out.token_ids + action, log_probs=out.log_probs + [0.0] * len(action),
                        token_versions=out.versions() + [out.weight_version] * len(action), finish_reason="stop",
-                       matched_stop=ANSWER_CLOSE if final else SEARCH_CLOSE)
+                       matched_stop="</answer>" if final else "</search>")
 
 
 def trajectories(n: int, median: int, sigma: float, max_turn_length: int, seed: int):
@@ -154,16 +155,16 @@ async def lockstep(engine, tok, prompts, settings, searcher) -> list[Trajectory]
         outs = await asyncio.gather(*[engine.generate(
             trajs[i].prompt_ids + trajs[i].response_ids,
             SamplingParams(max_new_tokens=settings[i].max_turn_length, temperature=1.0, seed=i + turn,
-                           stop=(ANSWER_CLOSE,) if turn == settings[i].max_turns else (SEARCH_CLOSE, ANSWER_CLOSE)))
+                           stop=SEARCH_TOOLS.stop_strings(final=turn == settings[i].max_turns)))
             for i in active])  # the whole batch waits here for its slowest member
         searching = []
         for i, out in zip(active, outs):
             trajs[i].extend(out.token_ids, out.log_probs)
             trajs[i].num_turns += 1
-            kind, content = parse_action(tok.decode(out.token_ids))
-            if kind == "search" and turn < settings[i].max_turns:
-                searching.append((i, content))
-            elif kind != "answer" and turn < settings[i].max_turns:
+            action = SEARCH_TOOLS.parse(tok.decode(out.token_ids))
+            if action.kind == "call" and turn < settings[i].max_turns:
+                searching.append((i, action.arguments["query"]))
+            elif action.kind != "answer" and turn < settings[i].max_turns:
                 trajs[i].extend(tok.encode(INVALID_ACTION_MESSAGE, add_special_tokens=False), None)
         results = await searcher.search([q for _, q in searching], topk=3) if searching else []
         for (i, _), result in zip(searching, results):
