@@ -1,7 +1,7 @@
-"""The two worked examples of docs/architecture.md, run as the page writes them: a new weight
-transport (one module plus one registry line) and a new reward scorer (one module plus two
-registry entries). Each example's code is read from the page itself, so the page cannot drift
-from what works."""
+"""The examples of docs/extending.md, run as the page writes them: a tool (examples/tools/, the
+file the page shows), an advantage estimator and a policy loss, a reward function and a data
+source's reward, a scorer inside megarl, a weight transport, a wrapping engine. Each example's
+code is read from the page itself, so the page cannot drift from what works."""
 
 from __future__ import annotations
 
@@ -20,14 +20,15 @@ from megarl.reward import registry
 from megarl.weights.buckets import group_tensors
 from megarl.weights.transport import RankPlace
 
-PAGE = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
+ROOT = Path(__file__).resolve().parents[1]
+PAGE = ROOT / "docs" / "extending.md"
 
 
-def example(title: str) -> str:
-    """The first python block after the heading `title` on the architecture page."""
+def example(title: str, language: str = "python") -> str:
+    """The first block of `language` after the heading `title` on the page."""
     text = PAGE.read_text()
     section = text[text.index(title):]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    return re.search(rf"```{language}\n(.*?)```", section, re.S).group(1)
 
 
 @pytest.fixture
@@ -72,7 +73,7 @@ TENSORS = {"a.weight": torch.arange(6.0).reshape(2, 3), "b.bias": torch.ones(4)}
 
 
 def test_the_transport_example_is_two_files_of_work(module_from_page, monkeypatch, tmp_path):
-    shm = module_from_page("shm_example", "### Worked example: a new transport")
+    shm = module_from_page("shm_example", "## A weight transport")
     monkeypatch.setattr(shm, "ROOT", tmp_path / "shm")  # the page writes to /dev/shm
     monkeypatch.setitem(weights.TRANSPORTS, "shm", "shm_example:ShmTransport")  # the registry line
 
@@ -95,7 +96,7 @@ def test_the_transport_example_is_two_files_of_work(module_from_page, monkeypatc
 
 
 def test_the_reward_example_is_two_files_of_work(module_from_page, monkeypatch):
-    scorer = module_from_page("last_integer_example", "### Worked example: a new reward scorer")
+    scorer = module_from_page("last_integer_example", "### A scorer inside megarl")
     monkeypatch.setitem(registry.SCORERS, "last_integer", registry.Scorer(scorer.last_integer_score))
     monkeypatch.setattr(registry, "ROUTES",
                         registry.ROUTES + (registry.Route("last_integer", names=frozenset({"counting"})),))
@@ -106,3 +107,88 @@ def test_the_reward_example_is_two_files_of_work(module_from_page, monkeypatch):
     assert (wrong["score"], wrong["acc"]) == (0.0, False)
     assert registry.compute_score("counting", "no number", 7)["pred"] is None
     load_config(None, ["reward.custom_function=last_integer"])  # a built-in name now
+
+
+def test_the_tool_example_is_the_file_in_examples_and_runs_from_the_config(monkeypatch):
+    import asyncio
+
+    import yaml
+
+    from megarl.tools import build_toolset
+
+    assert example("## A tool") == (ROOT / "examples" / "tools" / "calculator.py").read_text()
+    monkeypatch.syspath_prepend(str(ROOT))  # examples.tools.calculator, as the page's config names it
+    agent = yaml.safe_load(example("## A tool", "yaml"))["agent"]
+    cfg = load_config(None, [f"agent.max_turns={agent['max_turns']}", f"agent.tools={agent['tools']}"])
+    tools = build_toolset(cfg.agent.tools)
+
+    def observe(text):
+        return asyncio.run(tools.run(tools.parse(text)))
+
+    assert observe("<calc> 37 * 48 </calc>").text == "\n\n<result>1776</result>\n\n"
+    assert observe("<calc>1 / 3</calc>").text == "\n\n<result>0.3333</result>\n\n"  # decimals: 4
+    failed = observe("<calc>2 ^ 3</calc>")
+    assert failed.failed and "Calc failed: write two numbers" in failed.text
+    with pytest.raises(ConfigError, match="cannot take {'digits': 2}"):
+        load_config(None, ["agent.max_turns=2", "agent.tools={calc: {class: 'examples.tools.calculator:"
+                                                "TwoNumberCalculator', digits: 2}}"])
+
+
+def test_the_estimator_and_loss_example_runs_from_the_config(module_from_page, monkeypatch):
+    from megarl.algo import registry as algos
+    from megarl.backends.loss import actor_loss
+    from megarl.experience import compute_advantages, to_train_batch
+    from test_algo_registry import GROUPS, LOSS_MASK, SCORES, micro_batch
+    from test_experience import SAMPLES
+
+    monkeypatch.setattr(algos, "ADVANTAGE_ESTIMATORS", dict(algos.ADVANTAGE_ESTIMATORS))
+    module_from_page("my_algos", "## An advantage estimator or a policy loss")
+    config = example("## An advantage estimator or a policy loss", "yaml").split()
+    cfg = load_config(None, [f"algorithm.adv_estimator={config[2]}", f"algorithm.policy_loss={config[4]}"])
+    advantages, _, _ = compute_advantages(to_train_batch(SAMPLES), SCORES, GROUPS, cfg.algorithm)
+    # groups (1, 0) and (3, 0): GRPO gives each +-1/sqrt(2) (std of two values a, b: |a - b|/sqrt(2)); floored at 0
+    per_row = [2 ** -0.5] * 5 + [0.0] * 3 + [2 ** -0.5] * 3 + [0.0] * 5
+    torch.testing.assert_close(advantages, torch.tensor([a * m for a, m in zip(per_row, LOSS_MASK)]), atol=1e-5,
+                               rtol=0)
+    log_probs = torch.tensor([[-1.0, -2.0], [-0.5, 0.0]], requires_grad=True)
+    loss, metrics = actor_loss(log_probs, torch.zeros(2, 2), micro_batch(), cfg.algorithm, {})
+    # -A·logp on the 3 loss tokens: 1·1 + 1·2 + (-2)·0.5 = 2, over 3 tokens
+    assert loss.item() == pytest.approx(2 / 3) and metrics["pg_loss"] == pytest.approx(2 / 3)
+    with pytest.raises(ConfigError, match="no baseline"):
+        load_config(None, [f"algorithm.adv_estimator={config[2]}", "rollout.n=1"])  # needs_groups=True
+
+
+def test_the_reward_example_scores_through_the_config(module_from_page):
+    import yaml
+
+    from megarl.reward.scoring import RewardRequest, score_one
+
+    module_from_page("my_rewards", "## A reward function or a data source")
+    routes = yaml.safe_load(example("## A reward function or a data source", "yaml"))["reward"]["data_sources"]
+    routed = load_config(None, [f"reward.data_sources={routes}"]).reward
+    custom = load_config(None, ["reward.custom_function=my_rewards:last_word_score"]).reward
+
+    def acc(reward, data_source, response, truth):
+        return score_one(reward, RewardRequest(data_source, response, truth)).acc
+
+    assert acc(routed, "capitals", "It is Paris.", "paris") and not acc(routed, "capitals", "Paris, I think", "paris")
+    assert acc(routed, "my_math", "Answer: 7", "7")  # dapo_math, by the route
+    assert acc(routed, "nq", "<answer> Paris </answer>", {"target": ["Paris"]})  # the built-in routes stay
+    assert acc(custom, "nq", "the answer is Paris", "Paris")  # every row, whatever its data_source
+
+
+def test_the_engine_example_wraps_an_engine_in_the_agent_loop(module_from_page):
+    import asyncio
+
+    from megarl.rollout.agent import AgentSettings, run_trajectories
+    from megarl.tools.base import ToolSet
+    from megarl.tools.calculator import Calculator
+    from test_rollout_agent import TOK, ScriptedEngine, ids
+
+    counting = module_from_page("counting_engine", "## A rollout engine").CountingEngine
+    turns = [ids("<calculator> 2 * 3 </calculator>"), ids("<answer> 6 </answer>")]
+    engine = counting(ScriptedEngine(turns))
+    settings = AgentSettings(max_turns=2, max_turn_length=64, max_response_length=500)
+    (traj,) = asyncio.run(run_trajectories(engine, TOK, [ids("2*3?")], settings, ToolSet([Calculator()])))
+    assert engine.tokens == len(turns[0]) + len(turns[1]) and traj.finish_reason == "answer"
+    assert engine.params == engine.inner.params  # the rest is the inner engine's
