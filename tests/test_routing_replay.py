@@ -94,7 +94,7 @@ def test_routing_goes_on_across_a_preempted_generation_and_the_turns_of_a_trajec
             continued = await task
             # a trajectory of three turns (a random model's turns are invalid actions: each gets
             # the invalid-action message, and the next turn sends the whole history)
-            traj = await run_trajectory(engine, tok, prompt, settings, searcher=NoSearches(), seed=3)
+            traj = await run_trajectory(engine, tok, prompt, settings, tools=NoSearches(), seed=3)
             return one, continued, traj
         finally:
             await engine.close()
@@ -123,7 +123,7 @@ def test_a_trajectory_that_ends_on_an_observation_has_the_routing_of_every_posit
 
     async def roll():
         try:
-            return await run_trajectory(engine, tok, prompt, settings, searcher=NoSearches(), seed=3)
+            return await run_trajectory(engine, tok, prompt, settings, tools=NoSearches(), seed=3)
         finally:
             await engine.close()
 

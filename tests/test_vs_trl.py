@@ -81,12 +81,16 @@ def test_the_verdict_compares_megarl_with_an_earlier_runs_trl_side(tmp_path, cap
 
 
 def test_the_adv_eps_switch_divides_by_std_plus_1e_4(monkeypatch):
-    import megarl.experience as experience
+    import megarl.algo.advantages as advantages
+    from megarl.algo import advantage_estimator
+    from megarl.config import AlgorithmConfig
 
-    monkeypatch.setattr(experience, "compute_grpo_advantages", experience.compute_grpo_advantages)  # restored after
+    monkeypatch.setattr(advantages, "compute_grpo_advantages", advantages.compute_grpo_advantages)  # restored after
     megarl_switched.switch_adv_eps()
-    # one group [1, -1, -1, -1]: mean -0.5, Bessel std sqrt((1.5^2 + 3 * 0.5^2) / 3) = 1
-    got = experience.compute_grpo_advantages(torch.tensor([1.0, -1.0, -1.0, -1.0]), torch.tensor([0, 0, 0, 0]))
+    # one group [1, -1, -1, -1]: mean -0.5, Bessel std sqrt((1.5^2 + 3 * 0.5^2) / 3) = 1; through the
+    # estimator a run's config names
+    got = advantage_estimator("grpo").fn(torch.tensor([1.0, -1.0, -1.0, -1.0]), torch.tensor([0, 0, 0, 0]),
+                                         AlgorithmConfig())
     assert got.tolist() == pytest.approx([1.5 / 1.0001, -0.5 / 1.0001, -0.5 / 1.0001, -0.5 / 1.0001], abs=1e-7)
 
 

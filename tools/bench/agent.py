@@ -143,7 +143,7 @@ def trajectories(n: int, median: int, sigma: float, max_turn_length: int, seed: 
 
 
 async def independent(engine, tok, prompts, settings, searcher) -> list[Trajectory]:
-    return await asyncio.gather(*[run_trajectory(engine, tok, p, s, searcher=searcher, seed=i)
+    return await asyncio.gather(*[run_trajectory(engine, tok, p, s, tools=searcher, seed=i)
                                   for i, (p, s) in enumerate(zip(prompts, settings))])
 
 

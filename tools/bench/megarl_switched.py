@@ -29,10 +29,10 @@ SWITCHES = ("adv-eps", "step-tokens", "generate", "trl-draws", "none")
 
 
 def switch_adv_eps() -> None:
-    import megarl.experience as experience
+    import megarl.algo.advantages as advantages  # where the grpo estimator finds it
 
-    plain = experience.compute_grpo_advantages
-    experience.compute_grpo_advantages = lambda scores, groups, norm_by_std=True, eps=1e-6: plain(
+    plain = advantages.compute_grpo_advantages
+    advantages.compute_grpo_advantages = lambda scores, groups, norm_by_std=True, eps=1e-6: plain(
         scores, groups, norm_by_std=norm_by_std, eps=1e-4)
 
 
