@@ -151,11 +151,12 @@ def build_components(cfg: RunConfig) -> Components:
     if cfg.agent.max_turns > 0:
         a = cfg.agent
         try:
-            tools = build_toolset(a.tools, a.tool_format, tokenizer, searcher, a.retrieval.topk)
+            tools = build_toolset(a.tools, a.tool_format, tokenizer, searcher, a.retrieval.topk, runtime.tool_actors)
         except Exception:
             runtime.shutdown()
             raise
-        log.info("agent tools: %s (%s format)", ", ".join(tools.tools), a.tool_format)
+        log.info("agent tools: %s (%s format)", ", ".join(f"{n}{' (Ray actor)' if n in runtime.tool_actors else ''}"
+                                                         for n in tools.tools), a.tool_format)
     return Components(cfg, tokenizer, train_records, val_records,
                       PromptOrder(len(train_records), cfg.trainer.seed, d.shuffle), runtime, searcher, tools,
                       total_steps, dropped)

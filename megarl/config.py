@@ -95,8 +95,8 @@ class AgentConfig:
     mask_observations: bool = param(True, "Exclude observation tokens from the loss (Search-R1's loss mask).")
     tools: dict[str, dict[str, Any]] = param(
         help="The tools the model may call, by name (its tag): each a mapping of settings, `class` "
-        "('package.module:Class', not needed for the built-ins search, calculator and python), `timeout_s`, and "
-        "the class's own. Replaced whole by an override, e.g. 'agent.tools={calculator: {}}'. See docs/extending.md.",
+        "('package.module:Class', not needed for the built-ins search, calculator and python), `timeout_s`, `ray` "
+        "(true: in a Ray actor of its own, with `num_cpus`), and the class's own. Replaced whole by an override, e.g. 'agent.tools={calculator: {}}'. See docs/extending.md.",
         factory=lambda: {"search": {}})
     tool_format: Literal["tags", "tool_call"] = param(
         "tags", "How the model calls a tool: tags (Search-R1, <search> query </search>) or tool_call (the chat "

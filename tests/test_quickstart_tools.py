@@ -64,15 +64,17 @@ def test_the_world_asks_products_scored_by_exact_match(tmp_path, monkeypatch):
     assert [tok.decode([t]) for t in tok.encode("1776", add_special_tokens=False)] == ["1", "7", "7", "6"]
 
 
-def test_the_tools_config_trains_on_prepared_inputs(tmp_path, monkeypatch):
+def test_the_tools_config_trains_on_prepared_inputs(tmp_path, monkeypatch, capfd):
     monkeypatch.chdir(tmp_path)
     prepare_tools(Path("outputs/quickstart_tools"), TINY)
     cfg = load_config(str(CONFIG), ["trainer.total_training_steps=1", "data.train_batch_size=2",
                                     "data.gen_batch_size=2", "rollout.n=2", "actor.ppo_mini_batch_size=2",
-                                    "actor.ppo_micro_batch_size=4", "cluster.launcher=inprocess",
-                                    "algorithm.dynamic_sampling.enable=false"])
+                                    "actor.ppo_micro_batch_size=4", "cluster.launcher=ray", "cluster.cpus_per_node=3",
+                                    "algorithm.dynamic_sampling.enable=false", "agent.tools={calculator: {ray: true}}"])
     assert list(cfg.agent.tools) == ["calculator"] and not cfg.agent.uses_search()
     train(cfg)
+    placement = next(line for line in capfd.readouterr().err.splitlines() if line.startswith("megarl placement:"))
+    assert "agent tools" in placement and "retrieval" not in placement  # the tool's actor; no retrieval server
     client = MlflowClient(tracking_uri=local_store_uri(Path("outputs/quickstart_tools/run")))
     (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert {m.step for m in client.get_metric_history(run.info.run_id, "val/acc")} == {0, 1}

@@ -70,6 +70,7 @@ class Runtime(ABC):
     retrieval_url: str | None = None  # the retrieval server this runtime hosts, if any
     retrieval_api_key: str | None = None  # and the key it requires (hosted_retrieval_key)
     retrieval_where: str = ""  # how an error names that server's host, e.g. " (Ray actor RetrievalActor)"
+    tool_actors: dict = {}  # name -> the Ray actor running that agent tool (agent.tools.NAME.ray); none in-process
 
     # Whose turn it is on the GPUs. Training: colocated engines have released their memory and
     # the trainer is awake. Generation: the trainer sleeps (trainer.sleep_during_generation) and

@@ -28,7 +28,7 @@ from megarl.errors import ComponentDied
 from megarl.runtime.base import Runtime, hosted_retrieval_key, within
 from megarl.runtime.local_ray import init_local_ray
 from megarl.runtime.ray_actors import EngineActor, TrainWorkerActor, sharers
-from megarl.runtime.service_actors import RetrievalActor, RewardActor, SandboxActor
+from megarl.runtime.service_actors import RetrievalActor, RewardActor, SandboxActor, ToolActor
 from megarl.runtime.liveness import died, frozen, wait_started
 from megarl.runtime.ray_proxies import RayRanks, RemoteEngine, RemoteRewardPool, RemoteTrainWorker, rank_name
 from megarl.termination import handlers_kept
@@ -64,6 +64,7 @@ class RayRuntime(Runtime):
             self._started_ray = True
         self.pg, self.worker_actors, self.engine_actor, self.reward_actor, self.retrieval_actor = None, [], None, None, None
         self.sandbox_actors = []  # reward.sandbox_servers
+        self.tool_actors: dict = {}  # agent tools with ray: true, by name
         self.parts = []  # (kind, name, actor, node address), once all are started
         self.silent: list = []  # (name, actor) of the parts that did not answer lost_parts' question
         self.hostnames: dict[str, str] = {}  # node address -> its hostname
@@ -97,6 +98,9 @@ class RayRuntime(Runtime):
             self.retrieval_api_key = hosted_retrieval_key(cfg.agent.retrieval)
             self.retrieval_actor = RetrievalActor.options(num_cpus=0.5, scheduling_strategy=place[misc]).remote(
                 cfg.agent.retrieval, self.retrieval_api_key, cfg.cluster.nnodes)
+        if cfg.agent.max_turns > 0:
+            self.tool_actors = {name: ToolActor.options(num_cpus=spec.get("num_cpus", 0)).remote(name, spec)
+                                for name, spec in cfg.agent.tools.items() if spec.get("ray")}
         liveness = cfg.cluster.liveness
         # started (imports, CUDA) within startup_timeout_s before any call into them is watched by
         # pings: a rank still in its constructor cannot answer one, and is not frozen
@@ -130,6 +134,8 @@ class RayRuntime(Runtime):
         if self.engine_actor is not None:
             actors.append(self.engine_actor)
             names.append(RemoteEngine.NAME)
+        actors += list(self.tool_actors.values())
+        names += [f"agent tool {name} (Ray actor ToolActor)" for name in self.tool_actors]
         wait_started(actors, names, liveness)  # before any call into them is watched
         if self.retrieval_actor is not None:
             name = f"retrieval server (Ray actor RetrievalActor serving {cfg.agent.retrieval.index_dir})"
@@ -173,6 +179,7 @@ class RayRuntime(Runtime):
                                                   ("reward workers", self.reward_actor),
                                                   ("retrieval server", self.retrieval_actor)) if a is not None]
         parts += [("sandbox services", f"sandbox service {i}", a) for i, a in enumerate(self.sandbox_actors)]
+        parts += [("agent tools", f"agent tool {name}", a) for name, a in self.tool_actors.items()]
         if self.fleet is not None:
             parts += [("rollout engines", f"rollout {s.name}" + (f" (node rank {n})" if n else ""), a)
                       for s in self.fleet.servers for n, a in enumerate(s.unit.actors)]
@@ -271,11 +278,11 @@ class RayRuntime(Runtime):
 
             stop_fleet(self.fleet, unreachable=[a for _, a in self.silent])
         for actor in (*self.worker_actors, self.engine_actor, self.reward_actor, self.retrieval_actor,
-                      *self.sandbox_actors):
+                      *self.sandbox_actors, *self.tool_actors.values()):
             if actor is not None:
                 ray.kill(actor)
         self.worker_actors, self.engine_actor, self.reward_actor, self.retrieval_actor = [], None, None, None
-        self.sandbox_actors = []
+        self.sandbox_actors, self.tool_actors = [], {}
         self.engine = self.reward_pool = self.fleet = None
         if self.pg is not None:
             within(PG_REMOVE_S, "removing the run's placement group", remove_placement_group, self.pg)

@@ -1,5 +1,6 @@
 """The Ray actors of a run that serve without a model: the retrieval server, the reward
-workers and the code rewards' sandbox services, each in a process of its own (placed by
+workers, the code rewards' sandbox services and the agent tools with `ray: true`, each in a
+process of its own (placed by
 megarl.runtime.ray_runtime). They live apart from the model's actors (megarl.runtime.ray_actors)
 because a Ray worker imports the module of its actor's class: this one does not import torch,
 which costs each process seconds of CPU while the run starts.
@@ -63,6 +64,24 @@ class SandboxActor:
 
     def stop(self) -> None:
         self.server.stop()
+
+
+@ray.remote(max_concurrency=1000)  # async methods: the calls of every trajectory at once
+class ToolActor:
+    """One agent tool (agent.tools.NAME with ray: true), built from its settings in this process."""
+
+    def __init__(self, name: str, spec: dict):
+        from megarl.tools import build_tool
+
+        self.tool = build_tool(name, spec)
+
+    async def call(self, arguments: dict) -> tuple[bool, str]:
+        from megarl.tools import call_in_actor
+
+        return await call_in_actor(self.tool, arguments)
+
+    def ping(self) -> int:  # megarl.runtime.liveness: started, and alive
+        return 0
 
 
 @ray.remote(concurrency_groups=HEALTH_GROUP)

@@ -14,8 +14,10 @@ settings: `class` (an import string "package.module:Class"; not needed for a bui
 A tool's class is imported when the config is read, and its settings are checked against
 its constructor there: a typo stops the run before anything starts. Tools run in the driver
 as asyncio tasks; what needs isolation or a server is behind one (search: the retrieval
-server; python: the bubblewrap sandbox or a sandbox service). Main entry points:
-`build_toolset`, `tool_problems`.
+server; python: the bubblewrap sandbox or a sandbox service). `ray: true` runs a tool in a
+Ray actor of its own (`num_cpus` reserved for it, default 0) where the run uses Ray: for a tool
+that holds a model, a cache or CPU work the driver should not carry; the driver then calls it
+through `RemoteTool`. Main entry points: `build_toolset`, `tool_problems`.
 """
 
 from __future__ import annotations
@@ -24,11 +26,11 @@ import inspect
 from typing import Any
 
 from megarl.import_string import import_function
-from megarl.tools.base import Tool, ToolSet, check_tool_name
+from megarl.tools.base import Tool, ToolError, ToolSet, check_tool_name
 
 BUILTIN_TOOLS = {"search": "megarl.tools.search:SearchTool", "calculator": "megarl.tools.calculator:Calculator",
                  "python": "megarl.tools.python:PythonTool"}
-SPEC_KEYS = ("class", "timeout_s")  # a tool's settings that the loop reads; the others go to its constructor
+SPEC_KEYS = ("class", "timeout_s", "ray", "num_cpus")  # the loop's settings of a tool; the rest go to its constructor
 
 
 def tool_class(name: str, spec: dict[str, Any]) -> type[Tool]:
@@ -66,6 +68,11 @@ def tool_problems(name: str, spec: dict[str, Any]) -> list[str]:
     except ValueError as e:
         return [str(e)]
     problems = []
+    if not isinstance(spec.get("ray", False), bool):
+        problems.append(f"agent.tools.{name}.ray: {spec['ray']!r} is not true or false")
+    cpus = spec.get("num_cpus", 0)
+    if isinstance(cpus, bool) or not isinstance(cpus, (int, float)) or cpus < 0:
+        problems.append(f"agent.tools.{name}.num_cpus: {cpus!r} is not a number of CPUs >= 0")
     timeout = spec.get("timeout_s")
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
         problems.append(f"agent.tools.{name}.timeout_s: {timeout!r} is not a number of seconds > 0")
@@ -97,7 +104,45 @@ def build_tool(name: str, spec: dict[str, Any], searcher=None, topk: int = 3) ->
     return tool
 
 
+class RemoteTool(Tool):
+    """A tool running in a Ray actor (megarl.runtime.service_actors.ToolActor), called from the
+    driver: its class's attributes, its calls sent to the actor. The actor answers every call
+    with (ok, text), its failures as text, so the model reads the same as from a local tool."""
+
+    def __init__(self, name: str, spec: dict[str, Any], actor):
+        cls = tool_class(name, spec)
+        for attribute in ("description", "purpose", "argument", "observation_tag", "timeout_s"):
+            setattr(self, attribute, getattr(cls, attribute))
+        self.name, self.actor, self._parameters = name, actor, cls.parameters
+        if spec.get("timeout_s") is not None:
+            self.timeout_s = float(spec["timeout_s"])
+
+    @property
+    def parameters(self) -> dict:
+        return self._parameters if isinstance(self._parameters, dict) else Tool.parameters.fget(self)
+
+    async def call(self, arguments: dict[str, Any]) -> str:
+        ok, text = await self.actor.call.remote(arguments)
+        if not ok:
+            raise ToolError(text)
+        return text
+
+
 def build_toolset(tools: dict[str, dict[str, Any]], call_format: str = "tags", tokenizer=None, searcher=None,
-                  topk: int = 3) -> ToolSet:
-    """The run's tools (agent.tools), each built from its settings."""
-    return ToolSet([build_tool(name, spec, searcher, topk) for name, spec in tools.items()], call_format, tokenizer)
+                  topk: int = 3, actors: dict | None = None) -> ToolSet:
+    """The run's tools (agent.tools), each built from its settings; those in `actors` (name ->
+    the Ray actor running it) called there."""
+    actors = actors or {}
+    return ToolSet([RemoteTool(name, spec, actors[name]) if name in actors else build_tool(name, spec, searcher, topk)
+                    for name, spec in tools.items()], call_format, tokenizer)
+
+
+async def call_in_actor(tool: Tool, arguments: dict[str, Any]) -> tuple[bool, str]:
+    """A call as the actor makes it: (True, result) or (False, what the model should read
+    after "Name failed: "), a ToolError's message or an exception's type and message."""
+    try:
+        return True, str(await tool.call(arguments))
+    except ToolError as e:
+        return False, str(e)
+    except Exception as e:
+        return False, f"{type(e).__name__}: {e}"
