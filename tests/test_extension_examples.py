@@ -95,18 +95,27 @@ def test_the_transport_example_is_two_files_of_work(module_from_page, monkeypatc
     assert set(got) == set(TENSORS) and all(torch.equal(got[k], TENSORS[k]) for k in TENSORS)
 
 
-def test_the_reward_example_is_two_files_of_work(module_from_page, monkeypatch):
-    scorer = module_from_page("last_integer_example", "### A scorer inside megarl")
-    monkeypatch.setitem(registry.SCORERS, "last_integer", registry.Scorer(scorer.last_integer_score))
-    monkeypatch.setattr(registry, "ROUTES",
-                        registry.ROUTES + (registry.Route("last_integer", names=frozenset({"counting"})),))
+def test_the_scorer_example_is_one_decorated_function(module_from_page):
+    from megarl.reward import scorers
 
-    right = registry.compute_score("counting", "3 apples and 4 pears: 7", 7)
-    wrong = registry.compute_score("counting", "I count 8", "7")
-    assert (right["score"], right["acc"], right["pred"]) == (1.0, True, "7")
-    assert (wrong["score"], wrong["acc"]) == (0.0, False)
-    assert registry.compute_score("counting", "no number", 7)["pred"] is None
-    load_config(None, ["reward.custom_function=last_integer"])  # a built-in name now
+    saved_scorers, saved_routes = dict(scorers.SCORERS), list(scorers.ROUTES)
+    try:  # the tables are filled in place, as importing the module from registry.py would
+        module_from_page("last_integer_example", "### A scorer inside megarl")
+        right = registry.compute_score("counting", "3 apples and 4 pears: 7", 7)
+        wrong = registry.compute_score("counting", "I count 8", "7")
+        assert (right["score"], right["acc"], right["pred"]) == (1.0, True, "7")
+        assert (wrong["score"], wrong["acc"]) == (0.0, False)
+        assert registry.compute_score("counting", "no number", 7)["pred"] is None
+        assert registry.compute_score("nq", "<answer> x </answer>", {"target": ["x"]})["acc"]  # the others stay
+        load_config(None, ["reward.custom_function=last_integer"])  # a built-in name now
+        with pytest.raises(ValueError, match="scorer name 'last_integer' is taken"):
+            scorers.register_scorer("last_integer")(lambda *a: {})
+        with pytest.raises(ValueError, match="data_source 'math' is already graded"):
+            scorers.register_scorer("other_math", data_sources=("math",))(lambda *a: {})
+    finally:
+        scorers.SCORERS.clear()
+        scorers.SCORERS.update(saved_scorers)
+        scorers.ROUTES[:] = saved_routes
 
 
 def test_the_tool_example_is_the_file_in_examples_and_runs_from_the_config(monkeypatch):

@@ -31,6 +31,9 @@ from functools import cache
 from typing import Any
 
 from megarl.reward.sandbox import LANGUAGES, OK, Limits, LocalSandbox, RunResult, run_cases
+from megarl.reward.scorers import register_scorer
+
+CODE_OPTIONS = ("code_sandbox_url", "code_wall_s", "code_memory_mb")  # the reward settings the code scorers take
 
 
 def extract_code(response: str, language: str) -> str:
@@ -109,6 +112,7 @@ def _options(options: dict) -> dict:
     return {k: options[k] for k in ("code_sandbox_url", "code_wall_s", "code_memory_mb") if k in options}
 
 
+@register_scorer("code", options=CODE_OPTIONS, data_sources=("code",))
 def code_score(solution_str: str, ground_truth: Any, extra_info: dict | None = None, **options) -> dict:
     info = read_verification_info(ground_truth, extra_info)
     cases = info["groups"][0]["test_cases"]
@@ -116,11 +120,13 @@ def code_score(solution_str: str, ground_truth: Any, extra_info: dict | None = N
     return {"score": sum(passed) / len(cases), "acc": all(passed), "pred": f"{sum(passed)}/{len(cases)}"}
 
 
+@register_scorer("code_binary", options=CODE_OPTIONS, data_sources=("code_binary",))
 def binary_code_score(solution_str: str, ground_truth: Any, extra_info: dict | None = None, **options) -> dict:
     result = code_score(solution_str, ground_truth, extra_info, **options)
     return {**result, "score": 1.0 if result["acc"] else 0.0}
 
 
+@register_scorer("ioi", options=CODE_OPTIONS, data_sources=("ioi",))
 def ioi_score(solution_str: str, ground_truth: Any, extra_info: dict | None = None, **options) -> dict:
     """Subtasks with points: a subtask scores its points when all its cases pass; the score is
     the points scored over all points (each distinct input runs once)."""
@@ -135,6 +141,7 @@ def ioi_score(solution_str: str, ground_truth: Any, extra_info: dict | None = No
             "pred": f"{sum(scored)}/{total} points"}
 
 
+@register_scorer("code_format", data_sources=("code_format",))
 def code_format_score(solution_str: str, ground_truth: Any, extra_info: dict | None = None, **options) -> dict:
     """open-r1's code_format_reward: the think/answer tags around a fenced block of the language."""
     info = read_verification_info(ground_truth, extra_info)

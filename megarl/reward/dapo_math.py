@@ -25,6 +25,8 @@ import re
 from collections.abc import Callable
 from typing import Any, Literal
 
+from megarl.reward.scorers import register_scorer
+
 INVALID_PREDICTION = "[INVALID]"
 # The DAPO prompt asks for the answer on the last line; looking only at the tail keeps
 # scoring O(1) in the response length and ignores "Answer:" mentioned while reasoning.
@@ -162,6 +164,8 @@ def normalize_answer_lenient(answer: str) -> str:
 NORMALIZERS: dict[str, Callable[[str], str]] = {"verl": normalize_answer_verl, "lenient": normalize_answer_lenient}
 
 
+@register_scorer("dapo_math", options=("dapo_math_normalization",), last_chars=RESPONSE_TAIL_CHARS,
+                 data_sources=("math_dapo", "math"), prefixes=("aime",))
 def dapo_math_score(
     solution_str: str,
     ground_truth: Any,

@@ -1,5 +1,6 @@
-"""Which scoring function grades a sample: a table from data_source to a named scorer,
-the named scorers themselves, and custom functions loaded from "module.path:function".
+"""Which scoring function grades a sample: the routes from data_source to a named scorer and
+the named scorers (megarl.reward.scorers, filled by @register_scorer in the scorers' own
+modules, imported here), and custom functions loaded from "module.path:function".
 
 Main entry point: `compute_score(data_source, solution_str, ground_truth, extra_info)`.
 
@@ -12,70 +13,27 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
 from megarl.import_string import check_call, import_function
-from megarl.reward.code import binary_code_score, code_format_score, code_score, ioi_score
-from megarl.reward.dapo_math import RESPONSE_TAIL_CHARS, dapo_math_score
-from megarl.reward.search_r1 import search_r1_em_score, search_r1_format_score
+from megarl.reward import code, dapo_math, search_r1
+from megarl.reward.scorers import ROUTES, SCORERS, Route, Scorer, register_scorer
+
+# importing them registered their scorers (@register_scorer); their routes are consulted (and
+# listed in messages) in this order, whichever module was imported first
+BUILT_IN_SCORER_MODULES = (search_r1, dapo_math, code)
+_ORDER = [m.__name__ for m in BUILT_IN_SCORER_MODULES]
+ROUTES.sort(key=lambda route: _ORDER.index(SCORERS[route.scorer].fn.__module__))  # in place: stable
+
+__all__ = ["ROUTES", "SCORERS", "Route", "Scorer", "register_scorer", "compute_score", "score_task",
+           "load_custom_function", "scorer_for_data_source", "describe_routes"]
 
 CUSTOM_SIGNATURE = "fn(data_source, solution_str, ground_truth, extra_info=None) -> float | dict"
 CUSTOM_FUNCTION_FORM = f"'module.path:function' with signature {CUSTOM_SIGNATURE}"
 
 
-@dataclass(frozen=True)
-class Scorer:
-    """A scoring function fn(solution_str, ground_truth, extra_info, **options) -> dict
-    with at least "score" (float) and "acc" (bool); `options` names the reward settings
-    (RewardConfig fields of the same name) it takes as keyword arguments; `last_chars`, when
-    set, is all of a response it reads: its last characters (the trainer then decodes no more)."""
-
-    fn: Callable[..., dict]
-    options: tuple[str, ...] = ()
-    last_chars: int | None = None
-
-
-CODE_OPTIONS = ("code_sandbox_url", "code_wall_s", "code_memory_mb")
-SCORERS: dict[str, Scorer] = {
-    "search_r1_em": Scorer(search_r1_em_score, ("format_score",)),
-    "search_r1_format": Scorer(
-        search_r1_format_score, ("structure_format_score", "final_format_score", "retrieval_score")
-    ),
-    "dapo_math": Scorer(dapo_math_score, ("dapo_math_normalization",), last_chars=RESPONSE_TAIL_CHARS),
-    "code": Scorer(code_score, CODE_OPTIONS),
-    "code_binary": Scorer(binary_code_score, CODE_OPTIONS),
-    "ioi": Scorer(ioi_score, CODE_OPTIONS),
-    "code_format": Scorer(code_format_score),
-}
 SCORER_OPTION_NAMES = tuple(sorted({option for scorer in SCORERS.values() for option in scorer.options}))
-
-
-@dataclass(frozen=True)
-class Route:
-    """data_source values (exact names, or prefixes) graded by the scorer `scorer`."""
-
-    scorer: str
-    names: frozenset[str] = frozenset()
-    prefixes: tuple[str, ...] = ()
-
-    def matches(self, data_source: str) -> bool:
-        return data_source in self.names or data_source.startswith(self.prefixes)
-
-
-ROUTES: tuple[Route, ...] = (
-    Route(
-        "search_r1_em",
-        names=frozenset({"nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle"}),
-        prefixes=("search",),
-    ),
-    Route("dapo_math", names=frozenset({"math_dapo", "math"}), prefixes=("aime",)),
-    Route("code", names=frozenset({"code"})),
-    Route("code_binary", names=frozenset({"code_binary"})),
-    Route("ioi", names=frozenset({"ioi"})),
-    Route("code_format", names=frozenset({"code_format"})),
-)
 
 
 def describe_routes() -> str:

@@ -19,6 +19,8 @@ import string
 from collections.abc import Iterable
 from typing import Any
 
+from megarl.reward.scorers import register_scorer
+
 _ANSWER_OPEN = "<answer>"
 _ANSWER_CLOSE = "</answer>"
 _DROP_PUNCTUATION = str.maketrans("", "", string.punctuation)
@@ -90,6 +92,8 @@ def exact_match(prediction: str, answers: list[str]) -> bool:
     return any(normalized == normalize_answer(answer) for answer in answers)
 
 
+@register_scorer("search_r1_em", options=("format_score",), prefixes=("search",),
+                 data_sources=("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle"))
 def search_r1_em_score(
     solution_str: str, ground_truth: Any, extra_info: dict | None = None, *, format_score: float = 0.0
 ) -> dict:
@@ -146,6 +150,7 @@ def retrieval_found_answer(response: str, answers: list[str]) -> bool:
     return False
 
 
+@register_scorer("search_r1_format", options=("structure_format_score", "final_format_score", "retrieval_score"))
 def search_r1_format_score(
     solution_str: str,
     ground_truth: Any,
