@@ -313,3 +313,106 @@ def test_cispo_weighs_by_tis_and_is_chosen_by_the_config():
     loss.backward()
     torch.testing.assert_close(log_prob.grad, torch.tensor([[-1.5 / 2, -2.0 / 2]]))
     assert metrics["tis_clipfrac"] == pytest.approx(0.5)
+
+
+# ---- the registry's messages, word for word: a user reads them when a setting is wrong ----
+
+def _outcome(scores, groups, algo):
+    return scores
+
+
+def _loss(log_prob, old_log_prob, advantages, mask, algo, *, rollout_log_prob=None, num_tokens=None, num_seqs=None,
+          norm_length=None):
+    return log_prob.sum(), {}
+
+
+def test_a_taken_name_is_named_with_both_functions(monkeypatch):
+    monkeypatch.setattr(registry, "ADVANTAGE_ESTIMATORS", dict(registry.ADVANTAGE_ESTIMATORS))
+    monkeypatch.setattr(registry, "POLICY_LOSSES", dict(registry.POLICY_LOSSES))
+    with pytest.raises(ValueError) as error:
+        register_advantage_estimator("rloo", kind="outcome")(_outcome)
+    assert str(error.value) == ("advantage estimator 'rloo' is registered twice: by megarl.algo.advantages."
+                                "rloo_estimator and by test_algo_registry._outcome; give one of them another name")
+    with pytest.raises(ValueError) as error:
+        register_policy_loss("cispo")(_loss)
+    assert str(error.value) == ("policy loss 'cispo' is registered twice: by megarl.algo.policy_loss.cispo_policy_loss "
+                                "and by test_algo_registry._loss; give one of them another name")
+    rloo = registry.ADVANTAGE_ESTIMATORS["rloo"]  # a module imported anew registers its estimator again
+    assert register_advantage_estimator("rloo", kind="outcome", needs_groups=True)(rloo.fn) is rloo.fn
+    assert registry.ADVANTAGE_ESTIMATORS["rloo"].fn is rloo.fn
+    register_policy_loss("mine")(_loss)
+    assert registry.POLICY_LOSSES["mine"] is _loss
+
+
+def test_a_signature_megarl_cannot_call_is_refused_by_name():
+    def no_counts(log_prob, old_log_prob, advantages, mask, algo):  # the keyword arguments missing
+        return log_prob.sum(), {}
+
+    with pytest.raises(ValueError, match=r"^policy loss 'bare' takes \(log_prob, old_log_prob, advantages, mask, "
+                                         r"algo\), but megarl calls it as fn\(log_prob"):
+        register_policy_loss("bare")(no_counts)
+    with pytest.raises(ValueError, match=r"^advantage estimator 'two' \(kind=outcome\) takes \(scores, groups\)"):
+        register_advantage_estimator("two", kind="outcome")(lambda scores, groups: scores)
+
+
+def test_the_names_and_forms_of_unknown_settings():
+    with pytest.raises(ValueError) as error:
+        registry.advantage_estimator("grpoo")
+    assert str(error.value) == (
+        "advantage estimator 'grpoo' is neither a registered advantage estimator ['gae', 'grpo', "
+        "'reinforce_plus_plus', 'reinforce_plus_plus_baseline', 'rloo'] nor an import string; write it as "
+        "'module.path:function' (a function in your own file, decorated with "
+        "megarl.algo.register_advantage_estimator)")
+    with pytest.raises(ValueError) as error:
+        policy_loss_function("ppoo")
+    assert str(error.value) == (
+        f"policy loss 'ppoo' is neither a registered policy loss ['cispo', 'ppo'] nor an import string; write it as "
+        f"'module.path:function' (a function in your own file, {registry.SIGNATURES['policy_loss']}, plain or "
+        "decorated with megarl.algo.register_policy_loss)")
+    with pytest.raises(ValueError) as error:
+        registry.advantage_estimator("test_algo_registry:_outcome")
+    assert str(error.value) == (
+        "advantage estimator 'test_algo_registry:_outcome' is not decorated with "
+        "@megarl.algo.register_advantage_estimator(NAME, kind='outcome' or 'token'), which tells megarl how to call "
+        f"it: outcome = {registry.SIGNATURES['outcome']}; token = {registry.SIGNATURES['token']}")
+    with pytest.raises(ValueError, match=r"^policy loss 'test_algo_registry:_outcome' takes \(scores, groups, algo\)"):
+        policy_loss_function("test_algo_registry:_outcome")
+
+
+class _Scaled:
+    """A callable object as an estimator: it has a module (its class's) but no name of its own."""
+
+    def __init__(self, label: str):
+        self.label = label
+
+    def __call__(self, scores, groups, algo):
+        return 2 * scores
+
+    def __repr__(self):
+        return f"<_Scaled {self.label}>"
+
+
+def test_a_callable_object_is_named_by_its_repr(monkeypatch):
+    monkeypatch.setattr(registry, "ADVANTAGE_ESTIMATORS", dict(registry.ADVANTAGE_ESTIMATORS))
+    register_advantage_estimator("scaled", kind="outcome")(_Scaled("a"))
+    with pytest.raises(ValueError) as error:
+        register_advantage_estimator("scaled", kind="outcome")(_Scaled("b"))
+    assert str(error.value) == ("advantage estimator 'scaled' is registered twice: by <_Scaled a> and by "
+                                "<_Scaled b>; give one of them another name")
+
+
+class _Nameless(_Scaled):
+    """A callable without even a module (some wrappers' objects)."""
+
+    def __getattribute__(self, name):
+        if name in ("__module__", "__qualname__"):
+            raise AttributeError(name)
+        return object.__getattribute__(self, name)
+
+
+def test_a_callable_without_a_module_is_named_by_its_repr_too(monkeypatch):
+    monkeypatch.setattr(registry, "ADVANTAGE_ESTIMATORS", dict(registry.ADVANTAGE_ESTIMATORS))
+    register_advantage_estimator("nameless", kind="outcome")(_Nameless("c"))
+    with pytest.raises(ValueError, match=r"^advantage estimator 'nameless' is registered twice: by <_Scaled c> and "
+                                         r"by test_algo_registry._outcome;"):
+        register_advantage_estimator("nameless", kind="outcome")(_outcome)

@@ -60,10 +60,13 @@ GROUPS = {
                   ("tests/test_algo_advantages.py", "tests/test_algo_aggregation.py",
                    "tests/test_algo_dynamic_sampling.py", "tests/test_algo_kl.py", "tests/test_algo_masked.py",
                    "tests/test_algo_overlong.py", "tests/test_algo_policy_loss.py", "tests/test_algo_groups.py",
-                   "tests/test_experience.py", "tests/test_moe_loss.py", "tests/test_algo_edges.py")),
+                   "tests/test_experience.py", "tests/test_moe_loss.py", "tests/test_algo_edges.py",
+                   "tests/test_algo_registry.py")),
     "rewards": Group(("megarl/reward/dapo_math.py", "megarl/reward/search_r1.py", "megarl/reward/registry.py"),
                      ("tests/test_reward_dapo_math.py", "tests/test_reward_search_r1.py",
                       "tests/test_reward_registry.py", "tests/test_reward_scoring.py", "tests/test_reward_edges.py")),
+    "tools": Group(("megarl/tools/calculator.py", "megarl/tools/base.py"), ("tests/test_tools.py",),
+                   sampled=False),  # drawn by CI once its survivors are killed or listed
     "packing": Group(("megarl/backends/packed.py", "megarl/backends/epochs.py"),
                      ("tests/test_packed_batch.py", "tests/test_rank_shares.py", "tests/test_packing_edges.py"),
                      deselect=("tests/test_rank_shares.py::test_each_rank_gets_its_share_and_one_answer_per_share_"

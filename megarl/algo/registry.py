@@ -66,7 +66,9 @@ POLICY_LOSSES: dict[str, Callable[..., Any]] = {}
 
 
 def _qualified_name(fn: Callable[..., Any]) -> str:
-    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+    """module.name of a function; the repr of another callable (an instance with __call__)."""
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
+    return f"{module}.{qualname}" if module and qualname else repr(fn)
 
 
 def _register(table: dict[str, Any], name: str, entry: Any, fn: Callable[..., Any], what: str) -> None:
