@@ -15,7 +15,7 @@ import asyncio, json, sys
 import ray
 from megarl.runtime.local_ray import init_local_ray
 from megarl.runtime.service_actors import ToolActor
-from megarl.tools import build_toolset
+from megarl.tools import RemoteTool, build_toolset
 
 init_local_ray(num_cpus=1, include_dashboard=False, log_to_driver=False)
 specs = {"calculator": {"ray": True}, "calc": {"class": "examples.tools.calculator:TwoNumberCalculator", "ray": True,
@@ -25,7 +25,8 @@ tools = build_toolset(specs, actors=actors)
 texts = ["<calculator>37 * 48</calculator>", "<calculator>1/0</calculator>", "<calc>2 ^ 3</calc>"]
 seen = [asyncio.run(tools.run(tools.parse(t))) for t in texts]
 print(json.dumps({"observations": [[o.text, o.failed] for o in seen], "timeout": tools.tools["calc"].timeout_s,
-                  "argument": tools.tools["calc"].argument, "pid": ray.get(actors["calc"].__ray_call__.remote(
+                  "argument": tools.tools["calc"].argument,
+                  "unbounded": RemoteTool("s", {"class": "megarl.tools.search:SearchTool"}, None).timeout_s, "pid": ray.get(actors["calc"].__ray_call__.remote(
                       lambda self: __import__("os").getpid())), "driver": __import__("os").getpid()}))
 ray.shutdown()
 """
@@ -41,4 +42,5 @@ def test_a_tool_in_a_ray_actor_answers_as_in_the_driver():
         ["\n\n<result>Calculator failed: division by zero</result>\n\n", True],
         ["\n\n<result>Calc failed: write two numbers and one of + - * /, e.g. 37 * 48</result>\n\n", True]]
     assert (report["timeout"], report["argument"]) == (3.0, "expression")  # the class's, and the config's deadline
+    assert report["unbounded"] == 120.0  # a tool without a deadline of its own gets one across processes
     assert report["pid"] != report["driver"]  # the tool ran in the actor's process

@@ -30,6 +30,7 @@ from megarl.tools.base import Tool, ToolError, ToolSet, check_tool_name
 
 BUILTIN_TOOLS = {"search": "megarl.tools.search:SearchTool", "calculator": "megarl.tools.calculator:Calculator",
                  "python": "megarl.tools.python:PythonTool"}
+REMOTE_CALL_S = 120.0  # the deadline of a call to a tool's Ray actor when neither the tool nor the config sets one
 SPEC_KEYS = ("class", "timeout_s", "ray", "num_cpus")  # the loop's settings of a tool; the rest go to its constructor
 
 
@@ -116,6 +117,8 @@ class RemoteTool(Tool):
         self.name, self.actor, self._parameters = name, actor, cls.parameters
         if spec.get("timeout_s") is not None:
             self.timeout_s = float(spec["timeout_s"])
+        if self.timeout_s is None:  # a call to another process always has a deadline
+            self.timeout_s = REMOTE_CALL_S
 
     @property
     def parameters(self) -> dict:
