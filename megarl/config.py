@@ -29,6 +29,7 @@ from megarl.config_loader import (
 from megarl.config_algorithm import AlgorithmConfig, DynamicSamplingConfig, OverlongConfig, check_algorithm
 from megarl.config_async import AsyncRolloutConfig, check_async_rollout
 from megarl.config_cluster import ClusterConfig
+from megarl.config_lora import LoraConfig, check_lora
 from megarl.config_megatron import check_megatron
 from megarl.config_probe import ProbeConfig, check_probe
 from megarl.config_rollout import RolloutConfig, SamplingConfig, SGLangConfig, check_rollout
@@ -180,6 +181,8 @@ class TrainWorkerConfig:
     fp8_recipe: Literal["delayed", "tensorwise", "blockwise"] = param("delayed", "Transformer Engine FP8 scaling recipe.")
     fp8_param_gather: bool = param(False, "Weights kept and all-gathered in FP8 (fp8 tensorwise/blockwise, distributed optimizer).")
     parallel: ParallelConfig = param(help="Model parallel layout (megatron backend).", factory=ParallelConfig)
+    lora: LoraConfig = param(help="Low-rank adapters on a frozen base (PEFT's names; off by default).",
+                             factory=LoraConfig)
     optim: OptimConfig = param(help="Optimizer and learning-rate schedule.", factory=OptimConfig)
 
 
@@ -395,6 +398,7 @@ class RunConfig:
             problems.add("trainer.resume", "is empty", "use auto, disable or a checkpoint path")
         check_reward_config(self.reward, problems, "reward.")
         check_async_rollout(self, problems)
+        check_lora(self, problems)
         check_rollout(self, problems)
         check_probe(self, problems)
 

@@ -54,9 +54,10 @@ class InProcessRuntime(Runtime):
         torch.manual_seed(cfg.trainer.seed)
         model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=getattr(torch, cfg.model.dtype))
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
-        self.worker = TorchTrainWorker(model, cfg, total_steps=total_steps)
+        # the engine's copy first: with actor.lora the worker puts adapters into `model`
         self.engine = LocalEngine(copy.deepcopy(model).eval(), tokenizer, max_batch_size=cfg.rollout.max_concurrency,
                                   seed=cfg.trainer.seed, record_routing=cfg.actor.moe_routing_replay)
+        self.worker = TorchTrainWorker(model, cfg, total_steps=total_steps)
         self.reward_pool = RewardPool(cfg.reward, num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
         self.ranks = LocalRanks(RankEndpoint(self.worker))
         self.transport = transport_class(cfg.sync_transport())(cfg, self.engine)

@@ -17,6 +17,7 @@ from megarl.backends.epochs import run_epochs
 from megarl.backends.loss import actor_loss
 from megarl.backends.moe import load_balancing_loss, load_max_over_mean, replay_indices, routed_counts
 from megarl.backends.schedule import lr_factor
+from megarl.backends.torch.lora import base_model
 from megarl.backends.torch.logprobs import token_log_probs
 from megarl.backends.torch.routing import replayed_routing
 from megarl.backends.torch.step import accumulate_and_step, check_split
@@ -92,7 +93,7 @@ class TorchActor:
         if batch.routed_experts is None:
             raise ValueError("actor.moe_routing_replay: the batch carries no routed experts from the rollout engine")
         cfg = self.model.config
-        moe_layers = [i for i, layer in enumerate(self.model.model.layers) if hasattr(layer.mlp, "experts")]
+        moe_layers = [i for i, layer in enumerate(base_model(self.model).model.layers) if hasattr(layer.mlp, "experts")]
         return replay_indices(batch.routing().to(self.device), self.moe_topk, moe_layers, cfg.num_hidden_layers)
 
     def update_actor(self, batch: TrainBatch) -> dict[str, float]:

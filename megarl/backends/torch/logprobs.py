@@ -57,8 +57,10 @@ def _first_column(wanted: torch.Tensor | None) -> int:
 
 
 def _keeps_logits(model: torch.nn.Module) -> bool:
-    """Whether the model's forward takes HF's `logits_to_keep` (current causal LMs do)."""
-    return _class_keeps_logits(type(model))
+    """Whether the model's forward takes HF's `logits_to_keep` (current causal LMs do; a PEFT model
+    passes it on to the HF model inside)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return _class_keeps_logits(type(inner))
 
 
 @functools.cache

@@ -16,7 +16,8 @@ import torch
 
 def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The routers of the model's MoE layers, in layer order."""
-    return [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "experts")]
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PEFT model: the HF one
+    return [layer.mlp.gate for layer in inner.model.layers if hasattr(layer.mlp, "experts")]
 
 
 @contextmanager

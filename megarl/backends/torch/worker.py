@@ -14,7 +14,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_file, load_model, save_file, save_model
 
 from megarl.backends.base import Batch  # a share comes only with its whole batch here: one rank
 from megarl.backends.packed import as_rows
@@ -24,9 +24,13 @@ from megarl.backends.schedule import optimizer_steps
 from megarl.backends.sleep import WorkerSleep
 from megarl.backends.torch.actor import TorchActor
 from megarl.backends.torch.critic import TorchCritic
+from megarl.backends.torch.lora import adapter_state, load_adapter_state, merged_hf_tensors, with_adapters
 from megarl.checkpoint import unreadable
 from megarl.config import RunConfig
 from megarl.weights.buckets import group_tensors, hf_tensors, weight_checksums
+
+
+ADAPTER_FILE = "actor_adapter.safetensors"  # a LoRA run's actor in a checkpoint: PEFT's names (megarl export reads it)
 
 
 class TorchTrainWorker:
@@ -36,6 +40,11 @@ class TorchTrainWorker:
         a = cfg.algorithm
         samples = cfg.rollout.n
         self.cfg = cfg
+        self.lora = cfg.actor.lora.enabled  # the base frozen, PEFT's adapters trained (megarl.backends.torch.lora)
+        if cfg.critic.enable and critic_model is None:
+            critic_model = copy.deepcopy(model)  # the base, before the adapters go into it
+        if self.lora:
+            model = with_adapters(model, cfg.actor.lora)
         self.actor = TorchActor(
             model, a, cfg.actor.optim, mini_batch_samples=cfg.actor.ppo_mini_batch_size * samples,
             micro_batch_samples=cfg.actor.ppo_micro_batch_size, ppo_epochs=cfg.actor.ppo_epochs,
@@ -43,15 +52,17 @@ class TorchTrainWorker:
             total_steps=optimizer_steps(total_steps, cfg.data.train_batch_size, cfg.actor),
             norm_length=cfg.rollout.max_response_length, moe_aux_loss_coeff=cfg.actor.moe_aux_loss_coeff,
             routing_replay=cfg.actor.moe_routing_replay)
-        needs_reference = a.use_kl_loss or a.use_kl_in_reward
-        self.reference = copy.deepcopy(model).eval().requires_grad_(False) if needs_reference else None
+        self.needs_reference = a.use_kl_loss or a.use_kl_in_reward
+        # with LoRA the reference is the actor with its adapters off: no copy
+        self.reference = (copy.deepcopy(model).eval().requires_grad_(False)
+                          if self.needs_reference and not self.lora else None)
         self.reference_weights = None  # HostOffloaded with actor.reference_offload
         if self.reference is not None and cfg.actor.reference_offload:
             self.reference_weights = HostOffloaded([self.reference], next(model.parameters()).device)
         self.critic = None
         if cfg.critic.enable:
             self.critic = TorchCritic(
-                critic_model if critic_model is not None else copy.deepcopy(model), cfg.critic.optim,
+                critic_model, cfg.critic.optim,
                 cliprange_value=cfg.critic.cliprange_value, loss_agg_mode=a.loss_agg_mode,
                 mini_batch_samples=cfg.critic.ppo_mini_batch_size * samples,
                 micro_batch_samples=cfg.critic.ppo_micro_batch_size, ppo_epochs=cfg.critic.ppo_epochs,
@@ -62,7 +73,7 @@ class TorchTrainWorker:
     # -- TrainWorker ---------------------------------------------------------------------
     @property
     def has_reference(self) -> bool:
-        return self.reference is not None
+        return self.needs_reference
 
     @property
     def is_export_source(self) -> bool:
@@ -72,8 +83,13 @@ class TorchTrainWorker:
     pipeline_stage = 0  # the whole model is one stage
 
     def save_hf(self, directory: str | Path) -> str:
-        """The actor as HF safetensors + config in `directory` (the tokenizer is the caller's)."""
-        self.actor.model.save_pretrained(directory, safe_serialization=True)
+        """The actor as HF safetensors + config in `directory` (the tokenizer is the caller's); with
+        LoRA the merged model."""
+        if self.lora:
+            merged = dict(merged_hf_tensors(self.actor.model))
+            self.actor.model.get_base_model().save_pretrained(directory, state_dict=merged, safe_serialization=True)
+        else:
+            self.actor.model.save_pretrained(directory, safe_serialization=True)
         return str(directory)
 
     def data_parallel(self) -> tuple[int, int]:
@@ -88,9 +104,12 @@ class TorchTrainWorker:
         return back(log_probs), (back(entropy) if entropy is not None else None)
 
     def compute_ref_log_prob(self, batch: Batch) -> torch.Tensor:
-        if self.reference is None:
+        if not self.needs_reference:
             raise RuntimeError("no reference model: turn on algorithm.use_kl_loss or use_kl_in_reward")
         rows, back = as_rows(batch)
+        if self.lora:  # the base: the actor's own model with its adapters off
+            with self.actor.model.disable_adapter():
+                return back(self.actor.compute_log_prob(rows, own_routing=True)[0])
         with self.reference_weights.on_device() if self.reference_weights else nullcontext():
             return back(self.actor.compute_log_prob(rows, model=self.reference)[0])
 
@@ -121,10 +140,14 @@ class TorchTrainWorker:
 
     def export_hf_weights(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
         """The actor's HF-named tensors in buckets of about `bucket_bytes` (megarl.weights.buckets)."""
-        return group_tensors(hf_tensors(self.actor.model), bucket_bytes)
+        return group_tensors(self._hf_tensors(), bucket_bytes)
 
     def weight_checksums(self) -> dict[str, str]:
-        return weight_checksums(hf_tensors(self.actor.model))
+        return weight_checksums(self._hf_tensors())
+
+    def _hf_tensors(self):
+        """The weights the engines serve, by HF names: with LoRA, the adapters merged into the base."""
+        return merged_hf_tensors(self.actor.model) if self.lora else hf_tensors(self.actor.model)
 
     def save_checkpoint(self, directory: str | Path) -> None:
         """Weights as safetensors; optimizer, scheduler and RNG states as tensor-only files
@@ -135,7 +158,10 @@ class TorchTrainWorker:
         if self.critic is not None:
             parts["critic"] = self.critic
         for name, part in parts.items():
-            save_model(part.model, str(directory / f"{name}.safetensors"))  # stores tied weights once
+            if name == "actor" and self.lora:  # the adapters alone: the base is model.path's, frozen
+                save_file(adapter_state(part.model), str(directory / ADAPTER_FILE))
+            else:
+                save_model(part.model, str(directory / f"{name}.safetensors"))  # stores tied weights once
             torch.save({"optimizer": part.optimizer.state_dict(), "scheduler": part.scheduler.state_dict()},
                        directory / f"{name}_optim.pt")
         torch.save(rng_state(), directory / "rng.pt")
@@ -146,14 +172,19 @@ class TorchTrainWorker:
         if self.critic is not None:
             parts["critic"] = self.critic
         for name, part in parts.items():
-            missing = [f for f in (f"{name}.safetensors", f"{name}_optim.pt") if not (directory / f).exists()]
+            adapters = name == "actor" and self.lora
+            weights = directory / (ADAPTER_FILE if adapters else f"{name}.safetensors")
+            missing = [f.name for f in (weights, directory / f"{name}_optim.pt") if not f.exists()]
             if missing:
-                raise FileNotFoundError(f"checkpoint {directory} lacks {missing}; was it written by another config?")
-            weights = directory / f"{name}.safetensors"
-            absent, unexpected = _read_weights(part.model, weights)
-            if absent or unexpected:  # load_model already left out the tied copies
-                raise ValueError(f"checkpoint {weights} does not match the model: "
-                                 f"missing {sorted(absent)[:5]}, unexpected {sorted(unexpected)[:5]}")
+                raise FileNotFoundError(f"checkpoint {directory} lacks {missing}; was it written by another config "
+                                        f"(actor.lora.r={self.cfg.actor.lora.r} here)?")
+            if adapters:
+                load_adapter_state(part.model, _read_tensors(weights), str(weights))
+            else:
+                absent, unexpected = _read_weights(part.model, weights)
+                if absent or unexpected:  # load_model already left out the tied copies
+                    raise ValueError(f"checkpoint {weights} does not match the model: "
+                                     f"missing {sorted(absent)[:5]}, unexpected {sorted(unexpected)[:5]}")
             state = _read_state(directory / f"{name}_optim.pt")
             part.optimizer.load_state_dict(state["optimizer"])
             part.scheduler.load_state_dict(state["scheduler"])
@@ -167,6 +198,15 @@ def _read_weights(model: torch.nn.Module, path: Path):
 
     try:
         return load_model(model, str(path), strict=False)
+    except SafetensorError as e:
+        raise unreadable(path, e) from None
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+
+    try:
+        return load_file(str(path))
     except SafetensorError as e:
         raise unreadable(path, e) from None
 
