@@ -1,7 +1,7 @@
 """The `megarl` command line.
 
     megarl train CONFIG.yaml [key=value ...] [--dry-run]
-    megarl export --run OUTPUT_DIR --out HF_DIR [--checkpoint STEP_DIR]
+    megarl export --run OUTPUT_DIR --out HF_DIR [--checkpoint STEP_DIR] [--adapter-out DIR]
     megarl retrieval build --corpus FILE --out DIR [--kind bm25|dense]
     megarl retrieval serve --index DIR [--host 127.0.0.1 --port 8000 --topk 3]
     megarl plan --model HF_CONFIG_OR_NAME --nodes N [--gpus-per-node 8 --gpu-memory 80GB ...]
@@ -113,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--run", required=True, help="the run's trainer.output_dir")
     export.add_argument("--out", required=True, help="HF model directory to write")
     export.add_argument("--checkpoint", help="a step_NNNNNN directory (default: the newest)")
+    export.add_argument("--adapter-out", help="a LoRA run's PEFT adapter directory (default: HF_DIR/adapter)")
     export.set_defaults(func=_export)
     add_retrieval_commands(sub)
     add_plan_command(sub)
@@ -144,8 +145,11 @@ def _sandbox_serve(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from megarl.export import export_checkpoint
 
-    out = export_checkpoint(args.run, args.out, args.checkpoint)
+    out = export_checkpoint(args.run, args.out, args.checkpoint, args.adapter_out)
     print(f"megarl: exported to {out}", file=sys.stderr)
+    adapter = Path(args.adapter_out or out / "adapter")
+    if (adapter / "adapter_config.json").exists():  # a LoRA run: PEFT's directory too
+        print(f"megarl: the LoRA adapter (PEFT) in {adapter}", file=sys.stderr)
     return 0
 
 

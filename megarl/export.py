@@ -3,6 +3,9 @@
 Reads the run's resolved config (for the base model's architecture and tokenizer) and the
 checkpoint's actor weights (the torch backend's safetensors, or the megatron backend's
 distributed checkpoint in any layout), its files verified first (megarl.checkpoint.verify).
+A LoRA run's checkpoint (actor.lora) holds the adapters alone: the export is the merged model,
+and beside it PEFT's adapter directory (adapter_config.json, adapter_model.safetensors), which
+`PeftModel.from_pretrained(base, directory)` loads onto model.path's weights.
 Main entry point: `export_checkpoint`.
 """
 
@@ -14,7 +17,10 @@ from megarl import checkpoint
 from megarl.config import load_config
 
 
-def export_checkpoint(run_dir: str | Path, out_dir: str | Path, step_dir: str | Path | None = None) -> Path:
+def export_checkpoint(run_dir: str | Path, out_dir: str | Path, step_dir: str | Path | None = None,
+                      adapter_dir: str | Path | None = None) -> Path:
+    """The checkpoint (`step_dir`, default the newest whole one) as an HF model in `out_dir`; for a
+    LoRA run also PEFT's adapter directory in `adapter_dir` (default `out_dir`/adapter)."""
     import torch
     from safetensors.torch import load_model
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -30,6 +36,13 @@ def export_checkpoint(run_dir: str | Path, out_dir: str | Path, step_dir: str | 
         source = checkpoint.newest_intact(run_dir / "checkpoints")  # a damaged newer one skipped, with a warning
     if source is None:
         raise FileNotFoundError(f"no complete checkpoint under {run_dir / 'checkpoints'}")
+    from megarl.backends.torch.worker import ADAPTER_FILE
+
+    if (source / ADAPTER_FILE).exists():
+        out_dir = Path(out_dir)
+        _export_lora(cfg, source / ADAPTER_FILE, out_dir, Path(adapter_dir) if adapter_dir else out_dir / "adapter")
+        AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path).save_pretrained(out_dir)
+        return out_dir
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model.path))
     if (source / "megatron_trainer.json").exists():  # written by actor.backend=megatron, any layout
         from megarl.backends.megatron.dist_format import actor_checkpoint, read_hf_tensors
@@ -54,3 +67,19 @@ def export_checkpoint(run_dir: str | Path, out_dir: str | Path, step_dir: str | 
     model.save_pretrained(out_dir, safe_serialization=True)
     AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path).save_pretrained(out_dir)
     return out_dir
+
+
+def _export_lora(cfg, adapter_file: Path, out_dir: Path, adapter_dir: Path) -> None:
+    """The base (model.path's weights) with the checkpoint's adapters: PEFT's directory, then the merged model."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from megarl.backends.torch.lora import load_adapter_state, merged_hf_tensors, with_adapters
+
+    base = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=getattr(torch, cfg.model.dtype))
+    model = with_adapters(base, cfg.actor.lora)
+    load_adapter_state(model, load_file(str(adapter_file)), str(adapter_file))
+    model.save_pretrained(adapter_dir)
+    merged = dict(merged_hf_tensors(model))
+    model.get_base_model().save_pretrained(out_dir, state_dict=merged, safe_serialization=True)
