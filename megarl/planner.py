@@ -25,6 +25,10 @@ plus the rest / TP:
     logits       8 T V' / TP               fp32 logits and their gradient (V' padded vocabulary)
     overhead     4 GiB                     CUDA context, NCCL buffers, allocator slack
 
+    LoRA (actor.lora, --lora R): the base frozen in bf16, the adapters (a of them on the GPU: the
+    stage's, sharded as their layers are; megarl.planner_models) trained as weights are:
+    weights 2 S + 2 a, grads 4 a, optimizer 12 a / (DP x CP), reference 0 (the base, adapters off)
+
     training peak = weights + grads + optimizer + reference + critic + activations + logits + overhead
     a layout fits when its peak is within USABLE = 90% of the GPU (fragmentation, caches)
 
@@ -77,6 +81,7 @@ import re
 import sys
 from dataclasses import asdict, dataclass, field
 
+from megarl.config_lora import LINEAR_MODULES
 from megarl.planner_config import settle
 from megarl.planner_models import KNOWN_MODELS, ModelShape  # noqa: F401 (the command's public names)
 from megarl.planner_time import GPUS, StepTime, StepWork, describe, estimate_step
@@ -98,6 +103,8 @@ class Workload:
     kl: bool = False  # a frozen reference model (KL loss or KL in the reward)
     critic: bool = False  # PPO's value model on the same GPUs
     sleep: bool = True  # colocated: the trainer sleeps while the engines generate (trainer.sleep_during_generation)
+    lora: int = 0  # LoRA rank of the actor (actor.lora.r): the base frozen; 0 = every weight trains
+    lora_modules: tuple[str, ...] = LINEAR_MODULES  # the HF linear layers given adapters
 
     @property
     def sequence(self) -> int:
@@ -139,6 +146,7 @@ class Estimate:
     moe: bool = False
     sleep: bool = False  # colocated engines sized next to a sleeping trainer
     sync_peak: int = 0  # colocated: when the engines' weights come back for a sync (0 = not colocated)
+    lora: int = 0  # the actor's LoRA rank (0 = every weight trains)
 
     @property
     def static(self) -> int:
@@ -182,8 +190,13 @@ def estimate(shape: ModelShape, world: int, gpus_per_node: int, gpu_bytes: int, 
     stage = rest / tp + experts / ep
     weights, grads = int(2 * stage), int(4 * stage)
     optimizer = 0 if offload else int(12 * (rest / tp / max(dp * cp, 1) + experts / ep / max(expert_dp, 1)))
+    critic = weights + grads + optimizer if work.critic else 0  # a critic trains every weight
     reference = weights if work.kl else 0
-    critic = weights + grads + optimizer if work.critic else 0
+    if work.lora:  # the base frozen in bf16 (no gradients, no optimizer); the adapters train as weights do
+        adapters = shape.stage_lora_params(tp, pp, work.lora, work.lora_modules)
+        weights, grads = int(2 * stage + 2 * adapters), int(4 * adapters)
+        optimizer = 0 if offload else int(12 * adapters / max(dp * cp, 1))
+        reference = 0  # the base with the adapters off
     tokens = math.ceil(work.tokens / cp)
     per_layer = [shape.activation_bytes_per_layer(tokens, tp, i) for i in range(s.num_layers)]
     if recompute:
@@ -196,7 +209,8 @@ def estimate(shape: ModelShape, world: int, gpus_per_node: int, gpu_bytes: int, 
         problems.append(f"training needs {peak / GiB:.1f} GiB, more than {USABLE:.0%} of the GPU's "
                         f"{gpu_bytes / GiB:.0f} GiB")
     e = Estimate(tp, pp, cp, dp, recompute, offload, weights, grads, optimizer, reference, critic, activations,
-                 logits, OVERHEAD, peak, rollout_gpus=rollout_gpus, problems=problems, ep=ep, moe=s.is_moe)
+                 logits, OVERHEAD, peak, rollout_gpus=rollout_gpus, problems=problems, ep=ep, moe=s.is_moe,
+                 lora=work.lora)
     e.sleep = work.sleep and not rollout_gpus
     _size_engines(e, shape, world, gpus_per_node, gpu_bytes, work)
     if not rollout_gpus and e.engine_tp:
@@ -290,7 +304,7 @@ def step_time(shape: ModelShape, e: Estimate, nodes: int, gpus_per_node: int, wo
     tokens on average."""
     world = nodes * gpus_per_node - e.rollout_gpus
     step = StepWork(work.rollout_batch, prompt, response, work.max_response_length, forwards=1 + work.kl,
-                    recompute=e.recompute, critic=work.critic)
+                    recompute=e.recompute, critic=work.critic, lora=bool(work.lora))
     return estimate_step(shape, step, train_gpus=world, engine_gpus=e.rollout_gpus or world, engine_tp=e.engine_tp,
                          kv_tokens_per_engine=e.kv_tokens, colocated=not e.rollout_gpus, gpu=GPUS[gpu])
 
@@ -335,7 +349,8 @@ def render(shape: ModelShape, nodes: int, gpus_per_node: int, gpu_bytes: int, wo
     engines = (f"{rollout_gpus} of them the engines' own" if rollout_gpus else
                "engines colocated with the trainer, which sleeps while they generate" if work.sleep else
                "engines colocated with the trainer, which keeps its memory")
-    lines = [f"{shape.spec.family} model, {shape.params() / 1e9:.2f}B parameters; {nodes} nodes x {gpus_per_node} "
+    lora = f"LoRA rank {work.lora} on {', '.join(work.lora_modules)}, the base frozen; " if work.lora else ""
+    lines = [f"{shape.spec.family} model, {shape.params() / 1e9:.2f}B parameters; {lora}{nodes} nodes x {gpus_per_node} "
              f"GPUs of {gpu_bytes / GiB:.0f} GiB ({engines}); sequences up to {work.sequence} tokens "
              f"({work.max_prompt_length} prompt + {work.max_response_length} response), micro-batches of "
              f"{work.tokens} tokens; rollout batch {work.rollout_batch} sequences",
@@ -377,6 +392,8 @@ def overrides(e: Estimate) -> list[str]:
     engines = [f"rollout.expert_parallel_size={e.engine_tp}"] if e.moe else []
     if not e.rollout_gpus and not e.sleep:
         engines.append("trainer.sleep_during_generation=false")
+    if e.lora:
+        out.append(f"actor.lora.r={e.lora}")
     return out + [f"rollout.mode={mode}", f"rollout.tensor_parallel_size={e.engine_tp}",
                   f"rollout.gpu_memory_utilization={e.mem_fraction_static}", *engines]
 
@@ -396,6 +413,8 @@ def add_plan_command(sub) -> None:
     p.add_argument("--rollout-batch", type=int, help="sequences generated per step (default 8192)")
     p.add_argument("--kl", action="store_true", help="a frozen reference model is on the GPUs")
     p.add_argument("--critic", action="store_true", help="a critic (PPO) shares the GPUs")
+    p.add_argument("--lora", type=int, metavar="RANK",
+                   help="LoRA adapters of this rank on every linear layer (actor.lora.r), the base frozen")
     p.add_argument("--rollout-gpus", type=int,
                    help="GPUs of the engines' own (rollout.mode=disaggregated), the trainer takes the rest; "
                         "0 = engines colocated on the trainer's GPUs")
@@ -424,7 +443,7 @@ def _plan_command(args: argparse.Namespace) -> int:
     shape = ModelShape.load(args.model)
     gpu = parse_bytes(args.gpu_memory)
     work = Workload(args.max_prompt_length, args.max_response_length, args.max_tokens_per_gpu, args.rollout_batch,
-                    args.kl, args.critic, sleep=not args.no_sleep)
+                    args.kl, args.critic, sleep=not args.no_sleep, lora=args.lora, lora_modules=args.lora_modules)
     estimates = plan_layouts(shape, args.nodes, args.gpus_per_node, gpu, work, args.rollout_gpus)
     feasible = [e for e in estimates if not e.problems]
     table = render(shape, args.nodes, args.gpus_per_node, gpu, work, estimates, args.top, args.rollout_gpus)

@@ -116,6 +116,30 @@ class ModelShape:
         """Parameters of the largest pipeline stage (see stage_split)."""
         return sum(self.stage_split(tp, pp))
 
+    def lora_params(self, layer: int, tp: int, rank: int, modules: tuple[str, ...]) -> float:
+        """One GPU's LoRA adapter parameters of `layer` (rank `rank` on the HF linear layers `modules`),
+        sharded as their layer is: a column-parallel layer's A (r x in) whole and its B (out / TP x r)
+        split, a row-parallel layer's A (r x in / TP) split and its B (out x r) whole. A mixture of
+        experts' MLP gets none (its experts are not adapted)."""
+        s = self.spec
+        h, f, q, kv = s.hidden_size, s.ffn_hidden_size, s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        shapes = {"q_proj": (h, q, "column"), "k_proj": (h, kv, "column"), "v_proj": (h, kv, "column"),
+                  "o_proj": (q, h, "row"), "gate_proj": (h, f, "column"), "up_proj": (h, f, "column"),
+                  "down_proj": (f, h, "row")}
+        total = 0.0
+        for name in modules:
+            if s.is_moe_layer(layer) and name in ("gate_proj", "up_proj", "down_proj"):
+                continue
+            fan_in, fan_out, kind = shapes[name]
+            total += rank * (fan_in + fan_out / tp) if kind == "column" else rank * (fan_in / tp + fan_out)
+        return total
+
+    def stage_lora_params(self, tp: int, pp: int, rank: int, modules: tuple[str, ...]) -> float:
+        """One GPU's adapter parameters in the largest pipeline stage (layers split evenly)."""
+        per = self.spec.num_layers // pp
+        return max(sum(self.lora_params(i, tp, rank, modules) for i in range(stage * per, (stage + 1) * per))
+                   for stage in range(pp))
+
     def activation_width(self, layer: int = 0) -> int:
         """Values kept per token by one layer's forward for its backward (see the module docstring)."""
         s = self.spec

@@ -12,7 +12,8 @@ generation, log-probs, training and weight sync, run synchronously and one step 
     log-probs    forward passes of the step's tokens (the old policy's, unless they come from the
                  engine, and the reference's with a KL term): 2 N_active FLOPs a token each, at
                  e_forward of the GPU's dense BF16 peak.
-    training     6 N_active FLOPs a token (forward and backward; 8 with full recomputation) at
+    training     6 N_active FLOPs a token (forward and backward; 8 with full recomputation; with LoRA
+                 4, the frozen base's weight gradients not computed, the adapters' few FLOPs left out) at
                  e_train of the peak (e_train_moe for a mixture of experts, whose all-to-alls and
                  small expert GEMMs reach far less).
     weight sync  the model's 2 P bytes at an effective rate R (the gather from the train layout,
@@ -67,6 +68,7 @@ class StepWork:
     forwards: int = 2  # log-prob passes: the old policy's and, with a KL term, the reference's
     recompute: bool = False  # full activation recomputation in training
     critic: bool = False  # PPO: the critic's values (one more forward) and its update (as long as the actor's)
+    lora: bool = False  # the actor's base frozen: its backward computes no weight gradients
 
     @property
     def tokens(self) -> float:
@@ -114,7 +116,9 @@ def estimate_step(shape: ModelShape, work: StepWork, *, train_gpus: int, engine_
     generation = max(work.samples * work.response / (engine_gpus * rate), alone)
     n, moe = active_params(shape), shape.spec.is_moe
     log_probs = (work.forwards + work.critic) * 2 * n * work.tokens / (train_gpus * gpu.bf16_flops * (E_FORWARD_MOE if moe else E_FORWARD))
-    train_flops = (8 if work.recompute else 6) * n * work.tokens * (2 if work.critic else 1)
+    recompute = 2 if work.recompute else 0
+    actor = (4 if work.lora else 6) + recompute  # LoRA: the backward's input gradients only (adapters: negligible)
+    train_flops = (actor + (6 + recompute if work.critic else 0)) * n * work.tokens
     training = train_flops / (train_gpus * gpu.bf16_flops * (E_TRAIN_MOE if moe else E_TRAIN))
     weight_sync = 2 * shape.params() / SYNC_BYTES_PER_S
     off = None if colocated else max(generation, log_probs + training) + weight_sync
