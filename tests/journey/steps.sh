@@ -109,7 +109,12 @@ journey_instead_submit() {
         --wrap "sleep 1" > /dev/null
     journey_log "preempted by a job of the partition urgent"
     journey_wait 180 "the run stopped by the preemption" grep -aq "megarl: stopped by SIGTERM" "$JOURNEY_OUT"
+    grep -aq "megarl: stopped by SIGTERM; .* the newest checkpoint is step [0-9]* (.*): the same command resumes from it; slurm job $JOURNEY_JOB, if requeued" \
+        "$JOURNEY_OUT" || journey_fail "the preempted run does not say where it resumes"
     journey_wait 600 "the requeued job resumed" grep -aq "megarl: resumed from .*(step [0-9]*), slurm job $JOURNEY_JOB restarted 1 time(s) (requeued)" "$JOURNEY_OUT"
+    # requeued by ray_on_slurm once the run stopped, or by slurm when the partition's GraceTime ran out first
+    grep -aqE "preempted at [0-9T:-]+: requeueing job $JOURNEY_JOB|DUE TO PREEMPTION" "$JOURNEY_OUT" \
+        || journey_fail "job $JOURNEY_JOB was not requeued for a preemption"
     journey_wait 900 "the job's end" journey_over
     [[ $(journey_job_state "$JOURNEY_JOB") == COMPLETED ]] || journey_fail "job $JOURNEY_JOB ended $(journey_job_state "$JOURNEY_JOB"); its output ends:
 $(tail -n 60 "$JOURNEY_OUT")"

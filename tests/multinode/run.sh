@@ -22,8 +22,8 @@
 #   3. the same at PP = 2: one pipeline stage on each node, the two-node run then stopped by node2's
 #      link going down in the middle of its update (the stages' activations and gradients cross
 #      it): a named error, and its last checkpoint loads, with the one-node run's weights;
-#   4. faults (section 4 below): node2's raylet killed, a preemption with requeue, node2's link down
-#      mid weight sync, a full disk while a checkpoint is written; on the fleet run of part 1
+#   4. faults (section 4 below): node2's raylet killed, the resume, node2's link down mid weight
+#      sync, a full disk while a checkpoint is written (a preemption with requeue: test-journey's); on the fleet run of part 1
 #      (nccl, sync.verify=true: every sync checked by checksums), placed as part 1's is.
 # MULTINODE_RUNS (default "sglang2n pp2 faults") picks the parts; KEEP_CLUSTER_DIR=1 keeps the
 # job outputs and logs. Part 1 is not in the default (two minutes of CI, for the cluster faults):
@@ -278,14 +278,12 @@ fi
 #   fault_kill   node2's raylet killed (SIGKILL) once step 1 is saved: the job fails within a
 #                bounded time naming the parts lost on node2, no Ray process is left, the newest
 #                checkpoint is whole;
-#   fault_rerun  the same command resumes from it; once it has saved a step, slurm preempts it (a
-#                job in the partition `urgent` takes both nodes): SIGTERM, then requeued (the
-#                recipes' --requeue); it stops cleanly saying where it resumes, leaves no process,
-#                and the requeued job resumes by itself from the newest checkpoint in the same
-#                MLflow run; once that has saved a step, node2's link goes down in the middle of a
-#                weight sync (the link slowed first, so that the 7.5 MB sync lasts seconds): the
-#                run stops within the liveness bound naming node2 and the sync, and no process is
-#                left on either node (node2's Ray ends itself once the head is out of reach);
+#   fault_rerun  the same command resumes from it in the same MLflow run; once it has saved a step,
+#                node2's link goes down in the middle of a weight sync (the link slowed first, so
+#                that the 7.5 MB sync lasts seconds): the run stops within the liveness bound naming
+#                node2 and the sync, and no process is left on either node (node2's Ray ends itself
+#                once the head is out of reach). A slurm preemption, its requeue and the resume
+#                are test-journey's (docs/slurm.md's recipe, preempted by the partition `urgent`);
 #   disk_full    (one process, on this host) the run's disk fills up while step 2's checkpoint is
 #                written: a named error with the path, and step 1's checkpoint still loads (the
 #                run exported from it).
@@ -311,33 +309,11 @@ wait_until 60 "fault_kill: every Ray process gone" no_ray_left || { ray_left 1; 
 kept=$(newest_whole "$WORK/fault/checkpoints")
 echo "test-multinode: fault_kill: no Ray process left; the newest checkpoint (step $kept) is whole"
 
-# preempted by a job of the partition `urgent`, requeued, resumed by itself
+# the same command resumes (a preemption, its requeue and resume: test-journey)
 job=$(submit fault_rerun fault "${FAULT_ARGS[@]}")
 wait_until 600 "fault_rerun: resumed from step $kept" grep -asq "megarl: resumed from .*(step $kept)" \
     "$WORK/fault_rerun.out" || fault_failed fault_rerun
 wait_until 300 "fault_rerun: a checkpoint after the resume" saved fault $((kept + 1)) || fault_failed fault_rerun
-mapfile -t before < <({ ray_left 1; ray_left 2; } | cut -d' ' -f1)
-on_node 1 sbatch --parsable --job-name=urgent --partition=urgent --exclusive --nodes=2 --output="$WORK/urgent.out" \
-    --wrap "sleep 1" > /dev/null
-preempted_at=$SECONDS
-wait_until 120 "fault_rerun: stopped by the preemption" grep -aq "megarl: stopped by SIGTERM" "$WORK/fault_rerun.out" \
-    || fault_failed fault_rerun
-kept=$(newest_whole "$WORK/fault/checkpoints")
-grep -aq "megarl: stopped by SIGTERM; .* the newest checkpoint is step $kept (.*): the same command resumes from it; slurm job $job, if requeued" \
-    "$WORK/fault_rerun.out" || { echo "test-multinode: fault_rerun: the stop does not say where it resumes" >&2; fault_failed fault_rerun; }
-wait_until 120 "fault_rerun: every process of the preempted job gone" none_of "${before[@]}" \
-    || { ray_left 1; ray_left 2; exit 1; } >&2
-echo "test-multinode: fault_rerun: preempted $((SECONDS - preempted_at)) s ago: stopped by SIGTERM, no process of it left," \
-     "the newest checkpoint (step $kept) is whole"
-wait_until 300 "fault_rerun: the requeued job resumed from step $kept" grep -asq \
-    "megarl: resumed from .*(step $kept), slurm job $job restarted 1 time(s) (requeued)" "$WORK/fault_rerun.out" \
-    || fault_failed fault_rerun
-# requeued by ray_on_slurm once the run stopped (the job was preempted and may be requeued), or by
-# slurm when the partition's GraceTime ran out first
-grep -aqE "preempted at [0-9T:-]+: requeueing job $job|DUE TO PREEMPTION" "$WORK/fault_rerun.out" \
-    || { echo "test-multinode: fault_rerun: not requeued for a preemption" >&2; fault_failed fault_rerun; }
-echo "test-multinode: fault_rerun: requeued, resumed by itself from step $kept $((SECONDS - preempted_at)) s after the preemption"
-wait_until 300 "fault_rerun: a checkpoint after the requeued resume" saved fault $((kept + 1)) || fault_failed fault_rerun
 
 # node2's link down in the middle of a weight sync
 link_down_mid fault_rerun "syncing the weights to the engines"
