@@ -1,0 +1,39 @@
+"""Bodies of the multi-process LoRA tests on the megatron backend (run by tests/megatron_dist.py
+on each rank)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def lora_logprobs(hf_dir: str, layout_kw: dict, batch, lora_kw: dict, adapters_state: dict):
+    """On this rank: the layout built from the HF checkpoint, PEFT-named adapters loaded, log-probs
+    with the adapters and without; this stage's merged HF tensors and PEFT-named adapters (on TP
+    rank 0 of DP rank 0, else {})."""
+    from megatron.core import parallel_state
+
+    from megarl.backends.megatron.actor import forward_log_probs
+    from megarl.backends.megatron.lora import (adapter_hf_tensors, adapters_off, add_adapters, load_adapter_tensors,
+                                               merged_hf_tensors)
+    from megarl.backends.megatron.model import Layout, build_model, export_hf_tensors, initialize, load_hf_weights
+    from megarl.config_lora import LoraConfig
+    from megarl.models import ModelSpec
+
+    spec = ModelSpec.from_hf(hf_dir)
+    layout = Layout(**layout_kw)
+    initialize(layout, seed=0)
+    chunks = build_model(spec, layout)
+    load_hf_weights(chunks, spec, hf_dir)
+    adapters = add_adapters(chunks, spec, LoraConfig(**lora_kw), seed=0, sequence_parallel=layout.sequence_parallel)
+    load_adapter_tensors(adapters, adapters_state)
+    for chunk in chunks:
+        chunk.eval()
+    with_adapters, _ = forward_log_probs(chunks, spec.vocab_size, batch, micro_batch_size=2)
+    with adapters_off(chunks):
+        base, _ = forward_log_probs(chunks, spec.vocab_size, batch, micro_batch_size=2)
+    merged = dict(merged_hf_tensors(export_hf_tensors(chunks, spec), adapters))
+    peft = dict(adapter_hf_tensors(adapters))
+    keep = parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_data_parallel_rank() == 0
+    frozen = all(not p.requires_grad for n, p in chunks[0].named_parameters() if ".lora." not in n)
+    trainable = sorted(n for n, p in chunks[0].named_parameters() if p.requires_grad)
+    return with_adapters, base, (merged if keep else {}), (peft if keep else {}), frozen, trainable
