@@ -65,6 +65,3 @@ def check_lora(cfg, problems: Problems) -> None:
     elif not lora.target_modules:
         problems.add("actor.lora.target_modules", "is empty, so no weight would train",
                      f"name the layers to adapt, e.g. [{ALL_LINEAR}], or set actor.lora.r=0")
-    if cfg.actor.backend == "megatron":
-        problems.add("actor.lora.r", "is set, but the megatron backend has no LoRA yet",
-                     "use actor.backend=torch (PEFT's LoRA on the HF model), or set actor.lora.r=0")

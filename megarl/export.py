@@ -36,11 +36,10 @@ def export_checkpoint(run_dir: str | Path, out_dir: str | Path, step_dir: str | 
         source = checkpoint.newest_intact(run_dir / "checkpoints")  # a damaged newer one skipped, with a warning
     if source is None:
         raise FileNotFoundError(f"no complete checkpoint under {run_dir / 'checkpoints'}")
-    from megarl.backends.torch.worker import ADAPTER_FILE
-
-    if (source / ADAPTER_FILE).exists():
+    adapter_files = sorted(source.glob(ADAPTER_FILES))
+    if adapter_files:
         out_dir = Path(out_dir)
-        _export_lora(cfg, source / ADAPTER_FILE, out_dir, Path(adapter_dir) if adapter_dir else out_dir / "adapter")
+        _export_lora(cfg, adapter_files, out_dir, Path(adapter_dir) if adapter_dir else out_dir / "adapter")
         AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path).save_pretrained(out_dir)
         return out_dir
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model.path))
@@ -69,7 +68,12 @@ def export_checkpoint(run_dir: str | Path, out_dir: str | Path, step_dir: str | 
     return out_dir
 
 
-def _export_lora(cfg, adapter_file: Path, out_dir: Path, adapter_dir: Path) -> None:
+# a LoRA run's adapters in a checkpoint, as PEFT names them: the torch backend's one file
+# (actor_adapter.safetensors), the megatron backend's one a pipeline stage (actor_adapter-00001-of-00002...)
+ADAPTER_FILES = "actor_adapter*.safetensors"
+
+
+def _export_lora(cfg, adapter_files: list[Path], out_dir: Path, adapter_dir: Path) -> None:
     """The base (model.path's weights) with the checkpoint's adapters: PEFT's directory, then the merged model."""
     import torch
     from safetensors.torch import load_file
@@ -78,8 +82,11 @@ def _export_lora(cfg, adapter_file: Path, out_dir: Path, adapter_dir: Path) -> N
     from megarl.backends.torch.lora import load_adapter_state, merged_hf_tensors, with_adapters
 
     base = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=getattr(torch, cfg.model.dtype))
-    model = with_adapters(base, cfg.actor.lora)
-    load_adapter_state(model, load_file(str(adapter_file)), str(adapter_file))
+    model = with_adapters(base, cfg.actor.lora, seed=cfg.trainer.seed)
+    state = {}
+    for file in adapter_files:
+        state.update(load_file(str(file)))
+    load_adapter_state(model, state, ", ".join(str(f) for f in adapter_files))
     model.save_pretrained(adapter_dir)
     merged = dict(merged_hf_tensors(model))
     model.get_base_model().save_pretrained(out_dir, state_dict=merged, safe_serialization=True)

@@ -3,8 +3,6 @@ on each rank)."""
 
 from __future__ import annotations
 
-import torch
-
 
 def lora_logprobs(hf_dir: str, layout_kw: dict, batch, lora_kw: dict, adapters_state: dict):
     """On this rank: the layout built from the HF checkpoint, PEFT-named adapters loaded, log-probs
@@ -37,3 +35,34 @@ def lora_logprobs(hf_dir: str, layout_kw: dict, batch, lora_kw: dict, adapters_s
     frozen = all(not p.requires_grad for n, p in chunks[0].named_parameters() if ".lora." not in n)
     trainable = sorted(n for n, p in chunks[0].named_parameters() if p.requires_grad)
     return with_adapters, base, (merged if keep else {}), (peft if keep else {}), frozen, trainable
+
+
+LORA = ["actor.lora.r=4", "actor.lora.lora_alpha=8", "algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=0.1"]
+
+
+def lora_worker_run(hf_dir: str, overrides: list[str], batches: list, ckpt_dir: str | None = None,
+                    phase: str = "straight"):
+    """A LoRA actor (megatron backend) on this rank. phase "straight": an update on each batch;
+    "save": the first update, a checkpoint, then the rest; "load": the checkpoint, then the rest.
+    Returns (the stage's PEFT-named adapters on its source rank else {}, the trainer's log-probs and
+    reference log-probs of the last batch, whether the checkpoint holds adapters alone)."""
+    from megarl.backends.megatron.lora import adapter_hf_tensors
+    from megatron_cases import worker
+
+    w = worker(hf_dir, LORA + overrides)
+    todo = list(batches)
+
+    def update(batch):
+        w.update_actor(batch.with_fields(ref_log_probs=w.compute_ref_log_prob(batch)))
+
+    if phase == "save":
+        update(todo.pop(0))
+        w.save_checkpoint(ckpt_dir)
+    elif phase == "load":
+        w.load_checkpoint(ckpt_dir)
+        todo.pop(0)
+    for batch in todo:
+        update(batch)
+    adapters = dict(adapter_hf_tensors(w.adapters))
+    last = batches[-1]
+    return (adapters if w.is_export_source else {}), w.compute_log_prob(last)[0], w.compute_ref_log_prob(last)

@@ -165,7 +165,6 @@ def test_all_linear_names_every_layer():
     (["actor.lora.r=4", "actor.lora.target_modules=[q_proj,lm_head]"], "actor.lora.target_modules",
      "names ['lm_head'], which are not linear layers megarl adapts"),
     (["actor.lora.r=4", "actor.lora.target_modules=[]"], "actor.lora.target_modules", "is empty"),
-    (["actor.lora.r=4", "actor.backend=megatron"], "actor.lora.r", "the megatron backend has no LoRA yet"),
     (["critic.enable=true", "critic.lora.r=4", "algorithm.adv_estimator=gae"], "critic.lora.r",
      "the critic trains every weight"),
     (["actor.lora.r=-1"], "actor.lora.r", ">= 0"),

@@ -22,7 +22,7 @@ output rows; a row-parallel layer's A is split by input columns and its B whole.
 
 A whole parameter whose gradient is partial under sequence parallelism is marked
 `sequence_parallel` (megatron's finalize_model_grads sums it over TP). A mixture of experts'
-MLP gets no adapters. The adapters are modules of the layer's attention and MLP (`.lora`), so
+MLP gets no adapters (its experts are not adapted: a run names attention modules only). The adapters are modules of the layer's attention and MLP (`.lora`), so
 megatron's sharded state dict names them by their global layer; their forward is a hook on the
 linear layer, which keeps every base parameter's name. Transformer Engine's norm-fused column
 layers are asked for their norm's output (`return_layernorm_output`), the adapters' input.
@@ -32,12 +32,12 @@ Main entry points: `add_adapters`, `adapters_off`, `merged_hf_tensors`, `adapter
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 
+from megarl.backends.lora_init import initial_a
 from megarl.config_lora import LoraConfig
 from megarl.models import ModelSpec
 
@@ -60,14 +60,6 @@ def module_shape(spec: ModelSpec, name: str) -> tuple[int, int]:
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, f),
             "up_proj": (h, f), "down_proj": (f, h)}[name]
-
-
-def initial_a(seed: int, layer: int, name: str, rank: int, fan_in: int) -> torch.Tensor:
-    """A's starting value, whole, as PEFT starts it (nn.Linear's default: uniform within
-    1 / sqrt(in)), drawn from a generator of its own: the same on every rank and every layout."""
-    g = torch.Generator().manual_seed((seed * 1_000_003 + layer * 101 + list(PLACES).index(name)) % (1 << 63))
-    bound = 1 / math.sqrt(fan_in)
-    return (torch.rand(rank, fan_in, generator=g, dtype=torch.float64) * 2 - 1).mul_(bound).float()
 
 
 class Adapter(torch.nn.Module):
@@ -187,6 +179,11 @@ def add_adapters(chunks: list[torch.nn.Module], spec: ModelSpec, lora: LoraConfi
     frozen; returns {HF module name: its Adapter} of this rank's layers."""
     from megarl.backends.megatron.model import layer_offset
 
+    mlp = [n for n in lora.modules() if PLACES[n][0] == "mlp"]
+    if spec.is_moe and mlp:
+        raise ValueError(f"actor.lora.target_modules names {mlp}, but {spec.family} is a mixture of experts, whose "
+                         "experts megarl does not adapt (PEFT would put these on them): name attention modules only, "
+                         "e.g. [q_proj,k_proj,v_proj,o_proj]")
     tp, tp_rank = _parallel()
     found: dict[str, Adapter] = {}
     for chunk in chunks:
@@ -196,8 +193,6 @@ def add_adapters(chunks: list[torch.nn.Module], spec: ModelSpec, lora: LoraConfi
             number = offset + local
             for part_name in ("self_attention", "mlp"):
                 names = [n for n in lora.modules() if PLACES[n][0] == part_name]
-                if part_name == "mlp" and spec.is_moe_layer(number):
-                    names = []  # the experts are not adapted
                 if not names:
                     continue
                 part = getattr(layer, part_name)

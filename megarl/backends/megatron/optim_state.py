@@ -21,10 +21,13 @@ def model_key(part, i: int) -> str:
 OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
 
 
-def sharded_state(part, loading: bool) -> dict:
-    """megatron's sharded state dict of the part: its chunks and the optimizer."""
+def sharded_state(part, loading: bool, adapters_only: bool = False) -> dict:
+    """megatron's sharded state dict of the part: its chunks and the optimizer; `adapters_only`:
+    of the chunks, the LoRA adapters alone (megarl.backends.megatron.lora: the base is frozen)."""
     _materialise_optimizer_state(part.optimizer)  # also a never-stepped optimizer saves and loads
     state = {model_key(part, i): chunk.sharded_state_dict() for i, chunk in enumerate(part.chunks)}
+    if adapters_only:
+        state = {key: {k: v for k, v in chunk.items() if ".lora." in k} for key, chunk in state.items()}
     model_state = state["model"] if len(part.chunks) == 1 else state
     state["optimizer"] = part.optimizer.sharded_state_dict(model_state, is_loading=loading,
                                                            metadata=OPTIMIZER_SHARDING)

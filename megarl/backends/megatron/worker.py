@@ -27,6 +27,7 @@ from megarl.backends.base import Batch
 from megarl.backends.batch import TrainBatch
 from megarl.backends.epochs import mean_metrics, run_epochs
 from megarl.backends.packed import DataShare, PackedBatch, as_rows
+from megarl.backends.megatron.lora import add_adapters as add_lora
 from megarl.backends.megatron.optim_state import load_optimizer_state, model_key, sharded_state
 from megarl.backends.megatron.routing import install_replay
 from megarl.backends.offload import HostOffloaded
@@ -127,12 +128,17 @@ class MegatronTrainWorker:
 
         chunks = build_model(self.spec, self.layout, **options)
         load_hf_weights(chunks, self.spec, cfg.model.path)  # before the optimizer: its masters start from these
+        self.adapters = {}  # with actor.lora: {HF module: its adapter} of this rank (megarl.backends.megatron.lora)
+        if cfg.actor.lora.enabled:  # before the optimizer: the frozen base gets no gradient buffers nor state
+            self.adapters = add_lora(chunks, self.spec, cfg.actor.lora, seed=cfg.trainer.seed,
+                                     sequence_parallel=self.layout.sequence_parallel)
         self.actor = trained(chunks, cfg.actor, options["impl"])
         if cfg.actor.moe_routing_replay:  # the actor's forwards route as the rollout engine did
             install_replay(chunks)
-        self.reference = None
+        self.needs_reference = a.use_kl_loss or a.use_kl_in_reward
+        self.reference = None  # with LoRA the reference is the actor with its adapters off
         self.reference_weights = None  # HostOffloaded with actor.reference_offload
-        if a.use_kl_loss or a.use_kl_in_reward:
+        if self.needs_reference and not self.adapters:
             self.reference = build_model(self.spec, self.layout, **options)
             load_hf_weights(self.reference, self.spec, cfg.model.path)
             free_master_sources(self.reference)  # no optimizer builds masters for the frozen reference
@@ -155,7 +161,7 @@ class MegatronTrainWorker:
     # -- where this rank stands ------------------------------------------------------------
     @property
     def has_reference(self) -> bool:
-        return self.reference is not None
+        return self.needs_reference
 
     @staticmethod
     def _dp() -> tuple[int, int]:
@@ -238,8 +244,14 @@ class MegatronTrainWorker:
         return self._log_probs(self.actor.chunks, batch, with_entropy, temperature)
 
     def compute_ref_log_prob(self, batch: Batch) -> torch.Tensor:
-        if self.reference is None:
+        if not self.needs_reference:
             raise RuntimeError("no reference model: turn on algorithm.use_kl_loss or use_kl_in_reward")
+        if self.adapters:  # the base: the actor's chunks with the adapters off, routing by themselves
+            from megarl.backends.megatron.lora import adapters_off
+            from megarl.backends.megatron.routing import routing_by_itself
+
+            with adapters_off(self.actor.chunks), routing_by_itself():
+                return self._log_probs(self.actor.chunks, batch, False)[0]
         with self.reference_weights.on_device() if self.reference_weights else nullcontext():
             return self._log_probs(self.reference, batch, False)[0]
 
@@ -327,7 +339,12 @@ class MegatronTrainWorker:
         from megarl.backends.megatron.model import export_hf_tensors
 
         if self._dp()[0] == 0 or self.layout.ep > 1:
-            return export_hf_tensors(self.actor.chunks, self.spec, expert_gather_bytes=gather_bytes)
+            tensors = export_hf_tensors(self.actor.chunks, self.spec, expert_gather_bytes=gather_bytes)
+            if self.adapters:  # the engines serve base + scale B A
+                from megarl.backends.megatron.lora import merged_hf_tensors
+
+                return merged_hf_tensors(tensors, self.adapters)
+            return tensors
         return iter(())
 
     def export_hf_weights(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
@@ -402,13 +419,33 @@ class MegatronTrainWorker:
             if rank == 0:
                 path.mkdir(parents=True, exist_ok=True)
             torch.distributed.barrier()
-            dist_checkpointing.save(sharded_state(part, loading=False), str(path))
+            dist_checkpointing.save(sharded_state(part, loading=False, adapters_only=self._lora(name)), str(path))
+        if self.adapters:  # the adapters under PEFT's names too, a file a stage: what megarl export reads
+            self._save_adapters(directory)
         if rank == 0:
             (directory / "megatron_trainer.json").write_text(json.dumps(
                 {name: {"steps": part.steps} for name, part in self._parts().items()} | {"layout": repr(self.layout)}))
         (directory / "rng").mkdir(exist_ok=True)
         torch.save(_rng_state(), directory / "rng" / f"rank_{rank:05d}.pt")
         torch.distributed.barrier()
+
+    def _lora(self, part: str) -> bool:
+        """Whether `part`'s checkpoint holds its adapters alone (the actor's with actor.lora: its
+        base is model.path's, frozen)."""
+        return part == "actor" and bool(self.adapters)
+
+    def _save_adapters(self, directory: Path) -> None:
+        """This stage's adapters, whole, as PEFT names them (written by the stage's source rank).
+        A collective of the TP group."""
+        from megatron.core import parallel_state
+        from safetensors.torch import save_file
+
+        from megarl.backends.megatron.lora import adapter_hf_tensors
+
+        tensors = {n: t.contiguous().cpu() for n, t in adapter_hf_tensors(self.adapters)}
+        if self.is_export_source:
+            stage, stages = self.pipeline_stage, parallel_state.get_pipeline_model_parallel_world_size()
+            save_file(tensors, str(directory / f"actor_adapter-{stage + 1:05d}-of-{stages:05d}.safetensors"))
 
     def load_checkpoint(self, directory: str | Path) -> None:
         """Load what `save_checkpoint` wrote, also when it was written in another layout
@@ -427,7 +464,8 @@ class MegatronTrainWorker:
             if name not in trainer:
                 raise ValueError(f"checkpoint {directory} has no {name}; was it written by another config?")
             check_dist_checkpoint(directory / name)  # megatron unpickles its metadata and objects in full
-            loaded = dist_checkpointing.load(sharded_state(part, loading=True), str(directory / name))
+            loaded = dist_checkpointing.load(sharded_state(part, loading=True, adapters_only=self._lora(name)),
+                                             str(directory / name))
             for i, chunk in enumerate(part.chunks):
                 chunk.load_state_dict(loaded[model_key(part, i)], strict=False)
             load_optimizer_state(part.optimizer, loaded["optimizer"])

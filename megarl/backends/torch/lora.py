@@ -18,6 +18,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
+from megarl.backends.lora_init import initial_a
 from megarl.config_lora import LoraConfig
 from megarl.models.hf_layout import checkpoint_views
 
@@ -33,12 +34,19 @@ def peft_config(lora: LoraConfig):
                           target_modules=list(lora.modules()), bias="none", task_type="CAUSAL_LM")
 
 
-def with_adapters(model: torch.nn.Module, lora: LoraConfig) -> torch.nn.Module:
-    """`model` (an HF causal LM, changed in place) inside a PEFT model with `lora`'s adapters; only
-    the adapters require gradients."""
+def with_adapters(model: torch.nn.Module, lora: LoraConfig, seed: int = 0) -> torch.nn.Module:
+    """`model` (an HF causal LM, changed in place) inside a PEFT model with `lora`'s adapters, A
+    from megarl.backends.lora_init (seeded by `seed`) and B zero; only the adapters require gradients."""
     from peft import get_peft_model
 
-    return get_peft_model(model, peft_config(lora))
+    adapted = get_peft_model(model, peft_config(lora))
+    with torch.no_grad():
+        for name, layer in _lora_layers(adapted).items():
+            a = layer.lora_A[ADAPTER].weight
+            number, module = int(name.split(".")[2]), name.rsplit(".", 1)[1]  # model.layers.{i}.<part>.<module>
+            a.copy_(initial_a(seed, number, module, a.shape[0], a.shape[1]))
+            layer.lora_B[ADAPTER].weight.zero_()
+    return adapted
 
 
 def is_adapted(model: torch.nn.Module) -> bool:

@@ -44,7 +44,7 @@ class TorchTrainWorker:
         if cfg.critic.enable and critic_model is None:
             critic_model = copy.deepcopy(model)  # the base, before the adapters go into it
         if self.lora:
-            model = with_adapters(model, cfg.actor.lora)
+            model = with_adapters(model, cfg.actor.lora, seed=cfg.trainer.seed)
         self.actor = TorchActor(
             model, a, cfg.actor.optim, mini_batch_samples=cfg.actor.ppo_mini_batch_size * samples,
             micro_batch_samples=cfg.actor.ppo_micro_batch_size, ppo_epochs=cfg.actor.ppo_epochs,
