@@ -139,6 +139,32 @@ def test_weights_from_disk(server):
     served_is(client, new, version=1)
 
 
+def test_a_lora_actors_merged_weights_are_served_as_peft_merges_them(server):
+    """actor.lora's sync: the torch backend's PEFT model (B trained off zero) sends base + scale B A
+    under the HF names; SGLang then serves PEFT's own merge of the same adapters, HF's tokens and
+    log-probs."""
+    import copy
+
+    from megarl.backends.torch.worker import TorchTrainWorker
+    from megarl.config import load_config
+
+    cfg = load_config(None, ["actor.lora.r=4", "actor.lora.lora_alpha=8", "actor.lora.target_modules=[all-linear]"])
+    worker = TorchTrainWorker(model_with(server.vocab, seed=0), cfg, total_steps=1)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in worker.actor.model.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    merged = copy.deepcopy(worker.actor.model).merge_and_unload().eval()
+    client = server.client
+    asyncio.run(client.begin_weight_update())
+    asyncio.run(client.update_weights(worker.export_hf_weights(40_000), version=5))
+    asyncio.run(client.end_weight_update())
+    out = served_is(client, merged, version=5)
+    base = reference_log_probs(model_with(server.vocab, seed=0), PROMPT, out.token_ids)
+    assert not torch.allclose(torch.tensor(out.log_probs), base, atol=1e-3)  # the adapters are in what it serves
+
+
 def open_group(client: HTTPEngine, name: str, timeout_s: float):
     """The nccl transport's sender, over gloo, joined by the server as rank 1."""
     from megarl.weights.group import GroupSender, init_group_body
