@@ -148,7 +148,8 @@ def test_a_lora_checkpoint_holds_the_adapters_and_resumes_exactly_on_another_lay
     assert got.keys() == want.keys()
     for name, tensor in want.items():
         torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-6, msg=name)
-    keys = list(read_dist_metadata(tmp_path / "ckpt" / "actor").state_dict_metadata)
+    keys = [k for k in read_dist_metadata(tmp_path / "ckpt" / "actor").state_dict_metadata
+            if not k.startswith("common_state")]  # megatron 0.19's own bookkeeping, no tensor of the model
     assert keys and all(".lora." in k for k in keys), [k for k in keys if ".lora." not in k][:5]
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("actor_adapter*")) == \
         ["actor_adapter-00001-of-00001.safetensors"]  # TP 2: one stage, written by its source rank
