@@ -28,6 +28,9 @@ def export_checkpoint(run_dir: str | Path, out_dir: str | Path, step_dir: str | 
     from megarl.models.hf_layout import checkpoint_views
 
     run_dir = Path(run_dir)
+    if not (run_dir / "config.yaml").is_file():
+        raise FileNotFoundError(f"{run_dir} is not a run's directory (no config.yaml in it): give --run the "
+                                "trainer.output_dir of a run that has saved a checkpoint")
     cfg = load_config(run_dir / "config.yaml", [])
     if step_dir:
         source = Path(step_dir)

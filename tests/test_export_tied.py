@@ -4,6 +4,7 @@ gives back the model with both."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import yaml
 from safetensors.torch import load_file, save_model
@@ -34,3 +35,8 @@ def test_a_tied_models_checkpoint_exports_whole(tmp_path):
     for name, tensor in want.items():
         assert torch.equal(got[name], tensor), name
     assert torch.equal(got["lm_head.weight"], got["model.embed_tokens.weight"])
+
+
+def test_a_directory_that_is_no_run_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"is not a run's directory \(no config.yaml in it\): give --run"):
+        export_checkpoint(tmp_path / "my_run", tmp_path / "hf")
