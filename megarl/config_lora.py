@@ -19,6 +19,17 @@ ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 LINEAR_MODULES = ATTENTION_MODULES + MLP_MODULES
 ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear layer but the LM head
+# how megatron splits each module's layer at TP: column-parallel by output rows, row-parallel by input columns
+SPLIT = {"q_proj": "column", "k_proj": "column", "v_proj": "column", "o_proj": "row", "gate_proj": "column",
+         "up_proj": "column", "down_proj": "row"}
+
+
+def module_shape(spec, name: str) -> tuple[int, int]:
+    """(in, out) of HF linear module `name`, whole, for a model of `spec` (a megarl.models.ModelSpec)."""
+    h, f = spec.hidden_size, spec.ffn_hidden_size
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, f),
+            "up_proj": (h, f), "down_proj": (f, h)}[name]
 
 
 @dataclass

@@ -121,17 +121,14 @@ class ModelShape:
         sharded as their layer is: a column-parallel layer's A (r x in) whole and its B (out / TP x r)
         split, a row-parallel layer's A (r x in / TP) split and its B (out x r) whole. A mixture of
         experts' MLP gets none (its experts are not adapted)."""
-        s = self.spec
-        h, f, q, kv = s.hidden_size, s.ffn_hidden_size, s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        shapes = {"q_proj": (h, q, "column"), "k_proj": (h, kv, "column"), "v_proj": (h, kv, "column"),
-                  "o_proj": (q, h, "row"), "gate_proj": (h, f, "column"), "up_proj": (h, f, "column"),
-                  "down_proj": (f, h, "row")}
+        from megarl.config_lora import MLP_MODULES, SPLIT, module_shape
+
         total = 0.0
         for name in modules:
-            if s.is_moe_layer(layer) and name in ("gate_proj", "up_proj", "down_proj"):
+            if self.spec.is_moe_layer(layer) and name in MLP_MODULES:
                 continue
-            fan_in, fan_out, kind = shapes[name]
-            total += rank * (fan_in + fan_out / tp) if kind == "column" else rank * (fan_in / tp + fan_out)
+            fan_in, fan_out = module_shape(self.spec, name)
+            total += rank * (fan_in + fan_out / tp) if SPLIT[name] == "column" else rank * (fan_in / tp + fan_out)
         return total
 
     def stage_lora_params(self, tp: int, pp: int, rank: int, modules: tuple[str, ...]) -> float:

@@ -38,28 +38,20 @@ from contextlib import contextmanager
 import torch
 
 from megarl.backends.lora_init import initial_a
-from megarl.config_lora import LoraConfig
+from megarl.config_lora import SPLIT, LoraConfig, module_shape
 from megarl.models import ModelSpec
 
 # HF module -> (the layer's part, megatron's linear, how it is split)
-PLACES = {"q_proj": ("self_attention", "linear_qkv", "column"), "k_proj": ("self_attention", "linear_qkv", "column"),
-          "v_proj": ("self_attention", "linear_qkv", "column"), "o_proj": ("self_attention", "linear_proj", "row"),
-          "gate_proj": ("mlp", "linear_fc1", "column"), "up_proj": ("mlp", "linear_fc1", "column"),
-          "down_proj": ("mlp", "linear_fc2", "row")}
+PLACES = {name: (part, linear, SPLIT[name]) for name, part, linear in (
+    ("q_proj", "self_attention", "linear_qkv"), ("k_proj", "self_attention", "linear_qkv"),
+    ("v_proj", "self_attention", "linear_qkv"), ("o_proj", "self_attention", "linear_proj"),
+    ("gate_proj", "mlp", "linear_fc1"), ("up_proj", "mlp", "linear_fc1"), ("down_proj", "mlp", "linear_fc2"))}
 HF_PART = {"self_attention": "self_attn", "mlp": "mlp"}
 
 
 def hf_module(layer: int, name: str) -> str:
     """`model.layers.{layer}.self_attn.q_proj` and the like: the HF module an adapter belongs to."""
     return f"model.layers.{layer}.{HF_PART[PLACES[name][0]]}.{name}"
-
-
-def module_shape(spec: ModelSpec, name: str) -> tuple[int, int]:
-    """(in, out) of an HF linear module, whole."""
-    h, f = spec.hidden_size, spec.ffn_hidden_size
-    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, f),
-            "up_proj": (h, f), "down_proj": (f, h)}[name]
 
 
 class Adapter(torch.nn.Module):
