@@ -55,7 +55,8 @@ $(STAMP): pyproject.toml
 # The real SGLang 0.5.23 server for the CPU, in its own venv $(SGLANG_VENV): the CPU torch, then
 # the pinned lock requirements/sglang-cpu.txt and megarl itself, all --no-deps (sglang's own
 # requirements pull a CUDA torch); a .pth file puts tools/sglang_cpu (stand-ins for the CUDA-only
-# sgl_kernel and torchvision) on its path. Serve with SGLANG_USE_CPU_ENGINE=1 (megarl's fleet sets
+# sgl_kernel and torchvision) on its path and imports its `unpinned` (pinned host memory, which
+# SGLang's LoRA layers ask for, as ordinary memory where there is no CUDA). Serve with SGLANG_USE_CPU_ENGINE=1 (megarl's fleet sets
 # it); check with `$(SGLANG_VENV)/bin/python tools/sglang_cpu/smoke.py`.
 SGLANG_STAMP := $(SGLANG_VENV)/.megarl-installed
 
@@ -65,7 +66,7 @@ $(SGLANG_STAMP): requirements/sglang-cpu.txt
 	$(call venv_with_torch,$(SGLANG_VENV))
 	$(SGLANG_VENV)/bin/uv pip install --python $(SGLANG_VENV)/bin/python --no-deps -r requirements/sglang-cpu.txt
 	$(SGLANG_VENV)/bin/uv pip install --python $(SGLANG_VENV)/bin/python --no-deps -e .
-	echo "$(abspath tools/sglang_cpu)" > "$$($(SGLANG_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/megarl-sglang-cpu.pth"
+	printf '%s\nimport unpinned\n' "$(abspath tools/sglang_cpu)" > "$$($(SGLANG_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/megarl-sglang-cpu.pth"
 	SGLANG_USE_CPU_ENGINE=1 $(SGLANG_VENV)/bin/python -W ignore -c 'import sgl_kernel, torchvision, \
 		sglang.launch_server, sglang.srt.entrypoints.http_server, sglang.srt.managers.scheduler, \
 		sglang.srt.model_executor.model_runner, sglang_router.launch_router, megarl.rollout.with_api_key'
@@ -113,7 +114,8 @@ test-sglang: $(STAMP) $(SGLANG_STAMP)
 # The second environment (docs/install.md, "What is tested"): Python 3.12 with megatron-core's newest
 # release and the torch / transformers of the GPU extra's SGLang (requirements/compat.txt), in
 # $(COMPAT_VENV); torch 2.14.1 for Python 3.12 is its CUDA build from the package index (about 6 GB
-# installed; it runs on the CPU). make test-compat runs the tests marked `megatron` there.
+# installed; it runs on the CPU). make test-compat runs the tests marked `megatron` there, of the slow
+# ones (test-slow's end-to-end runs) only those also marked `compat`.
 PYTHON312 ?= $(shell for p in python3.12 $$(pyenv root 2>/dev/null)/versions/3.12*/bin/python3.12 \
 	$$HOME/.pyenv/versions/3.12*/bin/python3.12; do \
 	$$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { command -v $$p; break; }; done)
@@ -133,7 +135,7 @@ $(COMPAT_STAMP): requirements/compat.txt pyproject.toml
 
 test-compat: $(COMPAT_STAMP)
 	$(COMPAT_VENV)/bin/python -m megarl.cli --version
-	$(COMPAT_VENV)/bin/python -m pytest tests $(PARALLEL) -m 'megatron and not ui and not sglang' $(PYTEST_ARGS)
+	$(COMPAT_VENV)/bin/python -m pytest tests $(PARALLEL) -m 'megatron and (compat or not slow) and not ui and not sglang' $(PYTEST_ARGS)
 
 # On a GPU machine, first: tests/gpu, then PASS / FAIL / NOT RUN per GPU-only path (docs/testing.md).
 # On a GPU machine, in the environment megarl's GPU install made (docs/install.md: the NGC PyTorch
