@@ -238,8 +238,10 @@ class SyncConfig:
     transport: str = param(
         "auto", "How weights reach the engines (a transport registered in megarl.weights): ipc = CUDA IPC handles to engines on the same GPUs (colocated); "
         "nccl = a process group between each pipeline stage's source rank and the engines (gloo without CUDA); "
-        "disk = safetensors files in sync.disk_dir; inprocess = the embedded engine (rollout.engine=local). "
-        "auto = inprocess for the embedded engine, ipc when colocated on GPUs, nccl otherwise.")
+        "disk = safetensors files in sync.disk_dir; inprocess = the embedded engine (rollout.engine=local); "
+        "lora = the LoRA adapters alone, through sync.disk_dir, loaded by SGLang's LoRA route (actor.lora.sync=adapter). "
+        "auto = lora with actor.lora.sync=adapter, inprocess for the embedded engine, ipc when colocated on GPUs, "
+        "nccl otherwise.")
     disk_dir: str | None = param(None, "Shared directory for sync.transport=disk; None = trainer.output_dir/weight_sync.")
     verify: bool = param(False, "After each sync, compare the engines' per-tensor checksums with the trainer's "
                          "(exact; the local engine and megarl's embedded servers). SGLang's own servers report none: "
@@ -309,6 +311,8 @@ class RunConfig:
         engine servers colocated on GPUs, nccl for the others (gloo where there is no CUDA)."""
         if self.sync.transport != "auto":
             return self.sync.transport
+        if self.actor.lora.enabled and self.actor.lora.sync == "adapter" and self.rollout.engine != "local":
+            return "lora"
         if self.rollout.engine == "local":
             return "inprocess"
         if self.cluster.gpus_per_node and self.rollout.mode == "colocated":

@@ -43,9 +43,11 @@ class LoraConfig:
         help="The linear layers given adapters, by their HF names (PEFT's target_modules): q_proj, k_proj, v_proj, "
         "o_proj, gate_proj, up_proj, down_proj, or [all-linear] for all of them.",
         factory=lambda: list(LINEAR_MODULES))
-    sync: Literal["merged"] = param(
+    sync: Literal["merged", "adapter"] = param(
         "merged", "What reaches the engines after an update: merged = the base plus (lora_alpha / r) B A, as whole "
-        "HF tensors, through sync.transport as without LoRA (an engine needs no LoRA support).")
+        "HF tensors, through sync.transport as without LoRA (an engine needs no LoRA support); adapter = the "
+        "adapters alone (sync.transport=lora): SGLang's own servers keep the base, start with LoRA on and serve "
+        "each request with the newest adapter.")
 
     @property
     def enabled(self) -> bool:
@@ -61,6 +63,16 @@ class LoraConfig:
         return tuple(m for m in LINEAR_MODULES if m in wanted)
 
 
+def peft_config(lora: LoraConfig):
+    """PEFT's LoraConfig for `lora`'s settings (B initialised to zero: the adapted model starts as the
+    base): what the torch backend adapts its model with and what an adapter directory's
+    adapter_config.json says."""
+    from peft import LoraConfig as PeftLoraConfig
+
+    return PeftLoraConfig(r=lora.r, lora_alpha=lora.lora_alpha, lora_dropout=lora.lora_dropout,
+                          target_modules=list(lora.modules()), bias="none", task_type="CAUSAL_LM")
+
+
 def check_lora(cfg, problems: Problems) -> None:
     """Rules between actor.lora and the rest of the run (`cfg`: a RunConfig)."""
     if cfg.critic.enable and cfg.critic.lora.enabled:
@@ -69,6 +81,12 @@ def check_lora(cfg, problems: Problems) -> None:
     lora = cfg.actor.lora
     if not lora.enabled:
         return
+    if lora.sync == "adapter" and cfg.rollout.engine != "sglang":
+        problems.add("actor.lora.sync", "adapter needs engine servers that serve LoRA (rollout.engine=sglang); the "
+                     "embedded engine takes merged weights", "use actor.lora.sync=merged or rollout.engine=sglang")
+    elif lora.sync == "adapter" and cfg.sync.transport not in ("auto", "lora"):
+        problems.add("sync.transport", f"{cfg.sync.transport} moves whole weights, and actor.lora.sync=adapter "
+                     "sends the adapters alone", "use sync.transport=auto (lora) or actor.lora.sync=merged")
     unknown = [m for m in lora.target_modules if m not in LINEAR_MODULES and m != ALL_LINEAR]
     if unknown:
         problems.add("actor.lora.target_modules", f"names {unknown}, which are not linear layers megarl adapts",

@@ -63,6 +63,9 @@ def lora_worker_run(hf_dir: str, overrides: list[str], batches: list, ckpt_dir: 
         todo.pop(0)
     for batch in todo:
         update(batch)
-    adapters = dict(adapter_hf_tensors(w.adapters))
+    if w.cfg.actor.lora.sync == "adapter":  # what the lora transport sends (every rank walks the export)
+        adapters = {n: t for bucket in w.export_hf_weights(1 << 20) for n, t in bucket.items()}
+    else:
+        adapters = dict(adapter_hf_tensors(w.adapters))
     last = batches[-1]
     return (adapters if w.is_export_source else {}), w.compute_log_prob(last)[0], w.compute_ref_log_prob(last)

@@ -103,7 +103,9 @@ def lora_torch_run(hf_dir, batches):
 
 @pytest.mark.parametrize("family, layout, world", [
     ("qwen2", ["actor.parallel.tensor_model_parallel_size=2"], 2),
-    ("qwen3", ["actor.parallel.pipeline_model_parallel_size=2"], 2)])
+    # at PP 2 the adapters are read as actor.lora.sync=adapter sends them: each stage's own, PEFT-named
+    ("qwen3", ["actor.parallel.pipeline_model_parallel_size=2", "actor.lora.sync=adapter", "rollout.engine=sglang",
+               "cluster.launcher=ray"], 2)])
 def test_lora_steps_on_megatron_equal_the_torch_backends(tmp_path, family, layout, world):
     """Two updates with a KL term (the reference: the base, adapters off): the same adapters, log-probs
     and reference log-probs as the torch backend's PEFT model, from the same starting adapters."""

@@ -25,7 +25,7 @@ import torch
 from megarl.rollout import sglang_api
 from megarl.rollout.engine import GenerationOutput, SamplingParams
 from megarl.rollout.http import HTTPEngine
-from megarl.weights import disk, group, ipc
+from megarl.weights import adapters, disk, group, ipc
 
 ROOT = Path(__file__).resolve().parents[1]
 API = ROOT / ".venv" / "sglang-api" / sglang_api.SGLANG_VERSION
@@ -111,6 +111,13 @@ def test_the_probe_body_and_answer_satisfy_the_pinned_contract(api_types):
         sglang_api.prompt_log_probs_from_sglang(answer, 4)
 
 
+def test_bodies_served_with_a_lora_adapter_name_it_as_sglang_reads_it(api_types):
+    for body in (sglang_api.generate_body([1, 2], SamplingParams(), "megarl-v000003"),
+                 sglang_api.prompt_log_probs_body([1, 2], "megarl-v000003")):
+        assert api_types.GenerateRequest.from_json_value(body).lora_path == "megarl-v000003"
+    assert "lora_path" not in sglang_api.generate_body([1, 2], SamplingParams())  # the base, no adapter
+
+
 def test_the_contract_decoder_rejects_what_sglang_rejects(api_types):
     # the check above can fail: a key SGLang does not know is refused by its own decoder
     body = sglang_api.generate_body([1], SamplingParams())
@@ -148,6 +155,9 @@ CONTROL_BODIES = {
         ["model.embed_tokens.weight", "lm_head.weight"], ["bfloat16", "bfloat16"], [[300, 64], [300, 64]],
         "megarl-sync-rank0", 7),
     "/update_weights_from_tensor": ipc.tensor_update_body(["b64a", "b64b"], 7),
+    "/load_lora_adapter": adapters.load_body(adapters.adapter_name(7), "/shared/w/v000007"),
+    "/unload_lora_adapter": adapters.unload_body(adapters.adapter_name(6)),
+    "/update_weight_version": adapters.version_body(7),
     "/pause_generation": sglang_api.pause_body(),
     "/continue_generation": sglang_api.continue_body(),
     "/abort_request": sglang_api.abort_all_body(),

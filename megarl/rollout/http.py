@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import tempfile
 from collections.abc import Iterable
 from dataclasses import replace
@@ -29,9 +30,11 @@ from megarl.http_auth import bearer, require_api_key
 from megarl.rollout import sglang_api
 from megarl.rollout.engine import PREEMPTED, GenerationOutput, PauseAroundUpdates, RolloutEngine, SamplingParams
 from megarl.http_transport import KEEPALIVE_S, ClientPerLoop, PooledTransport
-from megarl.weights import all_transports, disk
+from megarl.weights import adapters, all_transports, disk
 from megarl.weights.buckets import WeightBucket
 from megarl.weights.routes import json_body, result
+
+log = logging.getLogger(__name__)
 
 PROBE_TIMEOUT_S = 120.0  # one probe sequence's prefill on a loaded engine takes well under a second
 
@@ -219,6 +222,7 @@ class HTTPEngine(PauseAroundUpdates):
                                            transport=pool),
             (lambda: transport) if transport is not None else (lambda: PooledTransport(self.keepalive_s)))
         self._json_headers = {**self._headers, "content-type": "application/json"}
+        self.adapter: str | None = None  # the LoRA adapter every request is served with (the lora transport)
         self._in_flight: set[int] = set()  # ids of the generate calls waiting for an answer
         self._preempted: set[int] = set()  # those in flight when abort_requests came
 
@@ -232,7 +236,7 @@ class HTTPEngine(PauseAroundUpdates):
         self._in_flight.add(id(call))
         client, pooled = self._http.get()
         try:
-            body = sglang_api.generate_body(prompt_ids, params)
+            body = sglang_api.generate_body(prompt_ids, params, self.adapter)
             if not isinstance(pooled, PooledTransport):  # a transport given from outside (tests' mocks)
                 response = await client.post("/generate", json=body)
                 status, text = response.status_code, response.content
@@ -267,6 +271,26 @@ class HTTPEngine(PauseAroundUpdates):
     async def load_from_disk(self, directory: str, version: int) -> None:
         """Make the server load every safetensors file in `directory` (on storage it can read)."""
         await self.post(disk.ROUTE, disk.update_body(directory, version))
+
+    async def load_adapter(self, directory: str, version: int) -> None:
+        """Load PEFT's adapter directory `directory` (on storage the server reads), report `version`
+        as the server's weight version, and serve every later request with it; the adapter served
+        before is unloaded once it is in (a server that no longer has it, restarted meanwhile, is fine)."""
+        name, previous = adapters.adapter_name(version), self.adapter
+        try:
+            await self.post(adapters.LOAD_ROUTE, adapters.load_body(name, directory))
+        except RuntimeError as e:  # loaded before: a reload (after a failed probe) loads it afresh
+            if "already loaded" not in str(e):
+                raise
+            await self.post(adapters.UNLOAD_ROUTE, adapters.unload_body(name))
+            await self.post(adapters.LOAD_ROUTE, adapters.load_body(name, directory))
+        await self.post(adapters.VERSION_ROUTE, adapters.version_body(version))
+        self.adapter = name
+        if previous is not None and previous != name:
+            try:
+                await self.post(adapters.UNLOAD_ROUTE, adapters.unload_body(previous))
+            except RuntimeError as e:
+                log.warning("unloading the LoRA adapter %s from %s: %s", previous, self.base_url, e)
 
     async def post(self, route: str, body: dict, timeout_s: float | None = None) -> dict:
         """POST a control body; raise naming the server and its message unless it succeeded."""
@@ -345,7 +369,7 @@ class HTTPEngine(PauseAroundUpdates):
     async def prompt_log_probs(self, token_ids: list[int], timeout_s: float = PROBE_TIMEOUT_S) -> list[float]:
         """The server's log-prob of each token after the first given the ones before it, from the
         raw logits (the weights probe: megarl.weights.probe), within `timeout_s`."""
-        response = await self._client.post("/generate", json=sglang_api.prompt_log_probs_body(token_ids),
+        response = await self._client.post("/generate", json=sglang_api.prompt_log_probs_body(token_ids, self.adapter),
                                            timeout=min(self.timeout_s, timeout_s))
         if response.status_code != 200:
             raise ServerError(f"{self.base_url}/generate", response.status_code, response.text)

@@ -29,6 +29,7 @@ from megarl.rollout import sglang_api
 from megarl.rollout.engine import GenerationOutput, SamplingParams, WeightBucket
 from megarl.rollout.engine_unit import EngineUnit
 from megarl.rollout.http import HTTPEngine, ServerError
+from megarl.weights.adapters import adapter_name
 from megarl.weights.probe import WrongWeights
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,7 @@ class SGLangFleet:
                                 keepalive_s=ROUTER_KEEPALIVE_S) if router else None
         self.weight_dir = weight_dir
         self.last_weights: tuple[str, int] | None = None  # (directory, version) a restarted engine reloads
+        self.serves_adapters = False  # last_weights is a LoRA adapter (the lora transport), not whole weights
         self.failed_requests = 0  # requests re-sent after an engine failure (a metric)
         self.router_restarts = 0
         self.memory_released = False  # release_memory ran; the next weight update takes the memory back
@@ -211,8 +213,9 @@ class SGLangFleet:
             raise
         except Exception as e:  # the actor's RuntimeError carries the log tail
             raise ComponentDied(f"rollout engine {server.name} could not be restarted: {e}") from e
+        server.client.adapter = None  # a fresh engine holds no adapter
         if self.last_weights is not None:  # back to the trainer's newest weights
-            await server.client.load_from_disk(*self.last_weights)
+            await self._reload(server)
             await self._probe_reloaded(server)
         elif self.synced and not before_sync and self._after_load:
             # restarted at the end of a sync: the runtime gives it the sync's weights again (Runtime.sync_weights)
@@ -242,7 +245,7 @@ class SGLangFleet:
             if not attempt:
                 log.warning("sync.probe: after its restart and reload, %s; loading its weights again",
                             mismatch.describe(probe.tolerance))
-                await server.client.load_from_disk(*self.last_weights)
+                await self._reload(server)
         raise WrongWeights(f"{name} serves other weights than the trainer's (version {probe.version}) after its "
                            f"restart and reload, and again after a second load: {mismatch.describe(probe.tolerance)}")
 
@@ -253,7 +256,7 @@ class SGLangFleet:
     # control calls through which a weight sync has brought the engines the new weights (or
     # keeps them in `last_weights`): an engine restarted before or during them gets the weights
     # from the sync itself; after them it needs a copy to reload (resume_memory says which it is)
-    _UP_TO_THE_LOAD = frozenset({"pause", "open_update_session", "load_from_disk", "release_memory"})
+    _UP_TO_THE_LOAD = frozenset({"pause", "open_update_session", "load_from_disk", "load_adapter", "release_memory"})
 
     async def _each(self, method: str, *args, before_load: bool | None = None, where=None) -> list:
         """`method` of every engine's client. An engine whose process died is restarted (with the
@@ -377,6 +380,23 @@ class SGLangFleet:
         """Every engine loads the safetensors files of `directory`; the directory is kept as
         the weights a restarted engine reloads (and the one kept before it is removed)."""
         await self._each("load_from_disk", directory, version)
+        self._keep(directory, version)
+
+    async def load_adapter(self, directory: str, version: int) -> None:
+        """Every engine loads PEFT's adapter directory `directory` and serves every request with
+        it from now on, through the router too; kept for restarts as load_from_disk's is."""
+        await self._each("load_adapter", directory, version)
+        self.serves_adapters = True
+        if self.front is not None:
+            self.front.adapter = adapter_name(version)
+        self._keep(directory, version)
+
+    async def _reload(self, server: _ServerHandle) -> None:
+        """A restarted engine gets the kept weights (or adapter) again."""
+        load = server.client.load_adapter if self.serves_adapters else server.client.load_from_disk
+        await load(*self.last_weights)
+
+    def _keep(self, directory: str, version: int) -> None:
         previous, self.last_weights = self.last_weights, (directory, version)
         if previous is not None and previous[0] != directory:
             import shutil

@@ -57,23 +57,30 @@ def open_without_key(path: str) -> bool:
 MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
 
 
-def generate_body(prompt_ids: list[int], params: SamplingParams) -> dict:
+def generate_body(prompt_ids: list[int], params: SamplingParams, adapter: str | None = None) -> dict:
     """POST /generate: token ids in, token ids and sampled-token log-probs out (never text);
     the routed experts when asked for (the route parses io_struct's GenerateReqInput, which has
-    return_routed_experts; the typed GenerateRequest of api_types has the start only)."""
+    return_routed_experts; the typed GenerateRequest of api_types has the start only). `adapter`:
+    the LoRA adapter to serve it with, by the name it was loaded under (GenerateReqInput.lora_path)."""
     body = {"input_ids": list(prompt_ids), "sampling_params": params.to_sglang(), "return_logprob": True}
     if params.routed_experts_from is not None:
         body |= {"return_routed_experts": True, "routed_experts_start_len": params.routed_experts_from}
+    if adapter is not None:
+        body["lora_path"] = adapter
     return body
 
 
-def prompt_log_probs_body(token_ids: list[int]) -> dict:
+def prompt_log_probs_body(token_ids: list[int], adapter: str | None = None) -> dict:
     """POST /generate for the weights probe (megarl.weights.probe): the log-prob of every token
     of `token_ids` given the ones before it (return_logprob from logprob_start_len 0). SGLang
     0.5.23 takes these from the raw logits whatever the request's temperature (measured:
-    tests/sglang_real/test_probe.py); one greedy token is generated and ignored."""
-    return {"input_ids": list(token_ids), "return_logprob": True, "logprob_start_len": 0,
+    tests/sglang_real/test_probe.py); one greedy token is generated and ignored. `adapter`: as
+    for generate_body (the probe checks what the rollouts are served with)."""
+    body = {"input_ids": list(token_ids), "return_logprob": True, "logprob_start_len": 0,
             "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+    if adapter is not None:
+        body["lora_path"] = adapter
+    return body
 
 
 def prompt_log_probs_from_sglang(payload: dict, num_tokens: int) -> list[float]:

@@ -88,9 +88,22 @@ def server_command(cfg: RunConfig, colocated: bool) -> list[str]:
             argv.append("--trust-remote-code")
         if colocated:  # weights and KV cache can be released while the trainer runs
             argv.append("--enable-memory-saver")
+        if cfg.sync_transport() == "lora":
+            argv += lora_flags(cfg)
     if cfg.actor.moe_routing_replay:  # the experts of every token, for the trainer to replay
         argv.append("--enable-return-routed-experts")
     return argv + list(s.extra_args)
+
+
+def lora_flags(cfg: RunConfig) -> list[str]:
+    """SGLang's LoRA serving for actor.lora.sync=adapter: adapters up to the run's rank on the modules
+    it trains, two loaded at once (the version served and the one replacing it during a sync), one a
+    batch (every request is served with the newest); without a GPU, SGLang's torch-native LoRA
+    backend (its default is a CUDA kernel)."""
+    lora = cfg.actor.lora
+    flags = ["--enable-lora", "--max-lora-rank", str(lora.r), "--lora-target-modules", *lora.modules(),
+             "--max-loaded-loras", "2", "--max-loras-per-batch", "2"]
+    return flags + ([] if cfg.cluster.gpus_per_node else ["--lora-backend", "torch_native"])
 
 
 def router_command(settings: SGLangConfig, worker_urls: Sequence[str], metrics_port: int) -> list[str]:

@@ -105,7 +105,7 @@ class Runtime(ABC):
         resume them from: what they would generate with is not the trainer's weights. Colocated
         SGLang servers release their weights with the rest (sglang_api.MEMORY_TAGS); started with
         --enable-memory-saver alone they keep no copy, and a resume maps fresh pages."""
-        return (getattr(self.engine, "memory_released", False)
+        return (getattr(self.engine, "memory_released", False) and self.cfg.sync_transport() != "lora"  # kept
                 and "--enable-weights-cpu-backup" not in self.cfg.rollout.sglang.extra_args)
 
     def install_probe(self, prompts: list[list[int]]) -> None:

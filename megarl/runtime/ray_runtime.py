@@ -25,6 +25,7 @@ from megarl.config import RunConfig
 from megarl.config_rollout import engine_nodes
 from megarl.driver_loop import run_async
 from megarl.errors import ComponentDied
+from megarl.rollout.sglang_api import MEMORY_TAGS
 from megarl.runtime.base import Runtime, hosted_retrieval_key, within
 from megarl.runtime.local_ray import init_local_ray
 from megarl.runtime.ray_actors import EngineActor, TrainWorkerActor, sharers
@@ -243,9 +244,11 @@ class RayRuntime(Runtime):
             raise died(name, e) from e
 
     def release_engine_memory(self) -> None:
-        """Colocated engine servers free their GPU memory (weights and KV cache) for training."""
+        """Colocated engine servers free their GPU memory (weights and KV cache) for training; with
+        the lora transport they keep their weights, the base no sync sends again."""
         if self.colocated:
-            run_async(self.engine.release_memory())
+            keep_base = self.cfg.sync_transport() == "lora"
+            run_async(self.engine.release_memory([t for t in MEMORY_TAGS if t != "weights"] if keep_base else None))
 
     def resume_engine_memory(self) -> bool:
         if self.colocated and self.engine.memory_released:

@@ -16,6 +16,7 @@ TRANSPORTS = {
     "disk": "megarl.weights.disk:DiskTransport",
     "nccl": "megarl.weights.group:GroupTransport",
     "ipc": "megarl.weights.ipc:IpcTransport",
+    "lora": "megarl.weights.adapters:AdapterTransport",
 }
 
 

@@ -119,6 +119,10 @@ class EngineServers(Protocol):
     async def load_from_disk(self, directory: str, version: int) -> None:
         """Every engine loads the safetensors files of `directory` (kept for restarts)."""
 
+    async def load_adapter(self, directory: str, version: int) -> None:
+        """Every engine loads PEFT's adapter directory `directory` and serves with it from now on
+        (kept for restarts; the lora transport)."""
+
 
 class WeightTransport(ABC):
     """The driver side of a transport. `engines`: what it feeds (an in-process or remote

@@ -154,3 +154,23 @@ def test_an_sglang_engine_whose_weights_change_behind_the_runs_back_is_repaired_
     assert metric(out, "rollout/gate_regenerations") == [1.0]  # step 2's first batch refused
     assert all(m <= 1e-3 for m in metric(out, "rollout/logprob_mismatch_on_policy"))  # what was trained on
     assert len(metric(out, "actor/pg_loss")) == 2
+
+
+def test_the_quickstart_learns_with_lora_adapters_served_by_sglangs_lora_routes(world, tmp_path, sglang_env,
+                                                                               monkeypatch):
+    """actor.lora.sync=adapter (the lora transport): the servers keep the base and serve each
+    step's adapter, loaded from PEFT's directory; the weights probe after every sync compares what
+    they serve with the trainer's log-probs, so a run that ends has been served its adapters."""
+    monkeypatch.chdir(world)
+    monkeypatch.setenv("MEGARL_ENGINE_API_KEY", KEY)
+    out = tmp_path / "run"
+    quickstart(sglang_env, out, 2, ["actor.lora.r=16", "actor.lora.lora_alpha=32", "actor.optim.lr=2e-3",
+                                    "actor.lora.sync=adapter"])
+    acc = metric(out, "val/acc")
+    assert len(acc) == 2 and acc[1] > acc[0] + 0.3, acc
+    assert metric(out, "rollout/stale_samples") == [0.0, 0.0]  # each sample reports its step's adapter version
+    logs = [(out / "logs" / f"engine{i}.log").read_text(errors="replace") for i in (0, 1)]
+    assert all("--enable-lora" in text and "--max-lora-rank 16" in text for text in logs)
+    kept = sorted((out / "weight_sync").iterdir())  # the newest adapter, kept for a restarted engine
+    assert [p.name for p in kept] == ["v000002"]
+    assert sorted(p.name for p in kept[0].iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]

@@ -339,12 +339,12 @@ class MegatronTrainWorker:
         from megarl.backends.megatron.model import export_hf_tensors
 
         if self._dp()[0] == 0 or self.layout.ep > 1:
-            tensors = export_hf_tensors(self.actor.chunks, self.spec, expert_gather_bytes=gather_bytes)
-            if self.adapters:  # the engines serve base + scale B A
-                from megarl.backends.megatron.lora import merged_hf_tensors
+            from megarl.backends.megatron.lora import adapter_hf_tensors, merged_hf_tensors
 
-                return merged_hf_tensors(tensors, self.adapters)
-            return tensors
+            if self.adapters and self.cfg.actor.lora.sync == "adapter":  # the engines keep their base
+                return adapter_hf_tensors(self.adapters)
+            tensors = export_hf_tensors(self.actor.chunks, self.spec, expert_gather_bytes=gather_bytes)
+            return merged_hf_tensors(tensors, self.adapters) if self.adapters else tensors  # base + scale B A
         return iter(())
 
     def export_hf_weights(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:

@@ -19,19 +19,11 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from megarl.backends.lora_init import initial_a
-from megarl.config_lora import LoraConfig
+from megarl.config_lora import LoraConfig, peft_config
 from megarl.models.hf_layout import checkpoint_views
 
 ADAPTER = "default"  # PEFT's name of the one adapter megarl trains
 _LORA_PARTS = (".lora_A.", ".lora_B.", ".lora_embedding_A.", ".lora_embedding_B.", ".lora_magnitude_vector.")
-
-
-def peft_config(lora: LoraConfig):
-    """PEFT's LoraConfig for `lora`'s settings (B initialised to zero: the adapted model starts as the base)."""
-    from peft import LoraConfig as PeftLoraConfig
-
-    return PeftLoraConfig(r=lora.r, lora_alpha=lora.lora_alpha, lora_dropout=lora.lora_dropout,
-                          target_modules=list(lora.modules()), bias="none", task_type="CAUSAL_LM")
 
 
 def with_adapters(model: torch.nn.Module, lora: LoraConfig, seed: int = 0) -> torch.nn.Module:

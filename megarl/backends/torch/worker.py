@@ -146,7 +146,10 @@ class TorchTrainWorker:
         return weight_checksums(self._hf_tensors())
 
     def _hf_tensors(self):
-        """The weights the engines serve, by HF names: with LoRA, the adapters merged into the base."""
+        """The weights the engines get, by HF names: with LoRA, the adapters merged into the base, or
+        with actor.lora.sync=adapter the adapters alone (PEFT's names)."""
+        if self.lora and self.cfg.actor.lora.sync == "adapter":
+            return iter(adapter_state(self.actor.model).items())
         return merged_hf_tensors(self.actor.model) if self.lora else hf_tensors(self.actor.model)
 
     def save_checkpoint(self, directory: str | Path) -> None:
