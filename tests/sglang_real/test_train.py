@@ -160,12 +160,28 @@ def test_the_quickstart_learns_with_lora_adapters_served_by_sglangs_lora_routes(
                                                                                monkeypatch):
     """actor.lora.sync=adapter (the lora transport): the servers keep the base and serve each
     step's adapter, loaded from PEFT's directory; the weights probe after every sync compares what
-    they serve with the trainer's log-probs, so a run that ends has been served its adapters."""
+    they serve with the trainer's log-probs, so a run that ends has been served its adapters. One
+    server is killed once the first adapter is on disk: restarted, it loads the newest adapter again."""
     monkeypatch.chdir(world)
     monkeypatch.setenv("MEGARL_ENGINE_API_KEY", KEY)
-    out = tmp_path / "run"
+    out, killed = tmp_path / "run", []
+
+    def kill_one_engine_after_the_first_sync():
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and not (out / "weight_sync" / "v000001" / "adapter_config.json").exists():
+            time.sleep(0.2)
+        servers = sglang_servers("quickstart/model")
+        if servers:
+            os.killpg(os.getpgid(servers[0].pid), signal.SIGKILL)
+            killed.append(servers[0].pid)
+
+    killer = threading.Thread(target=kill_one_engine_after_the_first_sync, daemon=True)
+    killer.start()
     quickstart(sglang_env, out, 2, ["actor.lora.r=16", "actor.lora.lora_alpha=32", "actor.optim.lr=2e-3",
                                     "actor.lora.sync=adapter"])
+    killer.join(timeout=60)
+    assert killed, "no SGLang server was found to kill"
+    assert metric(out, "rollout/engine_restarts")[-1] >= 1
     acc = metric(out, "val/acc")
     assert len(acc) == 2 and acc[1] > acc[0] + 0.3, acc
     assert metric(out, "rollout/stale_samples") == [0.0, 0.0]  # each sample reports its step's adapter version
