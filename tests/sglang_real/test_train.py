@@ -55,6 +55,25 @@ def sglang_servers(model_path: str) -> list[psutil.Process]:
     return found
 
 
+def engine_killer(ready) -> tuple[threading.Thread, list[int]]:
+    """A started thread that kills one quickstart SGLang server's process group once `ready()`
+    (within 600 s), and the list it appends the killed pid to."""
+    killed: list[int] = []
+
+    def kill():
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and not ready():
+            time.sleep(0.2)
+        servers = sglang_servers("quickstart/model")
+        if servers:
+            os.killpg(os.getpgid(servers[0].pid), signal.SIGKILL)
+            killed.append(servers[0].pid)
+
+    killer = threading.Thread(target=kill, daemon=True)
+    killer.start()
+    return killer, killed
+
+
 def assert_sglang_served(out: Path) -> None:
     logs = {p.name: p.read_text(errors="replace") for p in (out / "logs").iterdir()}
     assert sorted(logs) == ["engine0.log", "engine1.log", "router.log"]
@@ -90,19 +109,8 @@ def test_asynchronous_rollouts_of_search_survive_a_killed_sglang_server(world, t
     test_a_generation_across_a_weight_sync."""
     monkeypatch.chdir(world)
     monkeypatch.setenv("MEGARL_ENGINE_API_KEY", KEY)
-    out, killed = tmp_path / "run", []
-
-    def kill_one_engine_after_the_first_sync():
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and not list((out / "weight_sync").glob("v000001*")):
-            time.sleep(0.2)
-        servers = sglang_servers("quickstart/model")
-        if servers:
-            os.killpg(os.getpgid(servers[0].pid), signal.SIGKILL)
-            killed.append(servers[0].pid)
-
-    killer = threading.Thread(target=kill_one_engine_after_the_first_sync, daemon=True)
-    killer.start()
+    out = tmp_path / "run"
+    killer, killed = engine_killer(lambda: list((out / "weight_sync").glob("v000001*")))
     quickstart(sglang_env, out, 3, ["sync.transport=disk", "trainer.async_rollout.enable=true",
                                     "trainer.async_rollout.partial_rollouts=abort", "algorithm.tis_cap=2.0",
                                     "trainer.val_before_train=false", "trainer.test_freq=0"])  # learning: above
@@ -164,19 +172,8 @@ def test_the_quickstart_learns_with_lora_adapters_served_by_sglangs_lora_routes(
     server is killed once the first adapter is on disk: restarted, it loads the newest adapter again."""
     monkeypatch.chdir(world)
     monkeypatch.setenv("MEGARL_ENGINE_API_KEY", KEY)
-    out, killed = tmp_path / "run", []
-
-    def kill_one_engine_after_the_first_sync():
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and not (out / "weight_sync" / "v000001" / "adapter_config.json").exists():
-            time.sleep(0.2)
-        servers = sglang_servers("quickstart/model")
-        if servers:
-            os.killpg(os.getpgid(servers[0].pid), signal.SIGKILL)
-            killed.append(servers[0].pid)
-
-    killer = threading.Thread(target=kill_one_engine_after_the_first_sync, daemon=True)
-    killer.start()
+    out = tmp_path / "run"
+    killer, killed = engine_killer((out / "weight_sync" / "v000001" / "adapter_config.json").exists)
     quickstart(sglang_env, out, 2, ["actor.lora.r=16", "actor.lora.lora_alpha=32", "actor.optim.lr=2e-3",
                                     "actor.lora.sync=adapter"])
     killer.join(timeout=60)
