@@ -37,7 +37,8 @@ class SGLangConfig:
         "for each run. Never in the saved config, MLflow, logs or a server's command line; the environment "
         "variable keeps it out of your config files too.", secret=True)
     startup_timeout_s: float = param(900.0, "Seconds a server (or the router) may take to answer its health check "
-                                     "after launch before the run stops with the tail of its log.", gt=0.0)
+                                     "after launch before the run stops with the tail of its log; also how long a request waits while "
+                                     "sglang-router answers that it has no engine to send to.", gt=0.0)
     health_timeout_s: float = param(60.0, "Seconds one health check (/health_generate) may take.", gt=0.0)
     request_timeout_s: float = param(3600.0, "Seconds one generate request may take.", gt=0.0)
     max_request_retries: int = param(3, "Times a request that failed on a dead or erroring engine is re-sent "

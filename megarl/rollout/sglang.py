@@ -34,6 +34,8 @@ from megarl.weights.probe import WrongWeights
 
 log = logging.getLogger(__name__)
 
+ROUTER_WAIT_S = 1.0  # between tries while sglang-router answers that it has no engine to send to
+
 
 class EngineStalled(RuntimeError):
     """A generate request outlived the progress deadline on an engine that fails its health check."""
@@ -122,8 +124,8 @@ class SGLangFleet:
                                     "(rollout.sglang.request_timeout_s) after abort_requests, and no weight sync "
                                     "ended in that time")
             await asyncio.sleep(0.01)
-        last_error = None
-        for attempt in range(self.settings.max_request_retries + 1):
+        last_error, attempt, refused_since = None, 0, None
+        while attempt <= self.settings.max_request_retries:
             epoch = self._epoch
             server = None if self.front else min(self.servers, key=lambda s: s.in_flight)
             target = self.front or server.client
@@ -134,10 +136,20 @@ class SGLangFleet:
             except (httpx.TransportError, ServerError, EngineStalled) as e:
                 if isinstance(e, ServerError) and e.status < 500:
                     raise  # a bad request is not the engine's fault: re-sending cannot help
-                last_error = e
-                self.failed_requests += 1
-                log.warning("generate failed on %s (attempt %d): %s", target.base_url, attempt + 1, e)
+                last_error, refused = e, _router_has_no_worker(e)
+                if not (refused and refused_since is not None):  # a refusal is logged once, not each second
+                    self.failed_requests += 1
+                    log.warning("generate failed on %s (attempt %d): %s", target.base_url, attempt + 1, e)
                 await self._recover(epoch)
+                if refused:
+                    # the health pass found the engines alive (or restarted them): the router has
+                    # yet to take them back. The attempt is not spent; the wait is bounded
+                    now = asyncio.get_running_loop().time()
+                    refused_since = now if refused_since is None else refused_since
+                    if now - refused_since < self.settings.startup_timeout_s:
+                        await asyncio.sleep(ROUTER_WAIT_S)
+                        continue
+                attempt += 1
             finally:
                 if server is not None:
                     server.in_flight -= 1
@@ -461,6 +473,11 @@ class SGLangFleet:
     async def close(self) -> None:
         for client in [s.client for s in self.servers] + ([self.front] if self.front else []):
             await client.close()
+
+
+def _router_has_no_worker(error: BaseException) -> bool:
+    """sglang-router's 503 when it holds every engine out (its health checks, or a circuit)."""
+    return isinstance(error, ServerError) and error.status == 503 and "no_available_workers" in str(error)
 
 
 def _connection_lost(error: BaseException) -> bool:

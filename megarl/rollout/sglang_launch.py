@@ -109,10 +109,15 @@ def lora_flags(cfg: RunConfig) -> list[str]:
 def router_command(settings: SGLangConfig, worker_urls: Sequence[str], metrics_port: int) -> list[str]:
     """The argv of sglang-router in front of `worker_urls`, without --host / --port. Given the
     workers' key (its --api-key, through with_api_key), sglang-router 0.3.2 requires it from
-    clients and passes their Authorization header on to the workers."""
+    clients and passes their Authorization header on to the workers.
+
+    Its circuit breaker is off: the fleet finds dead and stalled engines itself and restarts them
+    on their addresses (SGLangFleet._recover), and an open circuit kept an engine out for 60 s
+    after that restart (in a CI run, every engine at once: each request answered 503 "no
+    available workers" until its retries ran out)."""
     return [*with_api_key(), "sglang_router.launch_router", "--worker-urls", *worker_urls,
             "--policy", settings.router_policy, "--request-timeout-secs", str(int(settings.request_timeout_s)),
-            "--worker-startup-timeout-secs", str(int(settings.startup_timeout_s)),
+            "--worker-startup-timeout-secs", str(int(settings.startup_timeout_s)), "--disable-circuit-breaker",
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port), "--log-level", "warn"]
 
 
