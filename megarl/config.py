@@ -165,6 +165,10 @@ class TrainWorkerConfig:
         "on megatron's local layers, through a block-diagonal mask (tokens^2 memory: CPU and small runs); "
         "false = padded rows.")
     gradient_checkpointing: bool = param(False, "Recompute activations in backward to save memory.")
+    share_prompts: bool = param(
+        True, "torch backend: forward each distinct prompt of a micro-batch once and its samples' responses on its "
+        "keys and values (the same log-probs and gradients up to float rounding; far fewer tokens when G samples "
+        "share a prompt). Not with gradient checkpointing or a mixture of experts (routing recorded or replayed).")
     reference_offload: bool = param(
         False, "Keep the frozen reference model's weights in host memory, on the device only while reference "
         "log-probs are computed (saves one model's weights of GPU memory per rank for one host-to-device copy "

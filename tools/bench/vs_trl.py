@@ -6,7 +6,8 @@ where each spends them, and the validation accuracy each reaches.
     python tools/bench/vs_trl.py --side megarl --switch step-tokens --label step_tokens   # one switch
 
 --side runs one side only (the other side's figures can be read back with --compare, a results file
-of an earlier run); --megarl-override adds key=value overrides to megarl's run only (TRL reads the
+of an earlier run); --override changes a setting for both sides (the learning rate, say);
+--megarl-override adds key=value overrides to megarl's run only (TRL reads the
 overrides both share), to switch one megarl setting at a time; --switch NAME runs megarl through
 tools/bench/megarl_switched.py with one of the settings megarl has no key for switched to TRL's.
 Each invocation writes its per-seed figures to OUT/results/LABEL.json (--label; default the sides
@@ -312,6 +313,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--old-log-probs", choices=("engine", "trainer"), default="engine",
                    help="megarl's algorithm.old_log_probs (engine: the engine's log-probs, exact in float32 on the CPU)")
     p.add_argument("--side", choices=("both", "megarl", "trl"), default="both", help="which side(s) to run")
+    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                   help="an override of the config for both sides (repeatable), e.g. actor.optim.lr=3e-4")
     p.add_argument("--megarl-override", action="append", default=[], metavar="KEY=VALUE",
                    help="an override of megarl's run only (repeatable): one setting switched, e.g. to TRL's")
     p.add_argument("--switch", choices=SWITCHES, default=None,
@@ -341,7 +344,8 @@ def main(argv: list[str] | None = None) -> None:
     out = (ROOT / args.out).resolve()
     world = prepare_math(out / "world")
     base = load_config(str(ROOT / args.config), run_overrides(world, out, 0, args.steps, args.save_every,
-                                                                    args.old_log_probs) + args.megarl_override)
+                                                                    args.old_log_probs) + args.override
+                       + args.megarl_override)
     tok = eval_tokenizer(world / "model")
     d = base.data
     train, _ = load_prompts(d.train_files, tok, prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
@@ -354,6 +358,8 @@ def main(argv: list[str] | None = None) -> None:
           f"{d.train_batch_size // base.actor.ppo_mini_batch_size} optimizer steps, {args.steps} steps, "
           f"{base.rollout.max_response_length} new tokens at most; val: avg@{n_val} of {len(val)} prompts at "
           f"T={base.rollout.val.temperature}, top_p={base.rollout.val.top_p} (evaluator seed {EVAL_SEED})")
+    if args.override:
+        print(f"both sides: {' '.join(args.override)}")
     if args.megarl_override or args.switch:
         print(f"megarl's run only: {' '.join(args.megarl_override)}"
               + (f" switched to TRL's: {args.switch} (tools/bench/megarl_switched.py)" if args.switch else ""))
@@ -368,7 +374,7 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, dict[int, SideRun]] = {side: {} for side in ran}
     for seed in seeds:
         overrides = run_overrides(world, runs_dir / f"megarl_seed{seed}", seed, args.steps, args.save_every,
-                                  args.old_log_probs)  # TRL's too
+                                  args.old_log_probs) + args.override  # TRL's too
         cfg = load_config(str(ROOT / args.config), overrides)
         order = prompt_order(cfg, len(train), args.steps)
         rows = [{"prompt": tok.decode(train[i].prompt_ids), "data_source": train[i].data_source,
@@ -404,7 +410,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  s/step: {fmt(r.step_s)}")
             print("  val:    " + ", ".join(f"{s}: {a:.3f}" for s, a in r.val.items()), flush=True)
     record = {"label": label, "date": time.strftime("%Y-%m-%d %H:%M"), "argv": sys.argv[1:] if argv is None else argv,
-              "versions": versions, "old_log_probs": args.old_log_probs, "megarl_override": args.megarl_override, "switch": args.switch,
+              "versions": versions, "old_log_probs": args.old_log_probs, "override": args.override,
+              "megarl_override": args.megarl_override, "switch": args.switch,
               "steps": args.steps, "save_every": args.save_every, "val_n": n_val,
               "sides": {side: {str(seed): side_record(r, keep) for seed, r in runs.items()}
                         for side, runs in results.items()}}

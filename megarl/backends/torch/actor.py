@@ -48,7 +48,7 @@ class TorchActor:
     def __init__(self, model: torch.nn.Module, algo: AlgorithmConfig, optim: OptimConfig, *, mini_batch_samples: int,
                  micro_batch_samples: int, ppo_epochs: int = 1, temperature: float = 1.0, total_steps: int = 1,
                  norm_length: int | None = None, moe_aux_loss_coeff: float | None = None,
-                 routing_replay: bool = False):
+                 routing_replay: bool = False, share_prompts: bool = False):
         check_split(mini_batch_samples, micro_batch_samples)
         self.model, self.algo, self.optim_cfg = model, algo, optim
         self.mini, self.micro, self.epochs = mini_batch_samples, micro_batch_samples, ppo_epochs
@@ -63,6 +63,7 @@ class TorchActor:
         if routing_replay and not self.moe_topk:
             raise ValueError("actor.moe_routing_replay is for a mixture of experts; this model has no routed experts")
         self.routing_replay = routing_replay  # the actor's forwards route as the batch's routed_experts say
+        self.share_prompts = share_prompts and not self.moe_topk  # megarl.backends.torch.shared_prompts
 
     @torch.no_grad()
     def compute_log_prob(self, batch: TrainBatch, with_entropy: bool = False, model: torch.nn.Module | None = None,
@@ -84,7 +85,7 @@ class TorchActor:
         with replayed_routing(model, self._replayed(batch) if model is self.model and not own_routing else None):
             return token_log_probs(model, batch.input_ids.to(self.device), batch.attention_mask.to(self.device),
                                    temperature or self.temperature, with_entropy, router_logits, wanted=batch.loss_mask,
-                                   entropy_grad=bool(self.algo.entropy_coeff))
+                                   entropy_grad=bool(self.algo.entropy_coeff), share_prompts=self.share_prompts)
 
     def _replayed(self, batch: TrainBatch) -> list[torch.Tensor] | None:
         """Each MoE layer's replayed experts for `batch`'s tokens (routing replay), or None."""

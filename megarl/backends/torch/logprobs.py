@@ -13,11 +13,12 @@ import inspect
 import torch
 
 from megarl.algo import entropy_from_logits
+from megarl.backends.torch.shared_prompts import prompt_plan, shared_prompt_logits
 
 
 def token_log_probs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                     temperature: float = 1.0, with_entropy: bool = False, router_logits: list | None = None,
-                    wanted: torch.Tensor | None = None, entropy_grad: bool = False):
+                    wanted: torch.Tensor | None = None, entropy_grad: bool = False, share_prompts: bool = False):
     """(log_probs, entropy or None), each (B, L): entry t is for token t given tokens < t;
     entry 0 (no context) is 0. Right padding is harmless: causal attention never lets a
     real token see the padding after it. A mixture of experts appends each MoE layer's router
@@ -27,7 +28,17 @@ def token_log_probs(model: torch.nn.Module, input_ids: torch.Tensor, attention_m
     softmax then run from the first wanted column on (the prompts' columns before it are 0),
     as TRL's `logits_to_keep` does; at a 150k vocabulary the logits are most of a step's
     activations. The entropy is a metric and carries no gradient unless `entropy_grad`
-    (an entropy bonus in the loss)."""
+    (an entropy bonus in the loss).
+
+    `share_prompts` (with `wanted`, and no router logits): rows that start with the same prompt
+    have it forwarded once (megarl.backends.torch.shared_prompts), when that saves enough tokens;
+    a row's entries before its first wanted column are then 0."""
+    if share_prompts and wanted is not None and router_logits is None and not _checkpointed(model):
+        plan = prompt_plan(input_ids, attention_mask, wanted)
+        if plan is not None:
+            shared = _shared(model, input_ids, attention_mask, plan, temperature, with_entropy, entropy_grad)
+            if shared is not None:
+                return shared
     first = _first_column(wanted) if _keeps_logits(model) else 1
     kw = {"output_router_logits": True} if router_logits is not None else {}
     if first > 1:
@@ -46,6 +57,36 @@ def token_log_probs(model: torch.nn.Module, input_ids: torch.Tensor, attention_m
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = entropy_from_logits(logits)
     return log_probs, torch.cat([skipped, entropy], dim=1)
+
+
+def _shared(model, input_ids, attention_mask, plan, temperature, with_entropy, entropy_grad):
+    """token_log_probs's (log_probs, entropy) with each bucket's prompts forwarded once; None
+    when the model offers no cache to share (the caller then takes the plain forward)."""
+    log_probs = torch.zeros(input_ids.shape, device=input_ids.device)
+    entropy = torch.zeros(input_ids.shape, device=input_ids.device) if with_entropy else None
+    for bucket in plan:
+        logits = shared_prompt_logits(model, input_ids, attention_mask, bucket)
+        if logits is None:
+            return None
+        logits = logits.float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        rows = bucket.rows.to(input_ids.device)[:, None]
+        columns = torch.arange(bucket.length, bucket.length + bucket.width, device=input_ids.device)[None, :]
+        tokens = input_ids[rows, columns]
+        log_probs = log_probs.index_put((rows, columns), torch.log_softmax(logits, dim=-1).gather(
+            -1, tokens[..., None]).squeeze(-1))
+        if with_entropy:
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                entropy = entropy.index_put((rows, columns), entropy_from_logits(logits))
+    return log_probs, entropy
+
+
+def _checkpointed(model: torch.nn.Module) -> bool:
+    """Gradient checkpointing is on: HF then turns the cache off in training, so nothing is shared."""
+    on = getattr(model, "is_activation_checkpointing", None)  # transformers 5.2x's name
+    on = getattr(model, "is_gradient_checkpointing", False) if on is None else on
+    return bool(on) and model.training
 
 
 def _first_column(wanted: torch.Tensor | None) -> int:

@@ -51,7 +51,7 @@ class TorchTrainWorker:
             temperature=cfg.rollout.temperature,
             total_steps=optimizer_steps(total_steps, cfg.data.train_batch_size, cfg.actor),
             norm_length=cfg.rollout.max_response_length, moe_aux_loss_coeff=cfg.actor.moe_aux_loss_coeff,
-            routing_replay=cfg.actor.moe_routing_replay)
+            routing_replay=cfg.actor.moe_routing_replay, share_prompts=cfg.actor.share_prompts)
         self.needs_reference = a.use_kl_loss or a.use_kl_in_reward
         # with LoRA the reference is the actor with its adapters off: no copy
         self.reference = (copy.deepcopy(model).eval().requires_grad_(False)
