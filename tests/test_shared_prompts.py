@@ -55,6 +55,36 @@ def test_the_plan_groups_rows_by_prompt_and_prompts_by_length():
     ]
 
 
+def test_a_one_token_prompt_is_its_first_column():
+    """The weights probe's rows: a prompt of one token, the token after it wanted."""
+    ids = torch.tensor([[4, 7], [4, 9], [4, 8], [4, 7]])
+    plan = prompt_plan(ids, torch.ones_like(ids), torch.tensor([[0, 1]] * 4))
+    assert [(b.length, b.prompts.tolist(), b.rows.tolist(), b.width) for b in plan] == [(1, [[4]], [0, 1, 2, 3], 1)]
+
+
+def wanted_from(ids: torch.Tensor, column: int) -> torch.Tensor:
+    return (torch.arange(ids.shape[1]) >= column).long().expand_as(ids)
+
+
+@pytest.mark.parametrize("prompt, shares", [(4, True), (3, False)])
+def test_sharing_is_planned_up_to_three_quarters_of_the_plain_tokens(prompt, shares):
+    """2 rows x 8 columns: 16 plain tokens, 12 at most shared. A prompt of 4 tokens: 4 + 2 rows x
+    4 response tokens = 12, shared; of 3: 3 + 2 x 5 = 13, not."""
+    ids = torch.tensor([list(range(1, prompt + 1)) + [9] * (8 - prompt)] * 2)
+    assert (prompt_plan(ids, torch.ones_like(ids), wanted_from(ids, prompt)) is not None) == shares
+
+
+def test_the_tokens_of_every_bucket_count():
+    """Rows 0-1: the prompt [1] (responses of 3): 1 + 2 x 3 = 7 tokens; rows 2-3: two prompts of
+    3 (responses of 1): 2 x 3 + 2 x 1 = 8; 15 of 16 plain tokens, over 12 (the last bucket's 8
+    alone would be under)."""
+    ids = torch.tensor([[1, 5, 5, 5], [1, 6, 6, 6], [2, 2, 2, 7], [3, 3, 3, 7]])
+    wanted = torch.tensor([[0, 1, 1, 1], [0, 1, 1, 1], [0, 0, 0, 1], [0, 0, 0, 1]])
+    assert prompt_plan(ids, torch.ones_like(ids), wanted) is None
+    wanted[3] = 0  # row 3 wants nothing: 7 + 3 + 1 = 11 tokens, shared
+    assert [b.rows.tolist() for b in prompt_plan(ids, torch.ones_like(ids), wanted)] == [[0, 1], [2]]
+
+
 def test_no_plan_when_sharing_saves_too_little():
     ids = torch.tensor([[1, 2, 7], [3, 4, 8]])  # two distinct prompts: nothing shared
     assert prompt_plan(ids, torch.ones_like(ids), torch.tensor([[0, 0, 1], [0, 0, 1]])) is None
@@ -90,6 +120,31 @@ def test_shared_prompts_give_each_rows_own_log_probs_entropy_and_gradient(family
     for name, param in model.named_parameters():
         torch.testing.assert_close(shared_grads[name], param.grad, atol=1e-5, rtol=1e-4, msg=name)
     assert shared_grads["model.embed_tokens.weight"][A].abs().sum() > 0  # prompt tokens' embeddings get gradient
+
+
+def test_a_peft_model_and_a_model_that_keeps_no_cache_by_default_share_too():
+    """Through PEFT's wrapper (LoRA: the HF model inside answers), and with the model config's
+    use_cache off (the forward is asked for its cache): each row's own log-probs, entropy None when
+    not asked for."""
+    from megarl.backends.torch.lora import with_adapters
+    from megarl.config_lora import LoraConfig
+
+    prompts, responses, batch = group_batch()
+    plain = tiny_model("qwen2")
+    plain.config.use_cache = False
+    adapted = with_adapters(tiny_model("qwen2"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    for model in (plain, adapted):
+        calls, handle = forward_calls(model.get_base_model() if model is adapted else model)
+        with torch.no_grad():
+            log_probs, entropy = token_log_probs(model, batch.input_ids, batch.attention_mask,
+                                                 wanted=batch.loss_mask, share_prompts=True)
+        handle.remove()
+        assert len(calls) == 4 and entropy is None
+        for row, (p, r) in enumerate(zip(prompts, responses)):
+            with torch.no_grad():
+                own = torch.log_softmax(model(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1:-1], -1)
+            torch.testing.assert_close(log_probs[row, len(p):len(p) + len(r)],
+                                       own.gather(-1, torch.tensor(r)[:, None]).squeeze(-1), atol=2e-5, rtol=0)
 
 
 def test_the_columns_before_a_rows_first_sampled_token_are_zero():

@@ -72,6 +72,12 @@ GROUPS = {
                      deselect=("tests/test_rank_shares.py::test_each_rank_gets_its_share_and_one_answer_per_share_"
                                "comes_back", "tests/test_rank_shares.py::test_the_routing_crosses_once_for_the_"
                                "log_probs_and_the_update")),
+    # samples of one prompt forwarded with it once (actor.share_prompts)
+    "prompts": Group(("megarl/backends/torch/shared_prompts.py", "megarl/backends/torch/logprobs.py"),
+                     ("tests/test_shared_prompts.py", "tests/test_backend_torch_actor.py"),
+                     functions=tuple(f"megarl/backends/torch/shared_prompts.py:{f}" for f in (
+                         "prompt_plan", "shared_prompt_logits", "cache_names", "_class_cache_names"))
+                     + ("megarl/backends/torch/logprobs.py:_shared", "megarl/backends/torch/logprobs.py:_checkpointed")),
     "order": Group(("megarl/train.py",), ("tests/test_mini_batch_order.py",),
                    functions=("megarl/train.py:in_update_order", "megarl/train.py:one_update_order",
                               "megarl/train.py:update_order", "megarl/train.py:updates")),

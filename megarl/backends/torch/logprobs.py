@@ -36,7 +36,7 @@ def token_log_probs(model: torch.nn.Module, input_ids: torch.Tensor, attention_m
     if share_prompts and wanted is not None and router_logits is None and not _checkpointed(model):
         plan = prompt_plan(input_ids, attention_mask, wanted)
         if plan is not None:
-            shared = _shared(model, input_ids, attention_mask, plan, temperature, with_entropy, entropy_grad)
+            shared = _shared(model, input_ids, plan, temperature, with_entropy, entropy_grad)
             if shared is not None:
                 return shared
     first = _first_column(wanted) if _keeps_logits(model) else 1
@@ -59,18 +59,16 @@ def token_log_probs(model: torch.nn.Module, input_ids: torch.Tensor, attention_m
     return log_probs, torch.cat([skipped, entropy], dim=1)
 
 
-def _shared(model, input_ids, attention_mask, plan, temperature, with_entropy, entropy_grad):
+def _shared(model, input_ids, plan, temperature, with_entropy, entropy_grad):
     """token_log_probs's (log_probs, entropy) with each bucket's prompts forwarded once; None
     when the model offers no cache to share (the caller then takes the plain forward)."""
     log_probs = torch.zeros(input_ids.shape, device=input_ids.device)
     entropy = torch.zeros(input_ids.shape, device=input_ids.device) if with_entropy else None
     for bucket in plan:
-        logits = shared_prompt_logits(model, input_ids, attention_mask, bucket)
+        logits = shared_prompt_logits(model, input_ids, bucket)
         if logits is None:
             return None
-        logits = logits.float()
-        if temperature != 1.0:
-            logits = logits / temperature
+        logits = logits.float() / temperature
         rows = bucket.rows.to(input_ids.device)[:, None]
         columns = torch.arange(bucket.length, bucket.length + bucket.width, device=input_ids.device)[None, :]
         tokens = input_ids[rows, columns]
@@ -83,10 +81,9 @@ def _shared(model, input_ids, attention_mask, plan, temperature, with_entropy, e
 
 
 def _checkpointed(model: torch.nn.Module) -> bool:
-    """Gradient checkpointing is on: HF then turns the cache off in training, so nothing is shared."""
-    on = getattr(model, "is_activation_checkpointing", None)  # transformers 5.2x's name
-    on = getattr(model, "is_gradient_checkpointing", False) if on is None else on
-    return bool(on) and model.training
+    """Gradient checkpointing is on (HF marks the layers it recomputes): HF then turns the cache off
+    in training, so nothing is shared."""
+    return model.training and any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
 
 
 def _first_column(wanted: torch.Tensor | None) -> int:

@@ -8,9 +8,10 @@ The log-probs, the entropy and, through the cache, the gradients are the plain f
 float rounding; the tokens forwarded go from rows x width to prompts x prompt length + rows x
 response length (on the math quickstart: 5,568 to about 2,500 a mini-batch).
 
-Only standard HF calls are made (`logits_to_keep`, the model's cache, a 2-D attention mask), so
-every attention implementation serves it: prompts are forwarded in buckets of one length (no
-padding inside a prompt, so every position is its own cache slot). A model with no cache to
+Only standard HF calls are made (`logits_to_keep`, the model's cache), so every attention
+implementation serves it: prompts are forwarded in buckets of one length (no padding inside a
+prompt, so every position is its own cache slot), and a response's padding is at its end, where
+causal attention keeps the real tokens from it without a mask. A model with no cache to
 select from (or MoE routing to record or replay: the caller's business) takes the plain forward.
 Main entry points: `prompt_plan`, `shared_prompt_logits`.
 """
@@ -46,7 +47,7 @@ def prompt_plan(input_ids: torch.Tensor, attention_mask: torch.Tensor, wanted: t
     stay 0)."""
     wants = wanted.bool()
     has = wants.any(dim=1)
-    starts = torch.where(has, wants.int().argmax(dim=1), 0).clamp(min=1).tolist()
+    starts = wants.int().argmax(dim=1).clamp(min=1).tolist()  # read only for rows that want a column
     lengths = attention_mask.sum(dim=1).tolist()
     ids = input_ids.tolist()
     groups: dict[tuple[int, ...], list[int]] = {}
@@ -61,15 +62,14 @@ def prompt_plan(input_ids: torch.Tensor, attention_mask: torch.Tensor, wanted: t
         which = [i for i, p in enumerate(prompts) for _ in groups[p]]
         width = max(lengths[row] - length for row in rows)
         tokens += len(prompts) * length + len(rows) * width
-        buckets.append(PromptBucket(length, torch.tensor(prompts, dtype=input_ids.dtype), torch.tensor(rows),
+        buckets.append(PromptBucket(length, torch.tensor(prompts), torch.tensor(rows),
                                     torch.tensor(which), width))
     if not buckets or tokens > WORTH_SHARING * input_ids.numel():
         return None
     return buckets
 
 
-def shared_prompt_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                         bucket: PromptBucket) -> torch.Tensor | None:
+def shared_prompt_logits(model: torch.nn.Module, input_ids: torch.Tensor, bucket: PromptBucket) -> torch.Tensor | None:
     """(B_b, width, V): for each of the bucket's rows, the logits that predict its tokens at
     columns length .. length + width - 1 (the first from the prompt's last position, the rest
     from the response's); None when the model's forward offers no cache to share."""
@@ -79,16 +79,15 @@ def shared_prompt_logits(model: torch.nn.Module, input_ids: torch.Tensor, attent
     argument, attribute = names
     device = input_ids.device
     prompts = bucket.prompts.to(device)
-    first = model(input_ids=prompts, attention_mask=torch.ones_like(prompts), use_cache=True, logits_to_keep=1)
-    cache = getattr(first, attribute, None)
+    first = model(input_ids=prompts, use_cache=True, logits_to_keep=1)  # no padding: no mask
+    cache = getattr(first, attribute)
     if not hasattr(cache, "batch_select_indices"):
         return None
     which, rows = bucket.prompt_of_row.to(device), bucket.rows.to(device)
     cache.batch_select_indices(which)  # each row's copy of its prompt's keys and values (gradients flow back)
-    columns = slice(bucket.length, bucket.length + bucket.width)
-    responses, mask = input_ids[rows, columns], attention_mask[rows, columns]
-    seen = torch.cat([torch.ones(len(rows), bucket.length, dtype=mask.dtype, device=device), mask], dim=1)
-    rest = model(input_ids=responses, attention_mask=seen, use_cache=True, **{argument: cache})
+    # the responses' padding is at their ends, where causal attention keeps every real token from it: no mask
+    responses = input_ids[rows, bucket.length:bucket.length + bucket.width]
+    rest = model(input_ids=responses, **{argument: cache})
     return torch.cat([first.logits[which, -1:], rest.logits[:, :-1]], dim=1)
 
 
