@@ -310,6 +310,18 @@ class RunConfig:
         p = self.sync.probe
         return p.gate_bound if p.gate_bound is not None else 10 * self.probe_tolerance()
 
+    def launcher(self) -> str:
+        """cluster.launcher with auto resolved: inprocess for a run on one CPU machine with the torch
+        backend and the embedded engine, ray for everything else (several nodes, GPUs, megatron's
+        ranks, engine servers, an existing Ray cluster, sandbox services). On one CPU machine the Ray
+        actors cost start-up and time each step (docs/benchmarks.md, megarl beside TRL)."""
+        c = self.cluster
+        if c.launcher != "auto":
+            return c.launcher
+        one_cpu_machine = c.nnodes == 1 and not c.gpus_per_node and c.ray_address is None
+        embedded = self.actor.backend == "torch" and self.rollout.engine == "local" and not self.reward.sandbox_servers
+        return "inprocess" if one_cpu_machine and embedded else "ray"
+
     def sync_transport(self) -> str:
         """sync.transport with auto resolved: inprocess for the embedded engine, ipc for
         engine servers colocated on GPUs, nccl for the others (gloo where there is no CUDA)."""

@@ -24,9 +24,10 @@ class LivenessConfig:
 
 @dataclass
 class ClusterConfig:
-    launcher: Literal["ray", "inprocess"] = param(
-        "ray", "ray = train worker and engine as Ray actors (any number of nodes); inprocess = one process "
-        "(debugging, tests).")
+    launcher: Literal["auto", "ray", "inprocess"] = param(
+        "auto", "ray = train worker and engine as Ray actors (any number of nodes); inprocess = one process, the "
+        "same results bit for bit; auto = inprocess for a run on one CPU machine with the torch backend and the "
+        "embedded engine (no cluster.ray_address, no reward.sandbox_servers), ray otherwise.")
     ray_address: str | None = param(None, "Ray cluster to join ('auto' on slurm); None = start a local Ray.")
     nnodes: int = param(1, "Nodes of the run.", gt=0)
     gpus_per_node: int = param(0, "GPUs per node; 0 = CPU run.", ge=0)

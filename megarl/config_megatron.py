@@ -11,9 +11,9 @@ from megarl.config_loader import Problems
 def check_megatron(cfg, problems: Problems) -> None:
     """The megatron backend's layout, FP8 and offload rules (`cfg`: a RunConfig)."""
     p, world = cfg.actor.parallel, cfg.train_world_size()
-    if cfg.cluster.launcher != "ray":
+    if cfg.launcher() != "ray":
         problems.add("cluster.launcher", "inprocess cannot run the megatron backend (one process per rank)",
-                     "use cluster.launcher=ray")
+                     "use cluster.launcher=ray or auto")
     if world % p.model_parallel_size:
         problems.add("actor.parallel", f"TP x PP x CP = {p.model_parallel_size} does not divide the "
                      f"{world} train ranks (cluster.nnodes x cluster.gpus_per_node)",

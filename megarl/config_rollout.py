@@ -97,8 +97,8 @@ def check_rollout(cfg, problems: Problems) -> None:
         transport_class(transport).check(cfg, problems)
     if r.engine == "local":
         return
-    if c.launcher != "ray":
-        problems.add("cluster.launcher", "inprocess cannot launch engine servers", "use cluster.launcher=ray")
+    if cfg.launcher() != "ray":
+        problems.add("cluster.launcher", "inprocess cannot launch engine servers", "use cluster.launcher=ray or auto")
     if any(a.split("=")[0] in ("--api-key", "--admin-api-key") for a in r.sglang.extra_args):
         problems.add("rollout.sglang.extra_args", "gives the servers an API key on their command line, where "
                      "every user of the node can read it (and the saved config records it)",

@@ -140,7 +140,7 @@ class SGLangFleet:
                 if not (refused and refused_since is not None):  # a refusal is logged once, not each second
                     self.failed_requests += 1
                     log.warning("generate failed on %s (attempt %d): %s", target.base_url, attempt + 1, e)
-                await self._recover(epoch)
+                await self._recover(epoch, router_lost=self.front is not None and _connection_lost(e))
                 if refused:
                     # the health pass found the engines alive (or restarted them): the router has
                     # yet to take them back. The attempt is not spent; the wait is bounded
@@ -175,7 +175,7 @@ class SGLangFleet:
         finally:
             task.cancel()
 
-    async def _recover(self, failed_in_epoch: int, before_sync: bool = False) -> None:
+    async def _recover(self, failed_in_epoch: int, before_sync: bool = False, router_lost: bool = False) -> None:
         """One health pass over the engines (restarting the dead), unless one already ran
         since the failed request was sent. `before_sync`: a weight sync follows before the
         engines generate again (it brings a restarted engine the trainer's weights)."""
@@ -186,15 +186,21 @@ class SGLangFleet:
                 return
             await asyncio.gather(*[self._check(s, before_sync) for s in self.servers])
             if self.router_actor is not None:
-                await self._check_router()
+                await self._check_router(router_lost)
             self._epoch += 1
 
-    async def _check_router(self) -> None:
-        """Restart the router if its process is gone (same address: the URL stays valid)."""
+    async def _check_router(self, lost: bool = False) -> None:
+        """Restart the router if its process is gone (same address: the URL stays valid). `lost`:
+        the router's connection broke, so its process may be going but not yet reaped: it is
+        given 10 s to be seen gone before it counts as alive."""
         import ray
 
         try:
-            if await asyncio.wait_for(self.router_actor.alive.remote(), 60):
+            if lost:
+                gone = await asyncio.wait_for(self.router_actor.gone_within.remote(10.0), 70)
+            else:
+                gone = not await asyncio.wait_for(self.router_actor.alive.remote(), 60)
+            if not gone:
                 return
             log.warning("sglang-router at %s is gone: restarting it", self.router_url)
             await asyncio.wait_for(self.router_actor.restart.remote(self.settings.startup_timeout_s),

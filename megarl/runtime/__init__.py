@@ -24,8 +24,8 @@ def __getattr__(name: str):
 
 
 def build_runtime(cfg: RunConfig, total_steps: int) -> Runtime:
-    """Start the run's parts where cluster.launcher says."""
-    if cfg.cluster.launcher == "ray":
+    """Start the run's parts where cluster.launcher says (auto resolved: RunConfig.launcher)."""
+    if cfg.launcher() == "ray":
         from megarl.runtime.ray_runtime import RayRuntime
 
         return RayRuntime(cfg, total_steps)
