@@ -46,17 +46,23 @@ def token_log_probs(model: torch.nn.Module, input_ids: torch.Tensor, attention_m
     out = model(input_ids=input_ids, attention_mask=attention_mask, **kw)
     if router_logits is not None:
         router_logits.extend(out.router_logits or ())
-    logits = out.logits[:, :-1].float()  # column j: the next token's logits after column first - 1 + j
-    if temperature != 1.0:
-        logits = logits / temperature
-    log_probs = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, first:, None]).squeeze(-1)
+    # column j: the next token's logits after column first - 1 + j
+    log_probs, entropy = _scored(out.logits[:, :-1], input_ids[:, first:], temperature, with_entropy, entropy_grad)
     skipped = torch.zeros_like(log_probs[:, :1]).expand(-1, first)
     log_probs = torch.cat([skipped, log_probs], dim=1)
+    return log_probs, (torch.cat([skipped, entropy], dim=1) if with_entropy else None)
+
+
+def _scored(logits, tokens, temperature, with_entropy, entropy_grad):
+    """(log-probs of `tokens` under `logits` / T, entropy or None): both forwards' last step."""
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    log_probs = torch.log_softmax(logits, dim=-1).gather(-1, tokens[..., None]).squeeze(-1)
     if not with_entropy:
         return log_probs, None
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        entropy = entropy_from_logits(logits)
-    return log_probs, torch.cat([skipped, entropy], dim=1)
+        return log_probs, entropy_from_logits(logits)
 
 
 def _shared(model, input_ids, plan, temperature, with_entropy, entropy_grad):
@@ -68,15 +74,12 @@ def _shared(model, input_ids, plan, temperature, with_entropy, entropy_grad):
         logits = shared_prompt_logits(model, input_ids, bucket)
         if logits is None:
             return None
-        logits = logits.float() / temperature
         rows = bucket.rows.to(input_ids.device)[:, None]
         columns = torch.arange(bucket.length, bucket.length + bucket.width, device=input_ids.device)[None, :]
-        tokens = input_ids[rows, columns]
-        log_probs = log_probs.index_put((rows, columns), torch.log_softmax(logits, dim=-1).gather(
-            -1, tokens[..., None]).squeeze(-1))
+        scored, scored_entropy = _scored(logits, input_ids[rows, columns], temperature, with_entropy, entropy_grad)
+        log_probs = log_probs.index_put((rows, columns), scored)
         if with_entropy:
-            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-                entropy = entropy.index_put((rows, columns), entropy_from_logits(logits))
+            entropy = entropy.index_put((rows, columns), scored_entropy)
     return log_probs, entropy
 
 
