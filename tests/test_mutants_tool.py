@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import mutants  # noqa: E402
@@ -48,3 +49,30 @@ def test_orphans_of_a_run_are_reaped_while_its_live_processes_are_kept(tmp_path)
                 psutil.Process(pid).kill()
             except psutil.Error:
                 pass
+
+
+def test_only_functions_mutmut_mutates_are_drawn_and_a_group_naming_another_is_refused(tmp_path, monkeypatch):
+    # the CI sample once drew only a @functools.cache function: mutmut made no mutant of it and
+    # stopped on its empty filter, failing the run
+    (tmp_path / "m.py").write_text(
+        "import functools\n\n"
+        "def plain(x):\n    return x + 1\n\n"
+        "@functools.cache\ndef cached(x):\n    return x + 1\n\n"
+        "class C:\n"
+        "    def method(self):\n        return 1\n\n"
+        "    @staticmethod\n    def static():\n        return 2\n\n"
+        "    @property\n    def prop(self):\n        return 3\n")
+    monkeypatch.setattr(mutants, "ROOT", tmp_path)
+    assert mutants.functions_of(mutants.Group(("m.py",), ())) == [
+        "m.x_plain__mutmut_*", "m.xǁCǁmethod__mutmut_*", "m.xǁCǁstatic__mutmut_*"]
+    assert mutants.functions_of(mutants.Group(("m.py",), (), functions=("m.py:plain",))) == ["m.x_plain__mutmut_*"]
+    for named in ("m.py:cached", "m.py:absent"):
+        with pytest.raises(SystemExit, match=named):
+            mutants.functions_of(mutants.Group(("m.py",), (), functions=(named,)))
+
+
+def test_every_group_names_functions_that_exist_and_are_mutated():
+    for name, group in mutants.GROUPS.items():
+        patterns = mutants.functions_of(group)  # raises on a named function mutmut leaves alone
+        assert patterns, name
+        assert all(p.endswith("__mutmut_*") for p in patterns), name

@@ -11,7 +11,7 @@ import torch
 from megarl.backends.batch import TrainBatch
 from megarl.backends.torch.actor import TorchActor
 from megarl.backends.torch.logprobs import token_log_probs
-from megarl.backends.torch.shared_prompts import prompt_plan
+from megarl.backends.torch.shared_prompts import cache_names, prompt_plan
 from megarl.config import AlgorithmConfig, OptimConfig
 from tiny_models import tiny_model
 
@@ -145,6 +145,41 @@ def test_a_peft_model_and_a_model_that_keeps_no_cache_by_default_share_too():
                 own = torch.log_softmax(model(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1:-1], -1)
             torch.testing.assert_close(log_probs[row, len(p):len(p) + len(r)],
                                        own.gather(-1, torch.tensor(r)[:, None]).squeeze(-1), atol=2e-5, rtol=0)
+
+
+class _Older(torch.nn.Module):  # transformers before 5.2x: the cache is past_key_values
+    def forward(self, input_ids, attention_mask=None, past_key_values=None, use_cache=None, logits_to_keep=0):
+        raise AssertionError("only the signature is read")
+
+
+class _Newer(torch.nn.Module):
+    def forward(self, input_ids, cache=None, logits_to_keep=0):
+        raise AssertionError("only the signature is read")
+
+
+class _NoLogitsToKeep(torch.nn.Module):
+    def forward(self, input_ids, past_key_values=None):
+        raise AssertionError("only the signature is read")
+
+
+class _NoCache(torch.nn.Module):
+    def forward(self, input_ids, logits_to_keep=0):
+        raise AssertionError("only the signature is read")
+
+
+class _Wrapped(torch.nn.Module):  # a PEFT model: the base model's forward is the one that counts
+    def forward(self, *args, **kwargs):
+        raise AssertionError("only the signature is read")
+
+    def get_base_model(self):
+        return _Older()
+
+
+@pytest.mark.parametrize("model, names", [(_Older(), ("past_key_values", "past_key_values")),
+                                          (_Newer(), ("cache", "cache")), (_NoLogitsToKeep(), None),
+                                          (_NoCache(), None), (_Wrapped(), ("past_key_values", "past_key_values"))])
+def test_the_cache_argument_is_read_from_the_forwards_signature(model, names):
+    assert cache_names(model) == names
 
 
 def test_the_columns_before_a_rows_first_sampled_token_are_zero():

@@ -18,7 +18,6 @@ Main entry points: `prompt_plan`, `shared_prompt_logits`.
 
 from __future__ import annotations
 
-import functools
 import inspect
 from dataclasses import dataclass
 
@@ -94,15 +93,11 @@ def shared_prompt_logits(model: torch.nn.Module, input_ids: torch.Tensor, bucket
 def cache_names(model: torch.nn.Module) -> tuple[str, str] | None:
     """(the forward's cache argument, its output's cache attribute): ("cache", "cache") in
     transformers 5.2x, ("past_key_values", "past_key_values") before; None when neither (or the
-    forward takes no `logits_to_keep`)."""
+    forward takes no `logits_to_keep`). Read from the signature on each call: microseconds beside
+    a forward, and nothing cached for a test to leak into the next."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return _class_cache_names(type(inner))
-
-
-@functools.cache
-def _class_cache_names(cls: type) -> tuple[str, str] | None:
     try:
-        params = inspect.signature(cls.forward).parameters
+        params = inspect.signature(type(inner).forward).parameters
     except (TypeError, ValueError):
         return None
     if "logits_to_keep" not in params:
