@@ -20,7 +20,9 @@ and `stop_on_signals` re-raises it as `Stopped(signum)` once the run's cleanup i
 
 Two moments must not be cut in half. A checkpoint being written (`deferred`): a first signal
 is held until it is complete, then raised (saving the same step again moves the old directory
-aside before the new one takes its name; cut there, that step would be gone). And the cleanup
+aside before the new one takes its name; cut there, that step would be gone). If the checkpoint
+fails after the signal came, that is the stop too, not a failed run: a preemption signals every
+process of the job, Ray's stop at once, and the checkpoint's writers go with them. And the cleanup
 itself (`closing`): it is bounded in time, but a signal during it (the second, when the first
 stopped the run) cuts it short: every process descended from this one is killed at once (Ray
 actors on other nodes end with the driver, as Ray ends a job's actors). A SIGTERM within
@@ -153,10 +155,21 @@ def handlers_kept() -> Iterator[None]:
 @contextlib.contextmanager
 def deferred() -> Iterator[None]:
     """A block a first signal does not cut in half (a checkpoint being written): the signal is
-    noted and raised as KeyboardInterrupt when the block ends; a second one raises at once."""
+    noted and raised as KeyboardInterrupt when the block ends; a second one raises at once.
+    The block failing after the first signal came is the stop too (KeyboardInterrupt, the failure
+    logged): a preemption signals the other processes of the job as well, and Ray's, stopping at
+    once, take the checkpoint's writers with them; the run resumes from the newest whole one."""
     _state.deferring += 1
     try:
         yield
+    except Exception as e:
+        if not (_state.pending and _state.deferring == 1):
+            raise
+        _state.pending = False
+        log.warning("%s came while a checkpoint was being written, and the checkpoint then failed (a "
+                    "preemption stops the job's other processes too): %s: %s; stopping",
+                    received(), type(e).__name__, e)
+        raise KeyboardInterrupt from e
     finally:
         _state.deferring -= 1
     if _state.pending and not _state.deferring:

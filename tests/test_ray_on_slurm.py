@@ -7,6 +7,7 @@ has exited (its cleanup still reaches the actors). The real slurm path is `make 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -58,11 +59,12 @@ while not stop and time.time() < deadline:
     time.sleep(0.05)
 time.sleep(1.0)  # its cleanup, while Ray is still up
 note("driver exited")
-sys.exit(143 if stop else 0)
+sys.exit(int(sys.argv[3]) if stop else 0)  # 143 when it stopped cleanly; 1 when it failed while stopping
 """
 
 
-def start(tmp_path: Path, run_s: float, job: str | None = None) -> tuple[subprocess.Popen, Path]:
+def start(tmp_path: Path, run_s: float, job: str | None = None, status_on_stop: int = 143
+          ) -> tuple[subprocess.Popen, Path]:
     """The shell running ray_on_slurm with the stand-ins; its output goes to tmp_path/output."""
     bin_dir, events = tmp_path / "bin", tmp_path / "events"
     bin_dir.mkdir()
@@ -75,7 +77,7 @@ def start(tmp_path: Path, run_s: float, job: str | None = None) -> tuple[subproc
     if job is not None:  # what `scontrol show job` says of the job
         env["SCONTROL_JOB"] = job
     script = (f"set -euo pipefail; source {ROOT / 'tools' / 'ray_on_slurm.sh'}; "  # as the recipes run it
-              f"ray_on_slurm {sys.executable} {tmp_path / 'driver.py'} {events} {run_s}")
+              f"ray_on_slurm {sys.executable} {tmp_path / 'driver.py'} {events} {run_s} {status_on_stop}")
     with open(tmp_path / "output", "w") as output:
         shell = subprocess.Popen(["bash", "-c", script], env=env, stdout=output, stderr=subprocess.STDOUT)
     return shell, events
@@ -116,10 +118,11 @@ def at(events: Path, what: str) -> float:
     return next(float(line.rsplit(" ", 1)[1]) for line in events.read_text().splitlines() if line.startswith(what))
 
 
-def sigterm_to_the_batch_shell(tmp_path: Path, job: str | None = None) -> tuple[int, Path, str]:
+def sigterm_to_the_batch_shell(tmp_path: Path, job: str | None = None, status_on_stop: int = 143
+                               ) -> tuple[int, Path, str]:
     """A run whose batch shell alone gets SIGTERM once the driver runs: (its exit status, the
     events file, its output)."""
-    shell, events = start(tmp_path, run_s=30, job=job)
+    shell, events = start(tmp_path, run_s=30, job=job, status_on_stop=status_on_stop)
     tree = []
     try:
         tree = driver_started(shell, events, tmp_path)
@@ -195,3 +198,21 @@ def test_a_run_stopped_because_slurm_takes_the_job_away_is_requeued(tmp_path, jo
     else:
         assert "requeue 1" not in lines(events)
         assert ("not requeued: the job was submitted without --requeue" in output) == ("Requeue=0" in job)
+
+
+@pytest.mark.parametrize("job, requeued", [
+    (f"JobState=RUNNING Requeue=1 PreemptTime={_in(0)} EndTime={_in(3000)}", True),
+    (f"JobState=RUNNING Requeue=1 PreemptTime=None EndTime={_in(290)}", False),  # a failure near the time limit
+    (f"JobState=RUNNING Requeue=1 PreemptTime=None EndTime={_in(3000)}", False),
+], ids=["preempted", "time-limit", "neither"])
+@pytest.mark.timeout(60)
+def test_a_run_that_fails_while_a_preemption_stops_it_is_requeued_and_another_failure_is_not(tmp_path, job, requeued):
+    # a preemption signals Ray's processes with the driver: a part lost mid-checkpoint can fail
+    # the run before its own SIGTERM is taken
+    status, events, output = sigterm_to_the_batch_shell(tmp_path, job, status_on_stop=1)
+    assert status == 1, output
+    assert ("requeue 1" in lines(events)) is requeued, output
+    if requeued:
+        assert lines(events)[-2:] == ["ray stopped", "requeue 1"]
+        assert re.search(r"the command failed \(status 1\) and the job was preempted at [0-9T:-]+: requeueing job 1; "
+                         r"it resumes from its newest checkpoint", output), output

@@ -309,6 +309,58 @@ def test_a_first_signal_waits_for_a_deferred_block_and_a_second_raises_at_once()
     assert signal.getsignal(signal.SIGTERM) is before  # the handlers from before the run are back
 
 
+def test_a_checkpoint_failing_after_the_first_signal_is_the_stop_and_without_one_the_failure(caplog):
+    # a preemption signals Ray's processes too: the checkpoint's writers die while the driver
+    # holds the signal, and the save fails; the run is stopped (and requeued), not failed
+    @termination.stop_on_signals
+    def preempted():
+        with termination.deferred():
+            to_this_thread(signal.SIGTERM)
+            raise BrokenPipeError("the writer's queue is gone")
+
+    with pytest.raises(termination.Stopped) as stopped_by:
+        preempted()
+    assert stopped_by.value.signum == signal.SIGTERM
+    assert "SIGTERM came while a checkpoint was being written" in caplog.text
+    assert "BrokenPipeError: the writer's queue is gone" in caplog.text
+
+    @termination.stop_on_signals
+    def failed():
+        with termination.deferred():
+            raise BrokenPipeError("a full disk, say")
+
+    with pytest.raises(BrokenPipeError):
+        failed()
+
+
+@pytest.mark.timeout(300)
+def test_a_preemption_that_breaks_the_checkpoint_being_written_stops_the_run_at_the_one_before(
+        inputs, tmp_path, monkeypatch, capsys):
+    # slurm's SIGTERM reaches the driver and the checkpoint's writers at once: the writers die,
+    # the save of step 2 fails after the driver noted the signal
+    from megarl.backends.torch.worker import TorchTrainWorker
+
+    whole = TorchTrainWorker.save_checkpoint
+
+    def preempted_at_step_2(self, directory):
+        if Path(directory).name.startswith(".tmp-step_000002"):
+            to_this_thread(signal.SIGTERM)
+            raise BrokenPipeError("[Errno 32] Broken pipe")
+        whole(self, directory)
+
+    monkeypatch.setattr(TorchTrainWorker, "save_checkpoint", preempted_at_step_2)
+    out = tmp_path / "run"
+    with pytest.raises(termination.Stopped) as stopped_by:
+        train(load_config(None, tiny_overrides(inputs, out, steps=3) + ["trainer.test_freq=0"]))
+    assert stopped_by.value.signum == signal.SIGTERM
+    step1 = out / "checkpoints" / "step_000001"
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_000001"]  # step 2's partial one removed
+    verify(step1)
+    assert "megarl: run killed" in capsys.readouterr().out  # the CLI then names the newest checkpoint: step 1
+    client, run = only_run(out)
+    assert run.info.status == "KILLED" and run.data.tags[STOP_SIGNAL_TAG] == "SIGTERM"
+
+
 def test_a_run_takes_its_signals_even_when_started_with_them_blocked():
     """Ray starts processes with SIGINT blocked: a run still stops on it, and the mask it was
     started with is back afterwards."""

@@ -205,7 +205,11 @@ EOF
     _ray_on_slurm_log "command exited with status $status; stopping Ray"
     _ray_on_slurm_stop
     trap - TERM INT
-    (( status == 143 )) && _ray_on_slurm_requeue_if_taken
+    if (( status == 143 )); then
+        _ray_on_slurm_requeue_if_taken
+    elif (( status != 0 )); then  # a preemption's SIGTERM stops Ray's processes too: the command may fail first
+        _ray_on_slurm_requeue_if_taken "$status"
+    fi
     return "$status"
 }
 
@@ -214,12 +218,18 @@ EOF
 # and it was submitted with --requeue, requeue it now: it runs again and megarl resumes from the
 # newest checkpoint. Slurm requeues a preempted job itself only if the job outlives the
 # partition's GraceTime, and a run that stops cleanly ends sooner (as a failed job). A stop by
-# hand (scancel --batch --signal=TERM, far from the time limit) is not requeued.
+# hand (scancel --batch --signal=TERM, far from the time limit) is not requeued. With an argument
+# (the status of a command that failed rather than stopped): requeued only if it was preempted
+# (the preemption signals Ray's processes, which stop at once; the run may fail on a lost part
+# before its own SIGTERM arrives).
 _ray_on_slurm_requeue_if_taken() {
-    local info why="" end
+    local failed=${1:-} info why="" end
     info=$(timeout 30 scontrol show job "$SLURM_JOB_ID" 2>/dev/null) || { _ray_on_slurm_log "cannot ask slurm about job $SLURM_JOB_ID; not requeued"; return 0; }
     if [[ $info =~ PreemptTime=([0-9][0-9T:-]+) ]]; then
         why="preempted at ${BASH_REMATCH[1]}"
+        [[ -z $failed ]] || why="the command failed (status $failed) and the job was $why"
+    elif [[ -n $failed ]]; then
+        return 0
     elif [[ $info =~ EndTime=([0-9][0-9T:-]+) ]] && end=$(date -d "${BASH_REMATCH[1]}" +%s 2>/dev/null) \
             && (( end - $(date +%s) < ${MEGARL_REQUEUE_WINDOW:-600} )); then
         why="its time limit is $(( end - $(date +%s) )) s away"
