@@ -91,6 +91,63 @@ def test_a_server_whose_free_port_was_taken_first_starts_on_another(tmp_path, mo
     assert "Address already in use" in (tmp_path / "engine3.log").read_text()
 
 
+# as SGLang's server on a taken port: the HTTP server logs the failed bind and gives up, while
+# the scheduler it started keeps the process alive
+STUCK_SERVER = """
+import sys, time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+class Health(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+address = (sys.argv[sys.argv.index("--host") + 1], int(sys.argv[sys.argv.index("--port") + 1]))
+try:
+    server = HTTPServer(address, Health)
+except OSError as e:
+    print(f"ERROR:    [Errno 98] error while attempting to bind on address {address}: address already in use", flush=True)
+    time.sleep(600)
+server.serve_forever()
+"""
+
+
+def test_a_server_that_lost_its_port_but_lives_on_is_started_on_another(tmp_path, monkeypatch):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    import megarl.rollout.sglang_launch as launch
+    ports = iter([taken.getsockname()[1], launch.free_port()])
+    monkeypatch.setattr(launch, "free_port", lambda host="127.0.0.1": next(ports))
+    server = ServerProcess([sys.executable, "-c", STUCK_SERVER], "engine5", log_dir=str(tmp_path))
+    lost = server.port
+    started = time.monotonic()
+    try:
+        url = server.start(timeout_s=120)
+        first = server.process
+    finally:
+        server.stop()
+        taken.close()
+    assert time.monotonic() - started < 60  # not the deadline's wait
+    assert server.starts == 2 and server.port != lost and url == f"http://127.0.0.1:{server.port}"
+    assert first.returncode is not None  # the stuck one was stopped, not left behind
+
+
+def test_a_restarted_server_that_lost_its_port_fails_at_once(tmp_path):
+    server = ServerProcess([sys.executable, "-c", STUCK_SERVER], "engine6", log_dir=str(tmp_path))
+    server.start(timeout_s=60)
+    server.stop()
+    taken = socket.socket()
+    taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    taken.bind(("127.0.0.1", server.port))
+    taken.listen()
+    started = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match=r"engine6 could not bind its port(.|\n)*address already in use"):
+            server.start(timeout_s=120)
+    finally:
+        taken.close()
+    assert time.monotonic() - started < 60 and not server.alive()
+
+
 def test_a_restarted_server_keeps_its_port_and_names_the_taken_one(tmp_path):
     server = ServerProcess([sys.executable, "-c", ENV_SERVER, str(tmp_path / "env.json")], "engine4",
                            log_dir=str(tmp_path))

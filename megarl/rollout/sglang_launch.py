@@ -166,6 +166,7 @@ class ServerProcess:
         self.launch_args: list[str] = []
         self.process: subprocess.Popen | None = None
         self.starts = 0
+        self.start_offset = 0
         self.ever_ready = False  # once a server answered, its address is in the router's list
 
     def start(self, timeout_s: float = 900.0, launch_args: Sequence[str] | None = None) -> str:
@@ -181,6 +182,7 @@ class ServerProcess:
         with open(self.log_path, "ab") as out:
             out.write(f"\n=== megarl: start {self.starts} of {self.name}: {' '.join(argv)}\n".encode())
             out.flush()
+            self.start_offset = out.tell()  # where this start's own lines begin
             env = server_env(os.environ, self.env)
             env.pop(ENGINE_KEY_ENV, None)  # the server's own key, or none
             if self.api_key:
@@ -197,7 +199,15 @@ class ServerProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             code = self.process.poll()
-            if code is not None and self._port_was_taken():
+            # a lost bind does not always end the process: SGLang's HTTP server gives up on its
+            # port while the scheduler it started lives on, and would be waited for till the deadline
+            lost_bind = self._bind_failed()
+            if lost_bind and code is None:
+                try:
+                    code = self.process.wait(timeout=2.0)  # most exit on their own
+                except subprocess.TimeoutExpired:
+                    self.stop()
+            if lost_bind and self._may_move():
                 # another process bound the free port first (servers on one node pick theirs
                 # at once): the first start moves to a new one; a restart keeps the router's address
                 log.warning("%s: port %d was taken before the server bound it; starting on another",
@@ -205,8 +215,9 @@ class ServerProcess:
                 self.port = free_port(self.host)
                 self.url = f"http://{self.host}:{self.port}"
                 return self.start(max(deadline - time.monotonic(), 1.0))
-            if code is not None:
-                raise RuntimeError(f"{self.name} exited with status {code} while starting; the end of "
+            if code is not None or lost_bind:
+                how = f"exited with status {code}" if code is not None else "could not bind its port"
+                raise RuntimeError(f"{self.name} {how} while starting; the end of "
                                    f"{self.log_path}:\n{self.log_tail()}")
             try:
                 answer = httpx.get(self.url + self.health_route, headers=bearer(self.api_key), timeout=5.0)
@@ -220,9 +231,18 @@ class ServerProcess:
         raise RuntimeError(f"{self.name} did not answer {self.health_route} within {timeout_s:.0f} s "
                            f"(rollout.sglang.startup_timeout_s); the end of {self.log_path}:\n{self.log_tail()}")
 
-    def _port_was_taken(self) -> bool:
-        return (self.port_chosen and self.starts <= 3 and not self.ever_ready
-                and "address already in use" in self.log_tail(5).lower())
+    def _bind_failed(self) -> bool:
+        """This start's log says an address was in use (the port asked for, or one of the
+        server's own: either way this start will not serve)."""
+        try:
+            with open(self.log_path, "rb") as log_file:
+                log_file.seek(self.start_offset)
+                return b"address already in use" in log_file.read().lower()
+        except OSError:
+            return False
+
+    def _may_move(self) -> bool:
+        return self.port_chosen and self.starts <= 3 and not self.ever_ready
 
     def restart(self, timeout_s: float = 900.0) -> str:
         self.stop()
