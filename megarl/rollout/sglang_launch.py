@@ -37,6 +37,9 @@ from megarl.rollout.sglang import SGLangFleet
 log = logging.getLogger(__name__)
 
 
+BIND_FAILED = b"address already in use"  # a server's log when a port it binds is taken (any case)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -166,7 +169,7 @@ class ServerProcess:
         self.launch_args: list[str] = []
         self.process: subprocess.Popen | None = None
         self.starts = 0
-        self.start_offset = 0
+        self.start_offset = self.log_read = 0
         self.ever_ready = False  # once a server answered, its address is in the router's list
 
     def start(self, timeout_s: float = 900.0, launch_args: Sequence[str] | None = None) -> str:
@@ -182,7 +185,7 @@ class ServerProcess:
         with open(self.log_path, "ab") as out:
             out.write(f"\n=== megarl: start {self.starts} of {self.name}: {' '.join(argv)}\n".encode())
             out.flush()
-            self.start_offset = out.tell()  # where this start's own lines begin
+            self.start_offset = self.log_read = out.tell()  # where this start's own lines begin
             env = server_env(os.environ, self.env)
             env.pop(ENGINE_KEY_ENV, None)  # the server's own key, or none
             if self.api_key:
@@ -233,11 +236,14 @@ class ServerProcess:
 
     def _bind_failed(self) -> bool:
         """This start's log says an address was in use (the port asked for, or one of the
-        server's own: either way this start will not serve)."""
+        server's own: either way this start will not serve). Reads only what the log gained
+        since the last look, and the phrase's length before it."""
         try:
             with open(self.log_path, "rb") as log_file:
-                log_file.seek(self.start_offset)
-                return b"address already in use" in log_file.read().lower()
+                log_file.seek(max(self.start_offset, self.log_read - len(BIND_FAILED)))
+                seen = log_file.read()
+                self.log_read = log_file.tell()
+                return BIND_FAILED in seen.lower()
         except OSError:
             return False
 
