@@ -249,3 +249,32 @@ def test_the_fp8_weight_workspaces_are_dropped_at_sleep():
     sleep.sleep([model], [])  # then the weights
     assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
     sleep.wake()
+
+
+def test_the_fp8_caches_the_probe_rebuilds_are_dropped_before_the_engines_generate(tiny_inputs, tmp_path):
+    """A colocated sync sleeps the trainer's state (its FP8 caches dropped), then the probe's forward
+    rebuilds them (TE caches the FP8 weight at every forward megatron runs), then the weights sleep.
+    Before: that second sleep skipped the drop, and the caches (about 1 byte a parameter) stayed on
+    the GPU through the generation, next to a KV cache sized without them."""
+    from megarl.components import build_components
+    from megarl.config import load_config
+    from train_fixtures import tiny_overrides
+
+    c = build_components(load_config(None, tiny_overrides(tiny_inputs, tmp_path) + [
+        "trainer.sleep_during_generation=true"]))
+    try:
+        layers = [m for m in c.runtime.worker.actor.model.modules() if isinstance(m, torch.nn.Linear)]
+        forwards = []
+
+        def caches_fp8_weight(module, args):  # what a TE layer does at each forward: its FP8 weight cached
+            forwards.append(module)
+            module._fp8_workspaces = {"weight": Float8From216(torch.zeros(4, dtype=torch.uint8), torch.ones(1))}
+
+        for layer in layers:
+            layer.register_forward_pre_hook(caches_fp8_weight)
+        c.runtime.sync_weights(1)
+        assert forwards, "the probe ran no forward: the test proves nothing"
+        assert c.runtime._trainer_asleep
+        assert [m for m in layers if getattr(m, "_fp8_workspaces", None)] == []
+    finally:
+        c.close()

@@ -204,12 +204,15 @@ class WorkerSleep:
 
     def sleep(self, modules: list[torch.nn.Module], optimizers: list, frozen: list[torch.nn.Module] = (),
               keep_weights: bool = False) -> float:
-        """The state off the device (unless it is already), then, unless `keep_weights`, the
-        weights (parameters and buffers of `modules`); the seconds it took."""
+        """TE's FP8 weight caches dropped (at every call), the state off the device (unless it is
+        already), then, unless `keep_weights`, the weights (parameters and buffers of `modules`);
+        the seconds it took."""
         seconds = 0.0
         weights = [t for m in modules for t in (*torch.nn.Module.parameters(m), *torch.nn.Module.buffers(m))]
+        # every sleep, not only the state's: a forward while the state sleeps (the weights probe's,
+        # in a colocated sync) builds the caches again, and the engines generate after this one
+        free_fp8_workspaces([*modules, *frozen])
         if not self.state.asleep:
-            free_fp8_workspaces([*modules, *frozen])
             keep, drop = trained_tensors(modules, optimizers, frozen)
             seconds += self.state.sleep(keep, drop, spare=weights)
         if not keep_weights and not self.weights.asleep:
