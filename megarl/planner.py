@@ -24,18 +24,23 @@ plus the rest / TP:
                  full recompute: 2 T h / TP x L (each layer's input) + A (one layer rebuilt)
     logits       8 T V' / TP               fp32 logits and their gradient (V' padded vocabulary)
     overhead     4 GiB                     CUDA context, NCCL buffers, allocator slack
+    FP8 caches   2 S                       actor.fp8 (--fp8): TE's FP8 copy of each weight and its
+                                           transpose, 1 byte each (on all of S: an upper bound)
 
     LoRA (actor.lora, --lora R): the base frozen in bf16, the adapters (a of them on the GPU: the
     stage's, sharded as their layers are; megarl.planner_models) trained as weights are:
     weights 2 S + 2 a, grads 4 a, optimizer 12 a / (DP x CP), reference 0 (the base, adapters off)
 
-    training peak = weights + grads + optimizer + reference + critic + activations + logits + overhead
+    training peak = weights + grads + optimizer + reference + critic + activations + logits + FP8 caches
+                    + overhead
     a layout fits when its peak is within USABLE = 90% of the GPU (fragmentation, caches)
 
     colocated, the weight sync's peak (the engines' weights back, the trainer pushing its own):
       trainer kept + engine weights + sync buffers 1.5 GiB (the bucket gathered, two in flight) +
       overhead + engine context, the trainer kept = its weights when it sleeps (the rest leaves the
-      GPU first), its static memory awake; within USABLE too
+      GPU first) and, with FP8, the S bytes of FP8 copies the weights probe's forward builds (no
+      transpose without gradients); its static memory and FP8 caches awake; within USABLE too.
+      A sleep drops the FP8 caches: none is left while the engines generate.
 
 Rollout: SGLang's --mem-fraction-static f is a fraction of the memory *free when the engine
 starts*, not of the GPU. SGLang 0.5.23 measures free = torch.cuda.mem_get_info before loading
@@ -49,7 +54,7 @@ what is free then minus free x (1 - f): KV cache = f x free - engine weights. So
         B = 0.9 GPU - trainer asleep - engine context - engine runtime
         F = GPU - trainer asleep - engine context
       colocated, the trainer awake (SGLang's memory released during training; --no-sleep):
-        B = 0.9 GPU - static - overhead - engine context - engine runtime
+        B = 0.9 GPU - static - FP8 caches - overhead - engine context - engine runtime
         F = GPU - static at launch - overhead - engine context
       disaggregated (GPUs of their own):
         B = 0.9 GPU - engine context - engine runtime,   F = GPU - engine context
@@ -105,6 +110,7 @@ class Workload:
     sleep: bool = True  # colocated: the trainer sleeps while the engines generate (trainer.sleep_during_generation)
     lora: int = 0  # LoRA rank of the actor (actor.lora.r): the base frozen; 0 = every weight trains
     lora_modules: tuple[str, ...] = LINEAR_MODULES  # the HF linear layers given adapters
+    fp8: bool = False  # the actor's GEMMs in FP8 through Transformer Engine (actor.fp8): its FP8 weight caches
 
     @property
     def sequence(self) -> int:
@@ -147,6 +153,7 @@ class Estimate:
     sleep: bool = False  # colocated engines sized next to a sleeping trainer
     sync_peak: int = 0  # colocated: when the engines' weights come back for a sync (0 = not colocated)
     lora: int = 0  # the actor's LoRA rank (0 = every weight trains)
+    fp8_caches: int = 0  # TE's FP8 copies and transposes of the weights while training (actor.fp8)
 
     @property
     def static(self) -> int:
@@ -204,19 +211,22 @@ def estimate(shape: ModelShape, world: int, gpus_per_node: int, gpu_bytes: int, 
     else:
         activations = sum(per_layer)
     logits = 8 * tokens * s.padded_vocab_size(tp) // tp
-    peak = weights + grads + optimizer + reference + critic + activations + logits + OVERHEAD
+    fp8_caches = int(2 * stage) if work.fp8 else 0
+    peak = weights + grads + optimizer + reference + critic + activations + logits + fp8_caches + OVERHEAD
     if peak > USABLE * gpu_bytes:
         problems.append(f"training needs {peak / GiB:.1f} GiB, more than {USABLE:.0%} of the GPU's "
                         f"{gpu_bytes / GiB:.0f} GiB")
     e = Estimate(tp, pp, cp, dp, recompute, offload, weights, grads, optimizer, reference, critic, activations,
                  logits, OVERHEAD, peak, rollout_gpus=rollout_gpus, problems=problems, ep=ep, moe=s.is_moe,
-                 lora=work.lora)
+                 lora=work.lora, fp8_caches=fp8_caches)
     e.sleep = work.sleep and not rollout_gpus
     _size_engines(e, shape, world, gpus_per_node, gpu_bytes, work)
     if not rollout_gpus and e.engine_tp:
         # the engines' weights back next to what the trainer keeps for the push: its weights alone
-        # when it sleeps (all the rest left first: megarl.backends.sleep.WorkerSleep), everything awake
-        kept = e.weights if e.sleep else e.static
+        # when it sleeps (all the rest left first: megarl.backends.sleep.WorkerSleep) and the FP8
+        # copies the probe's forward builds before the weights sleep (no transpose without gradients),
+        # everything awake
+        kept = e.weights + e.fp8_caches // 2 if e.sleep else e.static + e.fp8_caches
         e.sync_peak = kept + e.engine_weights + SYNC_BUFFERS + OVERHEAD + ENGINE_CONTEXT
         if e.sync_peak > USABLE * gpu_bytes:
             e.problems.append(f"the weight sync needs {e.sync_peak / GiB:.1f} GiB when the engines' weights come back "
@@ -232,7 +242,8 @@ def engine_memory(e: Estimate, gpu_bytes: int, sleep: bool = False) -> tuple[int
     if sleep:  # the trainer asleep from before the engines start: its CUDA context is all it keeps
         return (int(USABLE * gpu_bytes) - TRAINER_ASLEEP - ENGINE_CONTEXT - ENGINE_RUNTIME,
                 gpu_bytes - TRAINER_ASLEEP - ENGINE_CONTEXT)
-    return (int(USABLE * gpu_bytes) - e.static - OVERHEAD - ENGINE_CONTEXT - ENGINE_RUNTIME,
+    # no FP8 cache at launch: the engines start before the trainer's first forward
+    return (int(USABLE * gpu_bytes) - e.static - e.fp8_caches - OVERHEAD - ENGINE_CONTEXT - ENGINE_RUNTIME,
             gpu_bytes - e.static_at_launch - OVERHEAD - ENGINE_CONTEXT)
 
 
@@ -255,7 +266,7 @@ def _size_engines(e: Estimate, shape: ModelShape, world: int, gpus_per_node: int
     if not e.engine_tp:
         where = (f"on GPUs of {gpu_bytes / GiB:.0f} GiB" if e.rollout_gpus
                  else f"next to the sleeping trainer's {TRAINER_ASLEEP / GiB:.0f} GiB" if work.sleep
-                 else f"next to the trainer's {e.static / GiB:.1f} GiB")
+                 else f"next to the trainer's {(e.static + e.fp8_caches) / GiB:.1f} GiB")
         e.problems.append(f"no room for SGLang engines {where} (an engine's weights would take more than half "
                           f"of the {max(budget, 0) / GiB:.1f} GiB left, and leave no KV cache for one "
                           f"{work.sequence}-token sequence)")
@@ -349,8 +360,9 @@ def render(shape: ModelShape, nodes: int, gpus_per_node: int, gpu_bytes: int, wo
     engines = (f"{rollout_gpus} of them the engines' own" if rollout_gpus else
                "engines colocated with the trainer, which sleeps while they generate" if work.sleep else
                "engines colocated with the trainer, which keeps its memory")
-    lora = f"LoRA rank {work.lora} on {', '.join(work.lora_modules)}, the base frozen; " if work.lora else ""
-    lines = [f"{shape.spec.family} model, {shape.params() / 1e9:.2f}B parameters; {lora}{nodes} nodes x {gpus_per_node} "
+    actor = f"LoRA rank {work.lora} on {', '.join(work.lora_modules)}, the base frozen; " if work.lora else ""
+    actor += "FP8 GEMMs (TE's weight caches); " if work.fp8 else ""
+    lines = [f"{shape.spec.family} model, {shape.params() / 1e9:.2f}B parameters; {actor}{nodes} nodes x {gpus_per_node} "
              f"GPUs of {gpu_bytes / GiB:.0f} GiB ({engines}); sequences up to {work.sequence} tokens "
              f"({work.max_prompt_length} prompt + {work.max_response_length} response), micro-batches of "
              f"{work.tokens} tokens; rollout batch {work.rollout_batch} sequences",
@@ -415,6 +427,7 @@ def add_plan_command(sub) -> None:
     p.add_argument("--critic", action="store_true", help="a critic (PPO) shares the GPUs")
     p.add_argument("--lora", type=int, metavar="RANK",
                    help="LoRA adapters of this rank on every linear layer (actor.lora.r), the base frozen")
+    p.add_argument("--fp8", action="store_true", help="the actor's GEMMs in FP8 (actor.fp8): TE's FP8 weight caches")
     p.add_argument("--rollout-gpus", type=int,
                    help="GPUs of the engines' own (rollout.mode=disaggregated), the trainer takes the rest; "
                         "0 = engines colocated on the trainer's GPUs")
@@ -443,7 +456,8 @@ def _plan_command(args: argparse.Namespace) -> int:
     shape = ModelShape.load(args.model)
     gpu = parse_bytes(args.gpu_memory)
     work = Workload(args.max_prompt_length, args.max_response_length, args.max_tokens_per_gpu, args.rollout_batch,
-                    args.kl, args.critic, sleep=not args.no_sleep, lora=args.lora, lora_modules=args.lora_modules)
+                    args.kl, args.critic, sleep=not args.no_sleep, lora=args.lora, lora_modules=args.lora_modules,
+                    fp8=args.fp8)
     estimates = plan_layouts(shape, args.nodes, args.gpus_per_node, gpu, work, args.rollout_gpus)
     feasible = [e for e in estimates if not e.problems]
     table = render(shape, args.nodes, args.gpus_per_node, gpu, work, estimates, args.top, args.rollout_gpus)

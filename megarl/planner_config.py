@@ -6,7 +6,7 @@ and GPUs per node (cluster.nnodes, cluster.gpus_per_node), the longest prompt an
 (data.max_prompt_length, rollout.max_response_length), a micro-batch's tokens
 (actor.max_tokens_per_gpu), the sequences generated a step ((data.gen_batch_size or
 data.train_batch_size) x rollout.n), a reference model (a KL loss or KL in the reward), a critic
-(critic.enable), the actor's LoRA rank and layers (actor.lora), whether the trainer sleeps while colocated engines generate, and the engines'
+(critic.enable), the actor's LoRA rank and layers (actor.lora), FP8 (actor.fp8), whether the trainer sleeps while colocated engines generate, and the engines'
 own GPUs when rollout.mode=disaggregated with the actor's layout given. A flag given on the
 command line wins over the config. Main entry point: `settle`.
 """
@@ -21,7 +21,7 @@ from megarl.config_lora import LINEAR_MODULES
 # the planner's settings without a config (and what a flag left out means then)
 DEFAULTS = {"nodes": None, "gpus_per_node": 8, "max_prompt_length": 2048, "max_response_length": 20480,
             "max_tokens_per_gpu": None, "rollout_batch": 512 * 16, "rollout_gpus": 0, "lora": 0,
-            "lora_modules": LINEAR_MODULES}
+            "lora_modules": LINEAR_MODULES, "fp8": False}
 
 
 def from_config(path: str, overrides: list[str]) -> dict:
@@ -34,7 +34,7 @@ def from_config(path: str, overrides: list[str]) -> dict:
              "max_response_length": r.max_response_length, "max_tokens_per_gpu": cfg.actor.max_tokens_per_gpu,
              "rollout_batch": (d.gen_batch_size or d.train_batch_size) * r.n,
              "kl": cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward, "critic": cfg.critic.enable,
-             "lora": cfg.actor.lora.r, "lora_modules": cfg.actor.lora.modules()}
+             "lora": cfg.actor.lora.r, "lora_modules": cfg.actor.lora.modules(), "fp8": cfg.actor.fp8 is not None}
     if c.gpus_per_node:
         found["gpus_per_node"] = c.gpus_per_node
         found["no_sleep"] = r.mode == "colocated" and cfg.trainer.sleep_during_generation is False

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from megarl.cli import main
-from megarl.planner import GiB, ModelShape, Workload, estimate, overrides, parse_bytes, plan_layouts
+from megarl.planner import GiB, ModelShape, Workload, engine_memory, estimate, overrides, parse_bytes, plan_layouts
 
 GPU = 80 * GiB  # 85_899_345_920 bytes; 90% of it: 77_309_411_328
 
@@ -319,3 +319,26 @@ def test_the_colocated_syncs_peak_is_checked():
         f"the weight sync needs {moe.sync_peak / GiB:.1f} GiB when the engines' weights come back next to the "
         f"trainer's {moe.weights / GiB:.1f} GiB, more than 90% of the GPU"]
     assert moe.sync_peak == moe.weights + moe.engine_weights + 1536 * 2**20 + 5 * GiB > 0.9 * GPU
+
+
+def test_fp8_caches_by_hand_while_training_in_the_sync_and_not_while_the_engines_generate():
+    """actor.fp8 (--fp8): Transformer Engine caches an FP8 copy of each weight (1 byte a parameter)
+    and its transpose (1 more) while training; the probe's forward in a colocated sync builds the
+    copy alone (no gradients, no transpose); the sleep before the engines generate drops them all
+    (megarl.backends.sleep.WorkerSleep), so a sleeping trainer's engines are sized as without FP8."""
+    shape = ModelShape.load("Qwen2.5-7B")
+    # Qwen2.5-7B on TP 4: 28 layers of 233_057_792, the untied vocabulary (152064, a multiple of
+    # 128 x 4) twice, the final norm: 7_615_616_512 parameters, a quarter a GPU
+    stage = (28 * 233_057_792 + 2 * 152064 * 3584 + 3584) // 4
+    assert stage == 1_903_904_128
+    for sleep in (True, False):
+        bf16 = estimate(shape, 8, 8, GPU, Workload(sleep=sleep), tp=4, pp=1, recompute=True)
+        fp8 = estimate(shape, 8, 8, GPU, Workload(sleep=sleep, fp8=True), tp=4, pp=1, recompute=True)
+        assert (bf16.fp8_caches, fp8.fp8_caches) == (0, 2 * stage)
+        assert fp8.train_peak - bf16.train_peak == 2 * stage
+        # the sync: asleep, the weights pushed and the probe's copy; awake, everything the trainer holds
+        assert fp8.sync_peak - bf16.sync_peak == (stage if sleep else 2 * stage)
+        if sleep:  # the engines' budget as without FP8: nothing of the caches is left while they generate
+            assert (fp8.mem_fraction_static, fp8.kv_cache) == (bf16.mem_fraction_static, bf16.kv_cache)
+        else:  # an awake trainer keeps its caches next to the engines: B is 2 bytes a parameter smaller
+            assert engine_memory(bf16, GPU)[0] - engine_memory(fp8, GPU)[0] == 2 * stage

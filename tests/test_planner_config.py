@@ -76,3 +76,13 @@ def test_without_a_config_the_old_defaults_hold():
 def test_what_is_missing_is_asked_for(argv, message):
     with pytest.raises(ValueError, match=message):
         settle(plan_args(*argv))
+
+
+def test_fp8_comes_from_the_actors_setting(run_file):
+    path, _ = run_file
+    args = plan_args("--config", str(path))
+    settle(args)
+    assert args.fp8 is False
+    args = plan_args("--config", str(path), "actor.fp8=hybrid")
+    settle(args)
+    assert args.fp8 is True
