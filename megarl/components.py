@@ -76,8 +76,11 @@ class Components:
 
     def engine_metrics(self) -> dict[str, float]:
         """The engine's counters so far (the fleet's restarts and re-sent requests, the weights
-        reloaded after a failed probe)."""
-        return self.engine.metrics() | {"rollout/weight_reloads": float(self.runtime.weight_reloads)}
+        reloaded after a failed probe; the probe's noise floor and tolerance, once calibrated)."""
+        probe = self.runtime.probe
+        calibrated = {} if probe is None or probe.floor is None else {
+            "rollout/probe_noise_floor": probe.floor, "rollout/probe_tolerance": probe.tolerance}
+        return self.engine.metrics() | {"rollout/weight_reloads": float(self.runtime.weight_reloads)} | calibrated
 
     def check_retrieval(self) -> None:
         """After failed searches: ComponentDied naming the retrieval server when it is gone or

@@ -296,14 +296,22 @@ class RunConfig:
         return not (self.rollout.engine == "sglang" and self.rollout.sglang.server == "sglang")
 
     def probe_tolerance(self) -> float:
-        """sync.probe.tolerance with None resolved by model.dtype, device and whether the model is a
-        mixture of experts (megarl.weights.probe)."""
+        """sync.probe.tolerance with None resolved by model.dtype, device, whether the model is a
+        mixture of experts and whether the trainer computes in FP8 (megarl.weights.probe)."""
         from megarl.weights.probe import default_tolerance, is_mixture_of_experts
 
         p = self.sync.probe
         if p.tolerance is not None:
             return p.tolerance
-        return default_tolerance(self.model.dtype, self.cluster.gpus_per_node > 0, is_mixture_of_experts(self.model.path))
+        return default_tolerance(self.model.dtype, self.cluster.gpus_per_node > 0,
+                                 is_mixture_of_experts(self.model.path), self.actor.fp8 is not None)
+
+    def probe_ceiling(self) -> float:
+        """sync.probe.ceiling with None resolved from the probe's bound (megarl.weights.probe)."""
+        from megarl.weights.probe import default_ceiling
+
+        p = self.sync.probe
+        return p.ceiling if p.ceiling is not None else default_ceiling(self.probe_tolerance())
 
     def gate_bound(self) -> float:
         """sync.probe.gate_bound with None resolved: 10 x the probe's tolerance."""

@@ -27,7 +27,7 @@ from megarl.http_auth import RETRIEVAL_KEY_ENV, new_api_key
 from megarl.reward.pool import RewardComputer
 from megarl.rollout.engine import RolloutEngine
 from megarl.weights.buckets import verify_engine
-from megarl.weights.probe import WeightProbe, WrongWeights, probe_sequences
+from megarl.weights.probe import WeightProbe, WrongWeights, beyond, probe_sequences
 from megarl.weights.transport import RankPlace, TrainRanks, WeightSender, WeightTransport
 
 log = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ class Runtime(ABC):
             log.warning("sync.probe: no training prompt has two tokens to probe with; the engines' weights go "
                         "unchecked")
             return
-        self.probe = WeightProbe(sequences, self.cfg.probe_tolerance())
+        self.probe = WeightProbe(sequences, self.cfg.probe_tolerance(), p.noise_multiple, self.cfg.probe_ceiling())
         if self._trainer_asleep:
             self.for_training()
         self.probe.expect(trainer_log_probs(self.worker, sequences), self.weights_version)
@@ -129,23 +129,40 @@ class Runtime(ABC):
     def check_engine_weights(self, event: str) -> None:
         """The weights probe after `event`: an engine that disagrees with the trainer gets the
         trainer's weights again (one sync) and is probed again; if it still disagrees the run
-        stops (WrongWeights), naming the engine, the event and the figures."""
-        if self.probe is None:
+        stops (WrongWeights), naming the engine, the event and the figures. The first probe
+        calibrates the tolerance (WeightProbe.calibrate) on a floor measured after the reload
+        where the first look exceeded the bound: what the engines started with may have been
+        wiped, half loaded, or the base model of a resumed run; what the trainer just pushed is
+        not. The second look is judged by the ceiling then, the tolerance afterwards."""
+        probe = self.probe
+        if probe is None:
             return
-        bad = run_async(self.probe.mismatches(self.engine))
-        if not bad:
-            return
-        tolerance = self.probe.tolerance
-        log.warning("sync.probe: after %s, %s; loading the trainer's weights (version %d) again", event,
-                    "; ".join(m.describe(tolerance) for m in bad), self.weights_version)
-        self.weight_reloads += 1
-        self.sync_weights(self.weights_version, check=False)
-        bad = run_async(self.probe.mismatches(self.engine))
+        found = run_async(probe.measure(self.engine))
+        bad = beyond(found, probe.tolerance)
         if bad:
-            raise WrongWeights(f"{bad[0].engine} serves other weights than the trainer's (version "
-                               f"{self.weights_version}) after {event}, and again after they were loaded once more: "
-                               + "; ".join(m.describe(tolerance) for m in bad)
-                               + ". The run stopped before training on its samples; its last checkpoint is good")
+            log.warning("sync.probe: after %s, %s; loading the trainer's weights (version %d) again", event,
+                        "; ".join(m.describe(probe.tolerance) for m in bad), self.weights_version)
+            self.weight_reloads += 1
+            self.sync_weights(self.weights_version, check=False)
+            found = run_async(probe.measure(self.engine))
+            limit, name = (probe.tolerance, "tolerance") if probe.floor is not None else (probe.ceiling, "ceiling")
+            bad = beyond(found, limit)
+            if bad:
+                hint = ("" if probe.floor is not None else
+                        f"; sync.probe.ceiling={limit:.3g} is the largest noise floor the first probe takes for "
+                        "rounding and routing noise: a larger one means the engines compute with other weights "
+                        "than those pushed (a weight conversion or transport fault, an engine built from another "
+                        "config). If this model's engines are known to differ this much, raise sync.probe.ceiling")
+                raise WrongWeights(f"{bad[0].engine} serves other weights than the trainer's (version "
+                                   f"{self.weights_version}) after {event}, and again after they were loaded once "
+                                   "more: " + "; ".join(m.describe(limit, name) for m in bad) + hint
+                                   + ". The run stopped before training on its samples; its last checkpoint is good")
+        if probe.floor is None and found:
+            floor = max(m.mean_abs for m in found)
+            probe.calibrate(floor)
+            log.info("sync.probe: noise floor %.3g a token after %s; tolerance %.3g from now on (the larger of "
+                     "sync.probe.tolerance=%.3g and sync.probe.noise_multiple=%g x the floor)", floor, event,
+                     probe.tolerance, probe.bound, probe.multiple)
 
     def for_training(self) -> None:
         """Before the trainer computes or saves: the engines' memory released, the trainer awake."""

@@ -10,16 +10,23 @@ difference per token exceeds the tolerance serves other weights: wiped by a memo
 half loaded, another version, another model. What then happens (one reload, then the run
 stops by name) is the runtime's business (megarl.runtime.base.Runtime.check_engine_weights).
 
+The tolerance is calibrated at run time: the first probe (the engines' start, or a resume's
+first sync: both sides hold the same weights) measures the noise floor, the largest mean
+difference of an engine, and the tolerance in force becomes the larger of the configured bound
+and `multiple` x that floor (`WeightProbe.calibrate`). A floor above the ceiling is not noise:
+the runtime stops the run rather than calibrate wrong weights into acceptance.
+
 Exact per-tensor checksums (sync.verify) say more where an engine can report them; the probe
 works with every engine, SGLang's own servers included, at the cost of one short prefill.
 
-Main entry points: `WeightProbe`, `probe_sequences`, `default_tolerance`, `WrongWeights`.
+Main entry points: `WeightProbe`, `probe_sequences`, `default_tolerance`, `default_ceiling`,
+`WrongWeights`.
 """
 
 from __future__ import annotations
 
-import json
-import os
+import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -28,35 +35,62 @@ import torch
 
 from megarl.errors import ComponentDied
 
+log = logging.getLogger(__name__)
+
 
 class WrongWeights(ComponentDied):
     """An engine serves other weights than the trainer's, and reloading them did not help."""
 
 
-# mean |engine - trainer| log-prob per probe token (nats) that still counts as the same weights.
+# The configured bound: mean |engine - trainer| log-prob per probe token (nats) that counts as the
+# same weights before the first probe has measured the noise, and the least tolerance after.
 # float32 on the CPU: the same model computed by two code paths agrees within 1e-5 (measured
 # here: the embedded engine and SGLang 0.5.23's CPU server against the torch trainer). bf16: a
 # published comparison of engines and trainers on the same checkpoint (docs/training.md) found
 # 0.005-0.006 for Qwen3-32B and 0.14-0.34 for Qwen3-30B-A3B, whose routers pick other experts
-# for some tokens (the probe does not replay the engine's routing). Wiped or foreign weights
+# for some tokens (the probe does not replay the engine's routing), on sampled tokens; the probe
+# scores teacher-forced prompt tokens, unlikely ones among them, whose bf16 logits' rounding does
+# not cancel (about 0.04 nats by arithmetic): hence the calibration. Wiped or foreign weights
 # differ by nats (a uniform guess over a 150k vocabulary is -11.9).
 TOLERANCES = {"float32": (1e-4, 1e-3), "bfloat16": (0.05, 0.05), "float16": (0.05, 0.05)}  # (CPU, GPU)
 MOE_FACTOR = 10  # a mixture of experts: 10x the dense tolerance
+# The trainer's GEMMs in FP8 (actor.fp8) against bf16 engines. A mean of absolute differences
+# obeys the triangle inequality token by token: |engine - fp8 trainer| <= |engine - bf16 trainer|
+# + |bf16 trainer - fp8 trainer|, so the bound grows by the second term, which megarl's GPU test
+# bounds at a mean of 0.1 nats a token (tests/gpu/test_megatron_gpu.py,
+# test_fp8_log_probs_stay_close_to_bf16: e4m3 keeps 3 mantissa bits against bf16's 7, each
+# operand rounded 16x coarser; fp32 accumulation over a layer's inputs averages much of it out).
+FP8_GAP = 0.1
+# The ceiling: the largest noise floor a first probe may measure, 10x the bound, at most 2 nats
+# a token (the engines' probability of the trainer's tokens e^2 = 7.4x off on average: no rounding
+# or routing noise comes near it; the largest published gap above is 0.34), never below the bound.
+CEILING_FACTOR = 10
+MAX_CEILING = 2.0
 
 
-def default_tolerance(dtype: str, on_gpu: bool, moe: bool = False) -> float:
-    """The probe's tolerance for the model's dtype on this kind of device (TOLERANCES), 10x for
-    a mixture of experts."""
-    return TOLERANCES[dtype][on_gpu] * (MOE_FACTOR if moe else 1)
+def default_tolerance(dtype: str, on_gpu: bool, moe: bool = False, fp8: bool = False) -> float:
+    """The probe's configured bound for the model's dtype on this kind of device (TOLERANCES),
+    10x for a mixture of experts, FP8_GAP more for a trainer computing in FP8."""
+    return TOLERANCES[dtype][on_gpu] * (MOE_FACTOR if moe else 1) + (FP8_GAP if fp8 else 0.0)
 
 
-@lru_cache(maxsize=8)  # the gate asks every step (RunConfig.gate_bound): the file is read once
+def default_ceiling(bound: float) -> float:
+    """The largest noise floor the first probe may measure, for the configured `bound`."""
+    return max(bound, min(CEILING_FACTOR * bound, MAX_CEILING))
+
+
+@lru_cache(maxsize=8)  # the gate asks every step (RunConfig.gate_bound): the config is read once
 def is_mixture_of_experts(model_path: str) -> bool:
-    """Whether the HF config in `model_path` routes tokens to experts (False when it cannot be read)."""
-    try:
-        with open(os.path.join(model_path, "config.json")) as f:
-            config = json.load(f)
-    except (OSError, ValueError):
+    """Whether the HF config of `model_path` routes tokens to experts: a model directory, its
+    config.json, or a hub id (in the local HF cache, or fetched as transformers fetches it).
+    False, logged, when it cannot be read (the first probe's calibration still measures it)."""
+    from transformers import PretrainedConfig
+
+    try:  # the raw dict: no config class needed, so model types transformers lacks are read too
+        config, _ = PretrainedConfig.get_config_dict(model_path)
+    except (OSError, ValueError) as e:
+        log.warning("sync.probe: model.path=%s has no HF config to read (%s); the probe's bound is a dense "
+                    "model's", model_path, e)
         return False
     config = config.get("text_config", config)
     return any(int(config.get(key) or 0) > 1 for key in ("num_experts", "num_local_experts", "n_routed_experts"))
@@ -80,20 +114,25 @@ class Mismatch:
     max_abs: float
     tokens: int
 
-    def describe(self, tolerance: float) -> str:
+    def describe(self, limit: float, name: str = "tolerance") -> str:
         return (f"{self.engine}: mean |engine - trainer| log-prob {self.mean_abs:.3g} a token over {self.tokens} "
-                f"probe tokens (largest {self.max_abs:.3g}; tolerance {tolerance:.3g})")
+                f"probe tokens (largest {self.max_abs:.3g}; {name} {limit:.3g})")
 
 
 class WeightProbe:
     """The probe's sequences, the trainer's log-probs of them for the weights it last pushed,
     and the comparison with an engine's."""
 
-    def __init__(self, sequences: list[list[int]], tolerance: float):
+    def __init__(self, sequences: list[list[int]], tolerance: float, multiple: float = 1.0,
+                 ceiling: float = math.inf):
+        """`tolerance`: the configured bound; `multiple` x the floor the first probe measures
+        raises the tolerance above it; `ceiling`: the largest floor that counts as noise."""
         if not sequences:
             raise ValueError("the weights probe needs at least one sequence of two or more tokens")
         self.sequences = sequences
-        self.tolerance = tolerance
+        self.bound = self.tolerance = tolerance  # the tolerance in force: the bound until calibrated
+        self.multiple, self.ceiling = multiple, ceiling
+        self.floor: float | None = None  # the noise floor the first probe measured
         self.expected: list[torch.Tensor] | None = None  # per sequence, log-probs of tokens 1..n-1
         self.version: int | None = None  # the weights `expected` is for
 
@@ -105,14 +144,26 @@ class WeightProbe:
         self.expected = [t.float() for t in trainer_log_probs]
         self.version = version
 
-    async def mismatches(self, engine) -> list[Mismatch]:
-        """The engines of `engine` (one, or each of a fleet) that disagree with the trainer
-        beyond the tolerance; [] when all agree. An answer of the wrong shape is a mismatch."""
+    def calibrate(self, floor: float) -> float:
+        """The tolerance in force from the noise `floor` (the largest mean difference of an engine
+        holding the trainer's weights): the larger of the bound and `multiple` x the floor."""
+        if not floor <= self.ceiling:  # NaN too
+            raise ValueError(f"the weights probe's noise floor {floor:.3g} a token is above the ceiling "
+                             f"{self.ceiling:.3g}: not noise, other weights")
+        self.floor, self.tolerance = floor, max(self.bound, self.multiple * floor)
+        return self.tolerance
+
+    async def measure(self, engine) -> list[Mismatch]:
+        """How far each engine of `engine` (one, or each of a fleet) is from the trainer."""
         if self.expected is None:
             raise RuntimeError("the weights probe has no trainer log-probs yet (WeightProbe.expect)")
         answers = await engine.probe_log_probs(self.sequences)
-        return [m for m in (self.compare(name, got) for name, got in answers.items())
-                if not m.mean_abs <= self.tolerance]  # NaN is a mismatch too
+        return [self.compare(name, got) for name, got in answers.items()]
+
+    async def mismatches(self, engine) -> list[Mismatch]:
+        """The engines of `engine` that disagree with the trainer beyond the tolerance in force;
+        [] when all agree. An answer of the wrong shape is a mismatch."""
+        return beyond(await self.measure(engine), self.tolerance)
 
     def compare(self, engine: str, got: Sequence[Sequence[float]]) -> Mismatch:
         """How far `got` (per sequence, log-probs of tokens 1..n-1) is from the trainer's."""
@@ -122,3 +173,8 @@ class WeightProbe:
         diff = (torch.tensor([x for g in got for x in g], dtype=torch.float64)
                 - torch.cat(self.expected).double()).abs()
         return Mismatch(engine, float(diff.mean()), float(diff.max()), diff.numel())
+
+
+def beyond(found: list[Mismatch], limit: float) -> list[Mismatch]:
+    """The mismatches of `found` above `limit` (NaN is one too)."""
+    return [m for m in found if not m.mean_abs <= limit]
