@@ -195,3 +195,13 @@ def shares_or_whole(hf_dir: str, overrides: list[str], batch, shares: bool):
         before = w.compute_log_prob(batch)[0]
         metrics = w.update_actor(batch)
     return before, w.compute_log_prob(batch)[0], metrics
+
+
+def forwards_whole_and_shared(hf_dir: str, overrides: list[str], batch):
+    """Log-probs of the packed `batch` sent whole to every rank, and of this rank's forward share
+    (as the Ray proxy sends it; empty on a data-parallel rank beyond the batch's rows)."""
+    from megarl.backends.packed import forward_shares
+
+    w = worker(hf_dir, overrides)
+    dp_rank, dp_size = w.data_parallel()
+    return w.compute_log_prob(batch)[0], w.compute_log_prob(forward_shares(batch, dp_size)[dp_rank])[0]

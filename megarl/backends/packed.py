@@ -162,7 +162,8 @@ class PackedBatch:
 
     def pack(self, padded: torch.Tensor) -> torch.Tensor:
         """(B, L, ...) aligned with `padded()` (L at least the longest row) -> (N, ...)."""
-        return padded[:, : int(self.lengths.max())][self._positions(int(self.lengths.max()))]
+        width = int(self.lengths.max()) if len(self) else 0
+        return padded[:, :width][self._positions(width)]
 
     def nbytes(self) -> int:
         tensors = [t for f in fields(self) if isinstance(t := getattr(self, f.name), torch.Tensor)]

@@ -90,14 +90,17 @@ def token_multiple(tp: int, cp: int = 1, *, sequence_parallel: bool = False, fp8
 
 
 def plan_micro_batches(lengths: list[int], *, micro_batch_size: int, max_tokens: int | None = None,
-                       multiple: int = 1, packed: bool = False) -> list[list[int]]:
+                       multiple: int = 1, packed: bool = False, count: int = 0) -> list[list[int]]:
     """Row indices of each micro-batch. Without `max_tokens`: consecutive groups of
     `micro_batch_size` rows. With it: rows sorted by length (longest first), each placed in
     the first micro-batch it fits (padded: rows x its longest row rounded up to `multiple`;
     packed: the sum of the rows' lengths rounded up to `multiple`) within `max_tokens`; a
-    row longer than the budget travels alone."""
+    row longer than the budget travels alone. `count`: at least that many micro-batches where
+    the rows allow (`split_to_count`)."""
     if not max_tokens:
-        return [list(range(i, min(i + micro_batch_size, len(lengths)))) for i in range(0, len(lengths), micro_batch_size)]
+        groups = [list(range(i, min(i + micro_batch_size, len(lengths))))
+                  for i in range(0, len(lengths), micro_batch_size)]
+        return split_to_count(groups, lengths, count, multiple=multiple, packed=packed)
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     groups: list[list[int]] = []
     used: list[int] = []  # packed: the real tokens of each group
@@ -115,6 +118,30 @@ def plan_micro_batches(lengths: list[int], *, micro_batch_size: int, max_tokens:
         else:
             groups.append([i])
             used.append(n)
+    return split_to_count(groups, lengths, count, multiple=multiple, packed=packed)
+
+
+def split_to_count(groups: list[list[int]], lengths: list[int], count: int, *, multiple: int = 1,
+                   packed: bool = False) -> list[list[int]]:
+    """`groups` with the costliest group of two or more rows cut in two (its first half of rows,
+    then the rest, in place) until there are `count` groups or every group is one row. The cost
+    is a micro-batch's tokens through the model: padded, rows x its longest row; packed, the
+    sum of its rows (each rounded up to `multiple`). This is how the data-parallel ranks that
+    share a collective per micro-batch (an MoE layer's expert all-to-all) come to run as many
+    micro-batches each, without a micro-batch that carries no row."""
+    def cost(group: list[int]) -> int:
+        if packed:
+            return round_up(sum(max(lengths[i], 1) for i in group), multiple)
+        return len(group) * round_up(max(max(lengths[i], 1) for i in group), multiple)
+
+    groups = [list(g) for g in groups]
+    while len(groups) < count:
+        splittable = [g for g, group in enumerate(groups) if len(group) > 1]
+        if not splittable:
+            break
+        g = max(splittable, key=lambda g: cost(groups[g]))  # the first of equal costs
+        half = (len(groups[g]) + 1) // 2
+        groups[g: g + 1] = [groups[g][:half], groups[g][half:]]
     return groups
 
 
@@ -131,6 +158,7 @@ class MicroBatch:
     cp: int = 1
     real: torch.Tensor | None = None  # bool as input_ids: a token of a sequence (not padding)
     routed: torch.Tensor | None = None  # routing replay: as input_ids, plus the experts' width (-1: none)
+    stand_in: bool = False  # a forward's placeholder run only to meet the other ranks' collectives (`stand_in`)
 
     @property
     def width(self) -> int:
@@ -265,17 +293,46 @@ def _context_share(micro: MicroBatch, cp: int, cp_rank: int) -> MicroBatch:
 
 
 def split_batch(batch: TrainBatch, config, *, micro_batch_size: int, max_tokens: int | None = None,
-                packing: str | None = None) -> list[MicroBatch]:
+                packing: str | None = None, forward_only: bool = False) -> list[MicroBatch]:
     """`batch` as micro-batches for this rank's layout and the model's TransformerConfig
-    `config` (its sequence parallelism and FP8 recipe): lengths a multiple of `token_multiple`."""
+    `config` (its sequence parallelism and FP8 recipe): lengths a multiple of `token_multiple`.
+
+    Every data-parallel rank gets as many micro-batches as the rank with the most: an MoE layer
+    runs its expert all-to-all once a micro-batch, and with expert parallelism spanning the
+    data-parallel replicas a rank that ran out of micro-batches would leave the others waiting
+    in it. A rank with fewer splits its own (`split_to_count`); an update's ranks hold as many
+    rows each, so that always suffices there. A forward's rank can hold fewer rows than the
+    count (uneven shares; fewer rows than ranks, as the weights probe's 4 sequences at DP 8):
+    it runs stand-in micro-batches (`stand_in`), whose results are dropped."""
     from megatron.core import parallel_state
+
+    from megarl.backends.megatron.collectives import most_over_data_parallel
 
     tp, cp = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_context_parallel_world_size()
     multiple = token_multiple(tp, cp, sequence_parallel=config.sequence_parallel,
                               fp8_recipe=config.fp8_recipe if config.fp8 else None)
-    plan = plan_micro_batches(batch.attention_mask.sum(1).tolist(), micro_batch_size=micro_batch_size,
-                              max_tokens=max_tokens, multiple=multiple, packed=packing is not None)
-    return make_micro_batches(batch, plan, multiple, packing, cp, parallel_state.get_context_parallel_rank())
+    lengths = batch.attention_mask.sum(1).tolist()
+    plan = plan_micro_batches(lengths, micro_batch_size=micro_batch_size, max_tokens=max_tokens, multiple=multiple,
+                              packed=packing is not None)
+    count = most_over_data_parallel(len(plan))
+    plan = split_to_count(plan, lengths, count, multiple=multiple, packed=packing is not None)
+    cp_rank = parallel_state.get_context_parallel_rank()
+    micros = make_micro_batches(batch, plan, multiple, packing, cp, cp_rank)
+    if len(micros) < count:
+        if not forward_only:
+            raise RuntimeError(f"an update of {len(batch)} rows on this data-parallel rank cannot make the {count} "
+                               "micro-batches another rank has: the ranks of an update must hold as many rows each")
+        micros += [stand_in(multiple, packing, cp, cp_rank) for _ in range(count - len(micros))]
+    return micros
+
+
+def stand_in(multiple: int, packing: str | None = None, cp: int = 1, cp_rank: int = 0) -> MicroBatch:
+    """A forward's placeholder micro-batch: one row of `multiple` token-0 positions, no loss
+    token, routed by the model itself. It takes part in every collective a micro-batch's
+    forward does; its results are never read."""
+    batch = TrainBatch.from_sequences([[0]], [[]], [[]])
+    micro = make_micro_batches(batch, [[0]], multiple, packing, cp, cp_rank)[0]
+    return replace(micro, stand_in=True)
 
 
 # head(output of the last stage, micro-batch) -> (loss, dict of results); called on the last stage only
@@ -297,7 +354,7 @@ def run_schedule(chunks: list[torch.nn.Module], micros: list[MicroBatch], head: 
 
     def step(data_iterator, model):
         micro = next(data_iterator)
-        set_micro_routing(model, micro.routed)  # routing replay, on the actor's routers
+        set_micro_routing(model, micro.routed, by_itself=micro.stand_in)  # routing replay, on the actor's routers
         output = model(**micro.model_inputs(device, _unwrapped(model)))
         return output, lambda output_tensor: head(output_tensor, micro)
 
@@ -328,7 +385,7 @@ def forward_per_token(chunks: list[torch.nn.Module], batch: TrainBatch, per_toke
     from megatron.core import parallel_state
 
     micros = split_batch(batch, chunks[0].config, micro_batch_size=micro_batch_size, max_tokens=max_tokens,
-                         packing=packing)
+                         packing=packing, forward_only=True)
     device = next(chunks[0].parameters()).device
 
     def collect(output_tensor, micro):
@@ -339,6 +396,8 @@ def forward_per_token(chunks: list[torch.nn.Module], batch: TrainBatch, per_toke
     out = {name: torch.zeros(batch.input_ids.shape, device=device) for name in names}
     if parallel_state.is_pipeline_last_stage():
         for micro, item in zip(micros, store):
+            if micro.stand_in:
+                continue
             rows = torch.tensor(micro.rows, device=device)
             for name in names:
                 out[name][rows, : micro.width] = item[name].float()
@@ -346,7 +405,7 @@ def forward_per_token(chunks: list[torch.nn.Module], batch: TrainBatch, per_toke
         for name in names:
             torch.distributed.all_reduce(out[name], group=parallel_state.get_context_parallel_group())
     real = batch.attention_mask.to(device).clone()
-    real[:, 0] = 0
+    real[:, :1] = 0  # (a rank's share may be empty: no column 0)
     for name in names:
         from_last_stage(out[name])
         out[name] *= real

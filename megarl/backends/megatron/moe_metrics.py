@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from megarl.backends.megatron.collectives import reduce_values
 from megarl.backends.moe import load_balancing_loss, load_max_over_mean, routed_counts
 
 
@@ -64,12 +65,11 @@ class MoeMetrics:
                 raise RuntimeError(f"a router ran {len(calls)} forwards for {len(micros)} micro-batches")
             aux += sum(share * a for share, (a, _) in zip(shares, calls))
             load += sum(share * lo for share, (_, lo) in zip(shares, calls))
-        totals = torch.tensor([aux, load, float(len(self.calls))], dtype=torch.float64)
-        torch.distributed.all_reduce(totals, group=parallel_state.get_pipeline_model_parallel_group())
-        layers = max(float(totals[2]), 1.0)
-        mine = torch.tensor([float(totals[0]), float(totals[1]) / layers], dtype=torch.float64)
-        torch.distributed.all_reduce(mine, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
-        return {"moe_aux_loss": float(mine[0]), "moe_load_max_over_mean": float(mine[1])}
+        totals = reduce_values([aux, load, float(len(self.calls))], parallel_state.get_pipeline_model_parallel_group())
+        layers = max(totals[2], 1.0)
+        mine = reduce_values([totals[0], totals[1] / layers],
+                             parallel_state.get_data_parallel_group(with_context_parallel=True))
+        return {"moe_aux_loss": mine[0], "moe_load_max_over_mean": mine[1]}
 
 
 def _in_backward() -> bool:

@@ -121,11 +121,16 @@ def routing_by_itself() -> Iterator[None]:
         _OWN_ROUTING[0] = False
 
 
-def set_micro_routing(chunk: torch.nn.Module, routed: torch.Tensor | None) -> None:
+def set_micro_routing(chunk: torch.nn.Module, routed: torch.Tensor | None, *, by_itself: bool = False) -> None:
     """Before `chunk` runs a micro-batch: its routers replay `routed` (a chunk without replay
-    installed routes by itself, and any inside routing_by_itself)."""
+    installed routes by itself, and any inside routing_by_itself). `by_itself`: this micro-batch
+    is routed by the routers themselves (a forward's stand-in, which no engine routed)."""
     routers = _replaying_routers(chunk)
     if not routers or _OWN_ROUTING[0]:
+        return
+    if by_itself:  # forward-only: nothing to recompute in a backward pass
+        for router in routers:
+            router.router_replay.now = None
         return
     if routed is None:
         raise ValueError("actor.moe_routing_replay: the batch carries no routed experts from the rollout engine")

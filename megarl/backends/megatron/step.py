@@ -16,6 +16,7 @@ from collections import defaultdict
 
 import torch
 
+from megarl.backends.megatron.collectives import reduce_values
 from megarl.backends.megatron.forward import Head, MicroBatch, run_schedule
 from megarl.config import OptimConfig
 
@@ -125,9 +126,8 @@ def _sum_over_data_parallel(metrics: dict[str, float]) -> dict[str, float]:
     if parallel_state.get_data_parallel_world_size(with_context_parallel=True) == 1 or not metrics:
         return metrics
     keys = sorted(metrics)
-    summed = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)
-    torch.distributed.all_reduce(summed, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
-    return dict(zip(keys, summed.tolist()))
+    summed = reduce_values([metrics[k] for k in keys], parallel_state.get_data_parallel_group(with_context_parallel=True))
+    return dict(zip(keys, summed))
 
 
 def _from_last_stage(metrics: dict[str, float]) -> dict[str, float]:
