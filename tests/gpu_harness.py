@@ -26,6 +26,7 @@ import torch
 from megatron_dist import join, rank_context, rendezvous_store
 
 from megarl.runtime.base import RankEndpoint, Runtime
+from megarl.runtime.ray_runtime import RayRuntime
 from megarl.weights.buckets import FlatBucket, group_tensors, weight_checksums
 from megarl.weights.transport import RankPlace
 
@@ -346,20 +347,14 @@ class HarnessRuntime(Runtime):
         self.cfg, self.engine, self.ranks, self.transport = cfg, engine, ranks, transport
         self.worker = Trainer(tensors)
 
-    def release_engine_memory(self) -> None:
-        """As RayRuntime: only engines colocated on the trainer's GPUs release their memory."""
-        import asyncio
+    @property
+    def colocated(self) -> bool:
+        return self.cfg.rollout.mode == "colocated" and bool(self.cfg.cluster.gpus_per_node)
 
-        if self.cfg.rollout.mode == "colocated" and self.cfg.cluster.gpus_per_node:
-            asyncio.run(self.engine.release_memory())
-
-    def resume_engine_memory(self) -> bool:
-        import asyncio
-
-        if not self.engine.memory_released:
-            return False
-        asyncio.run(self.engine.resume_memory())
-        return True
+    # RayRuntime's own: which tags the engines release for training, and what comes back before
+    # generation (a copy here would hide a mismatch between the two)
+    release_engine_memory = RayRuntime.release_engine_memory
+    resume_engine_memory = RayRuntime.resume_engine_memory
 
     def shutdown(self) -> None:
         pass

@@ -5,7 +5,9 @@ It speaks the control API megarl uses with SGLang's semantics, not only its fiel
   SGLang server started by Ray does, TP rank i on the i-th; a CUDA IPC entry made on a device it cannot see, or on another TP
   rank's device, is refused (SGLang's rebuild of a handle fails the same way);
 - memory by tag (kv_cache, weights, cuda_graph): release/resume with no tags means all of them
-  (sglang/srt/constants.py); generation needs all three, a weight update needs the weights; a
+  (sglang/srt/constants.py); generation needs all three (a request, or a health check, while any
+  is released kills the server, as the illegal memory access kills SGLang's), a weight update
+  needs the weights; a
   release is refused unless the server is idle (requests paused count as retracted, not running),
   and releasing the weights loses them unless `--enable-weights-cpu-backup` (torch_memory_saver
   maps fresh pages on resume: here every loaded tensor turns to NaN);
@@ -121,6 +123,15 @@ def create_app(node: str, gpus: list[str], hold: dict[str, float], collective_di
     def log(route: str, **extra) -> None:
         calls.append({"route": route, "time": time.time(), **extra})
 
+    def crash_if_released(route: str) -> None:
+        """SGLang 0.5.23 takes requests while its memory is released (its scheduler checks
+        nothing): a decode replays CUDA graphs on the unmapped KV cache, the illegal memory access
+        kills the scheduler, and the scheduler takes the server down with it. Here too."""
+        if released:
+            print(f"{route} with memory released {sorted(released)}: CUDA error: an illegal memory access was "
+                  "encountered", file=sys.stderr, flush=True)
+            os._exit(9)
+
     @app.get("/health")
     async def health():
         return {}
@@ -128,8 +139,7 @@ def create_app(node: str, gpus: list[str], hold: dict[str, float], collective_di
     @app.get("/health_generate")
     async def health_generate():
         log("/health_generate", paused=state["paused"])
-        if released:
-            return JSONResponse({"message": f"memory released: {sorted(released)}"}, status_code=503)
+        crash_if_released("/health_generate")  # SGLang's health check generates a token
         parked_until = time.monotonic() + health_park_s  # SGLang parks the probe's generation while paused
         while state["paused"] and time.monotonic() < parked_until:
             await asyncio.sleep(0.05)
@@ -140,9 +150,7 @@ def create_app(node: str, gpus: list[str], hold: dict[str, float], collective_di
     @app.post("/generate")
     async def generate(request: Request):
         body = await request.json()
-        if released:  # a decode replays CUDA graphs on the KV cache, with the weights
-            return JSONResponse({"error": f"generation with released memory {sorted(released)}: CUDA graph "
-                                          "replay on unmapped memory"}, status_code=500)
+        crash_if_released("/generate")
         log("/generate")
         rid = body.get("rid") or uuid.uuid4().hex
         want = int(body.get("sampling_params", {}).get("max_new_tokens", 1)) if token_s else 1

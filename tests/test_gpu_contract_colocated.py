@@ -11,8 +11,10 @@ import time
 import pytest
 
 from gpu_harness import Layout, all_tensors, calls
+from megarl.config import load_config
 from megarl.rollout.engine import SamplingParams
 from megarl.rollout.sglang import SGLangFleet
+from megarl.weights.adapters import AdapterTransport
 from megarl.weights.buckets import weight_checksums
 from megarl.weights.group import GroupTransport
 from megarl.weights.ipc import IpcTransport
@@ -105,3 +107,34 @@ def test_an_engine_restarted_before_the_push_starts_next_to_a_sleeping_trainer(r
     assert trainer.calls[1][1] <= restarted <= trainer.calls[2][1]  # the trainer fully asleep meanwhile
     want = weight_checksums(sorted(all_tensors(layout.pp).items()))
     assert [engine_sums(u) for u in r.urls()] == [want, want]
+
+
+@pytest.mark.timeout(300)
+def test_colocated_engines_serving_adapters_get_back_the_kv_cache_they_released(run, tmp_path):
+    """actor.lora.sync=adapter, colocated: the engines keep the base on the GPU and release their
+    KV cache and CUDA graphs alone for training, outside any sync (install_probe's release, a
+    checkpoint's). Before the fix the resume before generation asked each engine for all three
+    tags, the fleet resumed none (no engine had released its weights) and took the memory for
+    back: the next generation ran on an unmapped KV cache, which kills SGLang (and the double),
+    and the fleet restarted both engines. Now each engine gets back what it released."""
+    layout = Layout(tp=2, dp=2, pp=1)
+    cfg = load_config(None, ["model.path=m", "rollout.engine=sglang", "rollout.mode=colocated",
+                             "cluster.gpus_per_node=4", "rollout.tensor_parallel_size=2", "actor.backend=megatron",
+                             "actor.parallel.tensor_model_parallel_size=2", "actor.lora.r=4",
+                             "actor.lora.sync=adapter", f"sync.disk_dir={tmp_path / 'adapters'}"])
+    r = run(cfg, AdapterTransport, layout, ["0", "1", "2", "3"], [["0", "1"], ["2", "3"]])
+
+    async def one_on_each_engine():  # the second request goes to the engine with none in flight
+        return await asyncio.gather(*[r.fleet.generate([1, 2, 3], SamplingParams(max_new_tokens=1)) for _ in range(2)])
+
+    for _ in range(2):  # install_probe's release, then a checkpoint's
+        r.runtime.for_training()
+        r.runtime.for_generation()
+        outs = asyncio.run(one_on_each_engine())
+        assert [(len(o.token_ids), o.finish_reason) for o in outs] == [(1, "length")] * 2
+    assert r.fleet.metrics()["rollout/engine_restarts"] == 0
+    for url in r.urls():
+        served = calls(url)
+        for route in ("/release_memory_occupation", "/resume_memory_occupation"):
+            assert [sorted(c["tags"]) for c in served if c["route"] == route] == [["cuda_graph", "kv_cache"]] * 2
+        assert len([c for c in served if c["route"] == "/generate"]) == 2

@@ -100,7 +100,7 @@ class SGLangFleet:
         self.serves_adapters = False  # last_weights is a LoRA adapter (the lora transport), not whole weights
         self.failed_requests = 0  # requests re-sent after an engine failure (a metric)
         self.router_restarts = 0
-        self.memory_released = False  # release_memory ran; the next weight update takes the memory back
+        self.memory_released = False  # an engine has memory released: resume_memory gives it back
         self.synced = False  # a weight sync has begun: the checkpoint's weights are no longer the trainer's
         self.probe = None  # the run's WeightProbe (megarl.weights.probe): a restarted engine is probed after its reload
         # engines restarted after a sync's load with nothing kept to reload: the runtime syncs them again
@@ -276,13 +276,14 @@ class SGLangFleet:
     # from the sync itself; after them it needs a copy to reload (resume_memory says which it is)
     _UP_TO_THE_LOAD = frozenset({"pause", "open_update_session", "load_from_disk", "load_adapter", "release_memory"})
 
-    async def _each(self, method: str, *args, before_load: bool | None = None, where=None) -> list:
+    async def _each(self, method: str, *args, before_load: bool | None = None, args_of=None) -> list:
         """`method` of every engine's client. An engine whose process died is restarted (with the
         newest weights where they are kept) and gets the call once more, but for a resume of
         memory: a fresh engine holds all of it, and SGLang fails a resume of a tag it never released
         (its scheduler's offload_tags.remove raises). `before_load`: whether the sync's load is
-        still to come (default: by the method). `where`: only the engines it is true of."""
-        async def one(server: _ServerHandle):
+        still to come (default: by the method). `args_of`: each engine's arguments instead of
+        `args`, from its handle; None leaves that engine out."""
+        async def one(server: _ServerHandle, args: tuple):
             try:
                 return await getattr(server.client, method)(*args)
             except (RuntimeError, httpx.TransportError) as e:
@@ -295,7 +296,8 @@ class SGLangFleet:
                 if method == "resume_memory":
                     return None
                 return await getattr(server.client, method)(*args)
-        return await asyncio.gather(*[one(s) for s in self.servers if where is None or where(s)])
+        each = [(s, args if args_of is None else args_of(s)) for s in self.servers]
+        return await asyncio.gather(*[one(s, a) for s, a in each if a is not None])
 
     async def check_engines(self) -> None:
         """A health pass now, restarting dead engines: the router re-sends the requests of a
@@ -344,17 +346,21 @@ class SGLangFleet:
         self.memory_released = True
 
     async def resume_memory(self, tags: list[str] | None = None) -> None:
-        """`tags` (all by default) back; with all of them the engines hold their memory again. The
-        weights alone come back before a sync's load; anything else after it."""
-        named = list(tags or sglang_api.MEMORY_TAGS)
-        # an engine restarted since the release holds all its memory: SGLang fails a resume of a
-        # tag it never released (its scheduler's offload_tags.remove raises)
-        await self._each("resume_memory", named, before_load=named == ["weights"],
-                         where=lambda server: set(named) <= server.released)
+        """Each engine gets back what it released of `tags` (by default all it released), and
+        nothing else: SGLang fails a resume of a tag it never released (its scheduler's
+        offload_tags.remove raises) and serves requests on whatever is left released. Engines
+        serving LoRA adapters keep their weights; one restarted since the release holds all its
+        memory. The weights alone come back before a sync's load; anything else after it."""
+        wanted = set(tags or sglang_api.MEMORY_TAGS)
+
+        def back(server: _ServerHandle) -> tuple | None:
+            named = [t for t in sglang_api.MEMORY_TAGS if t in wanted & server.released]
+            return (named,) if named else None
+
+        await self._each("resume_memory", before_load=wanted == {"weights"}, args_of=back)
         for server in self.servers:
-            server.released -= set(named)
-        if tags is None:
-            self.memory_released = False
+            server.released -= wanted
+        self.memory_released = any(server.released for server in self.servers)
 
     async def begin_weight_update(self) -> None:
         """The weights' memory back if released (else a health pass, so that a restarted
@@ -377,8 +383,7 @@ class SGLangFleet:
             await self._each("close_update_session", True)
             await self.flush_cache()
             if self.memory_released:
-                await self.resume_memory([t for t in sglang_api.MEMORY_TAGS if t != "weights"])
-                self.memory_released = False
+                await self.resume_memory()  # the weights came back in begin_weight_update
             await self.resume()
         finally:
             self._after_load = self.syncing = False
