@@ -35,3 +35,13 @@ def check_async_rollout(cfg, problems: Problems) -> None:
         problems.add("algorithm.tis_cap", "is off, but trainer.async_rollout trains on samples of older weights "
                      "(max_staleness > 0)", "set algorithm.tis_cap (e.g. 2.0) so the loss corrects for the weights "
                      "that sampled them")
+    if a.enable and a.partial_rollouts == "keep" and cfg.sync_transport() == "lora":
+        # SGLang serves a kept request with the adapter it named when it came in, and unloads an
+        # adapter only once no request holds it: the sync would wait on them, and their later
+        # tokens would carry the new version (the server's) while made with the old adapter
+        problems.add("trainer.async_rollout.partial_rollouts", "keep lets the generations running at a weight sync "
+                     "go on with the LoRA adapter they started with (actor.lora.sync=adapter): each sync would wait "
+                     "rollout.sglang.request_timeout_s for them to release the old adapter, and their later tokens "
+                     "would be labelled with the new adapter's version", "set trainer.async_rollout."
+                     "partial_rollouts=abort (they end with their tokens and go on with the new adapter) or wait, or "
+                     "actor.lora.sync=merged (kept generations go on under the new weights)")

@@ -45,6 +45,24 @@ def test_adapter_sync_goes_through_the_lora_transport_to_sglangs_own_servers_onl
         *SERVERS, "actor.lora.r=4", "sync.transport=lora")
 
 
+def test_generations_kept_across_an_adapter_sync_are_refused():
+    """partial_rollouts=keep leaves the generations running at a sync inside SGLang, on the adapter
+    they started with: its unload in the sync waits for them (rollout.sglang.request_timeout_s, a
+    sync), and their tokens after it would be labelled with the new adapter's version. Refused, with
+    the two ways out; wait and abort leave no request on the old adapter, merged weights no adapter."""
+    run_async = ["trainer.async_rollout.enable=true", "algorithm.tis_cap=2.0"]
+    keep = "trainer.async_rollout.partial_rollouts=keep"
+    with pytest.raises(ConfigError) as error:
+        load_config(None, SERVERS + ADAPTER + run_async + [keep])
+    (problem,) = error.value.problems
+    assert problem.key == "trainer.async_rollout.partial_rollouts"
+    assert "actor.lora.sync=adapter" in problem.what and "request_timeout_s" in problem.what
+    assert "partial_rollouts=abort" in problem.fix and "actor.lora.sync=merged" in problem.fix
+    for fine in (["trainer.async_rollout.partial_rollouts=abort"], ["trainer.async_rollout.partial_rollouts=wait"],
+                 [keep, "actor.lora.sync=merged"], [keep, "trainer.async_rollout.enable=false"]):
+        load_config(None, SERVERS + ADAPTER + run_async + fine)
+
+
 def test_the_servers_start_with_lora_serving_for_the_runs_rank_and_modules():
     argv = server_command(load_config(None, SERVERS + ADAPTER + ["actor.lora.target_modules=[q_proj,down_proj]"]),
                           colocated=False)
