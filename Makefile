@@ -94,7 +94,7 @@ TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4;
 PARALLEL := -n $(TEST_WORKERS) --dist worksteal --durations=20
 
 test: $(STAMP) sandbox-tool
-	$(BIN)/python -m pytest tests $(PARALLEL) -m 'not slow and not ui and not sglang' $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests $(PARALLEL) -m 'not slow and not ui and not sglang and not layouts' $(PYTEST_ARGS)
 
 .PHONY: test-slow
 test-slow: $(STAMP) sandbox-tool
@@ -110,6 +110,13 @@ test-sglang: $(STAMP) $(SGLANG_STAMP)
 	SGLANG_USE_CPU_ENGINE=1 $(SGLANG_VENV)/bin/python tools/sglang_cpu/smoke.py --model all
 	MEGARL_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python $(BIN)/python -m pytest tests/sglang_real -m sglang \
 		--durations=20 $(PYTEST_ARGS)
+
+# Every shipped recipe's parallel layout rehearsed in miniature (megarl rehearse; docs/rehearsal.md):
+# real megatron-core over gloo as Ray ranks, two steps with the probe, gate and sync, a checkpoint
+# and a resume; one recipe at a time (each uses up to 8 rank processes), the relations printed (-s).
+.PHONY: test-layouts
+test-layouts: $(STAMP)
+	$(BIN)/python -m pytest tests/layouts -m layouts -s --durations=10 $(PYTEST_ARGS)
 
 # The second environment (docs/install.md, "What is tested"): Python 3.12 with megatron-core's newest
 # release and the torch / transformers of the GPU extra's SGLang (requirements/compat.txt), in

@@ -6,6 +6,7 @@
     megarl retrieval serve --index DIR [--host 127.0.0.1 --port 8000 --topk 3]
     megarl plan --model HF_CONFIG_OR_NAME --nodes N [--gpus-per-node 8 --gpu-memory 80GB ...]
     megarl plan --config RUN.yaml [key=value ...] [--nodes N ...]
+    megarl rehearse RUN.yaml [key=value ...] [--out DIR] [--dry-run]
     megarl convert hf-to-megatron --hf HF_DIR --out DIST_DIR | megatron-to-hf --ckpt DIR --out HF_DIR
     megarl data dapo-math --out DIR [--train HUB_OR_FILE --val HUB_OR_FILE] | search-r1 --out DIR --source DIR
     megarl sandbox serve [--host 127.0.0.1 --port 8100 --max-concurrency N --max-queue 64]
@@ -32,6 +33,7 @@ from megarl.config_loader import dump_config
 from megarl.convert_command import add_convert_command
 from megarl.data.commands import add_data_commands
 from megarl.planner import add_plan_command
+from megarl.rehearsal import add_rehearse_command
 from megarl.retrieval.commands import add_retrieval_commands
 
 EXIT_CONFIG_ERROR = 2
@@ -117,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.set_defaults(func=_export)
     add_retrieval_commands(sub)
     add_plan_command(sub)
+    add_rehearse_command(sub)
     add_convert_command(sub)
     add_data_commands(sub)
     sandbox = sub.add_parser("sandbox", help="Run the code rewards' sandbox as an HTTP service.")

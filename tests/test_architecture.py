@@ -28,7 +28,7 @@ LAYERS = [
               "megarl.train"]),
     ("commands", ["megarl.cli", "megarl.convert_command", "megarl.planner", "megarl.planner_config",
                   "megarl.planner_models", "megarl.planner_time", "megarl.preflight", "megarl.quickstart",
-                  "megarl.data.prepare", "megarl.data.commands", "megarl.retrieval.commands"]),
+                  "megarl.data.prepare", "megarl.data.commands", "megarl.retrieval.commands", "megarl.rehearsal"]),
 ]
 
 
