@@ -201,6 +201,7 @@ def _layout(monkeypatch, tp: int, cp: int = 1) -> None:
     monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: tp)
     monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: cp)
     monkeypatch.setattr(parallel_state, "get_context_parallel_rank", lambda: 0)
+    monkeypatch.setattr(parallel_state, "get_data_parallel_world_size", lambda with_context_parallel=False: 1)
 
 
 @pytest.mark.parametrize("tp, cp, sp, fp8, packing, want_shape", [

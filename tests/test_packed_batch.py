@@ -108,3 +108,15 @@ def test_a_share_is_pickled_with_its_own_rows_only():
     assert len(pickle.dumps(share)) < 2 * share.batch.nbytes() + 4096
     back = pickle.loads(pickle.dumps(share))
     assert_rows_equal(back.batch.padded(), share.batch.padded())
+
+
+def test_a_share_of_no_rows_packs_to_no_tokens():
+    # DP 4 over a batch of 2 rows (the weights probe at DP 8 or 32): ranks 0 and 2 get no row
+    batch = PackedBatch.from_sequences([[1, 2], [3]], [[4], [5, 6]], [[1], [1, 1]])
+    shares = forward_shares(batch, 4)
+    assert [len(s.batch) for s in shares] == [0, 1, 0, 1]
+    empty = shares[0].batch
+    padded = empty.padded()
+    assert padded.input_ids.shape == (0, 0)
+    assert empty.pack(torch.zeros(0, 0)).shape == (0,)
+    assert empty.pack(torch.zeros(0, 3, 2)).shape == (0, 2)  # trailing dimensions kept

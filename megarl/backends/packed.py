@@ -162,8 +162,9 @@ class PackedBatch:
 
     def pack(self, padded: torch.Tensor) -> torch.Tensor:
         """(B, L, ...) aligned with `padded()` (L at least the longest row) -> (N, ...)."""
-        width = int(self.lengths.max()) if len(self) else 0
-        return padded[:, :width][self._positions(width)]
+        if not len(self):  # a data-parallel rank's empty share: no rows, no tokens (lengths.max() would fail)
+            return padded.flatten(0, 1)
+        return padded[:, : int(self.lengths.max())][self._positions(int(self.lengths.max()))]
 
     def nbytes(self) -> int:
         tensors = [t for f in fields(self) if isinstance(t := getattr(self, f.name), torch.Tensor)]

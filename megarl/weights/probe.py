@@ -82,12 +82,13 @@ def default_ceiling(bound: float) -> float:
 @lru_cache(maxsize=8)  # the gate asks every step (RunConfig.gate_bound): the config is read once
 def is_mixture_of_experts(model_path: str) -> bool:
     """Whether the HF config of `model_path` routes tokens to experts: a model directory, its
-    config.json, or a hub id (in the local HF cache, or fetched as transformers fetches it).
-    False, logged, when it cannot be read (the first probe's calibration still measures it)."""
+    config.json, or a hub id in the local HF cache (never fetched: a config check must not wait
+    on a network, which a cluster's compute nodes often lack). False, logged, when it cannot be
+    read (the first probe's calibration still measures it)."""
     from transformers import PretrainedConfig
 
     try:  # the raw dict: no config class needed, so model types transformers lacks are read too
-        config, _ = PretrainedConfig.get_config_dict(model_path)
+        config, _ = PretrainedConfig.get_config_dict(model_path, local_files_only=True)
     except (OSError, ValueError) as e:
         log.warning("sync.probe: model.path=%s has no HF config to read (%s); the probe's bound is a dense "
                     "model's", model_path, e)
