@@ -122,6 +122,8 @@ CPU_LOSSES = {
     "EP > 1": "expert groups inside one replica need TP x CP > 1 ranks there, and a mixture of experts' miniature "
               "is TP 1 (see TP > 1): the miniature keeps the groups inside the replicas, at EP 1",
     "optimizer offload": "there is no GPU memory to offload from: the optimizer state is in host memory already",
+    "LoRA": "adapters alone (actor.lora.sync=adapter) go through SGLang's own LoRA routes; the miniature's "
+            "embedded engine takes the merged weights (make test-sglang syncs adapters into SGLang's CPU server)",
     "agent turns": "the rehearsal's task is single-turn arithmetic (no retriever to build): the layout sees token "
                    "rows either way, the agent loop is rehearsed by make test-slow's Search-R1 runs",
     "engines": "engines colocated on the trainer's GPUs release and resume GPU memory, which a CPU has not: the "
@@ -146,9 +148,10 @@ def miniature(real: Shape) -> Shape:
     if real.moe and real.ep > 1:
         ep = tp * cp * dp // etp if real.ep_spans_dp else max(1, min(real.ep, tp * cp // etp))
     engines = "disaggregated" if real.engines == "colocated" else real.engines
+    lora = "merged" if real.lora == "adapter" else real.lora  # adapters alone need SGLang's LoRA routes
     return replace(real, tp=tp, pp=pp, vpp=2 if real.vpp else None, cp=cp, dp=dp, ep=ep, etp=etp,
-                   sequence_parallel=False, probe_sequences=probe, engines=engines, fp8=False, offload=False,
-                   agent=False)
+                   sequence_parallel=False, probe_sequences=probe, engines=engines, lora=lora, fp8=False,
+                   offload=False, agent=False)
 
 
 def compare(real: Shape, mini: Shape) -> list[tuple[str, str, str, str]]:
@@ -266,8 +269,10 @@ def overrides_for(mini: Shape, real: Shape, inputs: dict[str, str], out: Path, s
           f"trainer.output_dir={out}", f"trainer.total_training_steps={steps}", "trainer.save_freq=1",
           "trainer.test_freq=0", "trainer.val_before_train=false", "tracking.experiment_name=rehearsal",
           "cluster.launcher=ray", "cluster.ray_address=null", "cluster.nnodes=1", "cluster.gpus_per_node=0"]
-    if real.engines == "colocated":  # the trainer sleeps around every generation and sync, as colocated
+    if real.engines == "colocated" and not real.async_rollouts:  # the trainer sleeps around generation, as colocated
         kw.append("trainer.sleep_during_generation=true")
+    if mini.lora != real.lora:
+        kw.append(f"actor.lora.sync={mini.lora}")
     return kw
 
 

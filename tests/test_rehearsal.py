@@ -1,6 +1,7 @@
 """The rehearsal's layouts (megarl.rehearsal): each shipped recipe's real layout, worked out by hand
 from its YAML, and the miniature that keeps its relations on one CPU machine."""
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -73,3 +74,12 @@ def test_a_model_unknown_and_not_on_disk_is_named(tmp_path):
         model_family(str(tmp_path / "no-such-model"))
     assert model_family("models/Qwen3-30B-A3B") == "qwen3_moe"  # a recipe's directory, by its name
     assert model_family("Qwen/Qwen2.5-7B") == "qwen2"
+
+
+def test_adapter_sync_is_rehearsed_merged_and_says_so():
+    real = Shape(tp=2, pp=1, vpp=None, cp=1, dp=4, lora="adapter", engines="colocated")
+    small = miniature(real)
+    assert small.lora == "merged"
+    verdicts = {name: verdict for name, _, _, verdict in compare(real, small)}
+    assert verdicts["LoRA"].startswith("lost: adapters alone")
+    assert miniature(replace(real, lora="merged")).lora == "merged"
