@@ -39,23 +39,30 @@ def hf_log_probs(model, batch):
         return token_log_probs(model, batch.input_ids, batch.attention_mask)[0]
 
 
+def forwards_against_hf(tmp_path, family: str, rows: int, world: int, overrides: list[str]) -> list:
+    """The first `rows` rows of a_batch, packed, through `forwards_whole_and_shared` on `world`
+    ranks: each rank's log-probs of the whole batch and of its share, checked against the HF
+    model's (position 0 of each row has none). Returns each rank's share."""
+    model = tiny_hf_model(family)
+    model.save_pretrained(tmp_path)
+    padded = a_batch(model.config.vocab_size).select(slice(0, rows))
+    batch = PackedBatch.from_rows(padded)
+    want = batch.pack(hf_log_probs(model, padded))
+    results = run_distributed(world, forwards_whole_and_shared, str(tmp_path), overrides, batch, timeout=120)
+    real = torch.ones_like(batch.loss_mask)
+    real[batch.starts()] = False
+    for whole, _ in results:
+        torch.testing.assert_close(whole[real], want[real], rtol=0, atol=1e-5)
+    shares = [share for _, share in results]
+    torch.testing.assert_close(torch.cat(shares)[real], want[real], rtol=0, atol=1e-5)
+    return shares
+
+
 def test_more_data_parallel_ranks_than_rows(tmp_path):
     # DP 4 over a batch of 2 rows (the probe's case at DP 8 or 32): ranks 0 and 2 have no row,
     # whether sent the whole batch (each takes its part) or only their share (the Ray proxy's way)
-    model = tiny_hf_model("qwen2")
-    model.save_pretrained(tmp_path)
-    rows = a_batch(model.config.vocab_size).select(slice(0, 2))
-    batch = PackedBatch.from_rows(rows)
-    want = batch.pack(hf_log_probs(model, rows))
-    results = run_distributed(4, forwards_whole_and_shared, str(tmp_path), [], batch, timeout=120)
-    real = torch.ones_like(batch.loss_mask)
-    real[batch.starts()] = False
-    shared = []
-    for whole, share in results:
-        torch.testing.assert_close(whole[real], want[real], rtol=0, atol=1e-5)
-        shared.append(share)
-    assert [len(s) for s in shared] == [0, batch.lengths[0], 0, batch.lengths[1]]
-    torch.testing.assert_close(torch.cat(shared)[real], want[real], rtol=0, atol=1e-5)
+    shares = forwards_against_hf(tmp_path, "qwen2", 2, 4, [])
+    assert [len(s) > 0 for s in shares] == [False, True, False, True]
 
 
 EP2_OVER_DP2 = ["actor.parallel.expert_model_parallel_size=2", "actor.ppo_micro_batch_size=1"]
@@ -64,17 +71,7 @@ EP2_OVER_DP2 = ["actor.parallel.expert_model_parallel_size=2", "actor.ppo_micro_
 def test_expert_parallel_across_replicas_with_uneven_forward_shares(tmp_path):
     # EP 2 over the 2 DP ranks, 3 rows a micro-batch each: rank 0 has one row, rank 1 two, and
     # every MoE layer's all-to-all needs both ranks in it (today's main: neither rank answered)
-    model = tiny_hf_model("qwen3_moe")
-    model.save_pretrained(tmp_path)
-    rows = a_batch(model.config.vocab_size).select(slice(0, 3))
-    batch = PackedBatch.from_rows(rows)
-    want = batch.pack(hf_log_probs(model, rows))
-    results = run_distributed(2, forwards_whole_and_shared, str(tmp_path), EP2_OVER_DP2, batch, timeout=120)
-    real = torch.ones_like(batch.loss_mask)
-    real[batch.starts()] = False
-    for whole, _ in results:
-        torch.testing.assert_close(whole[real], want[real], rtol=0, atol=1e-5)
-    torch.testing.assert_close(torch.cat([share for _, share in results])[real], want[real], rtol=0, atol=1e-5)
+    forwards_against_hf(tmp_path, "qwen3_moe", 3, 2, EP2_OVER_DP2)
 
 
 def test_expert_parallel_across_replicas_with_uneven_dynamic_micro_batches(tmp_path):
