@@ -76,8 +76,6 @@ def shape_of(cfg, moe: bool) -> Shape:
     """The actor's Shape in a run config (its data-parallel size as the run resolves it)."""
     p, a = cfg.actor.parallel, cfg.actor
     dp = cfg.train_world_size() // p.model_parallel_size
-    if cfg.rollout.mode == "disaggregated" and p.data_parallel_size is None and cfg.cluster.gpus_per_node:
-        dp = p.data_parallel_size or dp
     lora = a.lora.sync if a.lora.enabled else "off"
     return Shape(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
                  vpp=p.virtual_pipeline_model_parallel_size, cp=p.context_parallel_size, dp=dp,
@@ -88,7 +86,7 @@ def shape_of(cfg, moe: bool) -> Shape:
                  dynamic=a.max_tokens_per_gpu is not None, probe_sequences=cfg.sync.probe.sequences,
                  engines=cfg.rollout.mode if cfg.rollout.engine == "sglang" else "embedded",
                  lora=lora, async_rollouts=cfg.trainer.async_rollout.enable,
-                 partial_rollouts=str(getattr(cfg.trainer.async_rollout, "partial_rollouts", "off") or "off"),
+                 partial_rollouts=cfg.trainer.async_rollout.partial_rollouts,
                  fp8=a.fp8 is not None, offload=a.optim.offload, agent=cfg.agent.max_turns > 0)
 
 
@@ -321,8 +319,7 @@ def rehearse(config: str, overrides: list[str], out: Path, family: str | None = 
     from megarl.train import train
 
     real, mini, family = layouts(config, overrides, family)
-    result = {"config": config, "family": family, "real": real.describe(), "miniature": mini.describe(),
-              "relations": compare(real, mini)}
+    result = table(config, real, mini, family)
     started = time.perf_counter()
     with PeakMemory() as memory:
         inputs = build_inputs(out / "inputs", mini, family)
@@ -336,6 +333,12 @@ def rehearse(config: str, overrides: list[str], out: Path, family: str | None = 
     if last is None or last.name != "step_000002":
         raise RuntimeError(f"the rehearsal of {config} ended without its step 2 checkpoint (found {last})")
     return result
+
+
+def table(config: str, real: Shape, mini: Shape, family: str) -> dict:
+    """What `report` prints of a layout before (or without) its run."""
+    return {"config": config, "family": family, "real": real.describe(), "miniature": mini.describe(),
+            "relations": compare(real, mini)}
 
 
 def report(result: dict) -> str:
@@ -365,8 +368,7 @@ def add_rehearse_command(sub) -> None:
 def _rehearse(args: argparse.Namespace) -> int:
     if args.dry_run:
         real, mini, family = layouts(args.config, args.overrides, args.family)
-        print(report({"config": args.config, "family": family, "real": real.describe(),
-                      "miniature": mini.describe(), "relations": compare(real, mini)}))
+        print(report(table(args.config, real, mini, family)))
         return 0
     result = rehearse(args.config, args.overrides, Path(args.out), args.family)
     print(report(result))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from megarl.rehearsal import compare, layouts, rehearse, report
+from megarl.rehearsal import layouts, rehearse, report, table
 
 pytestmark = pytest.mark.layouts
 
@@ -34,6 +34,6 @@ def test_recipe_layout_in_miniature(recipe, tmp_path):
         assert (run / "checkpoints" / "step_000002" / "megatron_trainer.json").exists()
     ran = RUNS[key]
     assert ran["resumed_to"] == "step_000002"
-    mine = {**ran, "config": recipe, "real": real.describe(), "relations": compare(real, mini)}
+    mine = {**ran, **table(recipe, real, mini, family)}
     shared = "" if ran["config"] == config else f"\n  (the run of {Path(ran['config']).name}: the same miniature)"
     print("\n" + report(mine) + shared)
