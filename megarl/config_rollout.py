@@ -78,6 +78,12 @@ class RolloutConfig(SamplingConfig):
     )
     gpu_memory_utilization: float = param(0.6, "SGLang's mem_fraction_static: the fraction of the memory free when the engine starts that its weights and KV cache may take (`megarl plan` proposes it).", gt=0.0, le=1.0)
     max_concurrency: int = param(1024, "Requests in flight per engine.", gt=0)
+    kv_cache_tokens: int | None = param(
+        None, "The embedded engine's K/V cache in positions, all its sequences together (running, and finished ones "
+        "kept for prefix reuse); None = what a quarter of the memory available when it starts holds. It admits a "
+        "request while the positions its prompt and max_new_tokens may reach fit, and grows the cache as sequences "
+        "grow, so memory follows use, not max_concurrency (SGLang sizes its pool by rollout.gpu_memory_utilization).",
+        gt=0)
     sglang: SGLangConfig = param(help="The engine-server fleet (rollout.engine=sglang).", factory=SGLangConfig)
     val: SamplingConfig = param(
         help="Sampling for validation (DAPO's AIME protocol: 32 samples at top_p 0.7 for avg@32).",

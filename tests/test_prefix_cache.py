@@ -46,6 +46,15 @@ def test_the_oldest_kept_goes_first_and_clear_forgets_all():
     assert KeptPrefixes(first_slot=0, size=0).keep((1,)) is None
 
 
+def test_a_slot_the_memory_cannot_hold_gives_way_to_the_oldest_or_nothing_is_kept():
+    kept = KeptPrefixes(first_slot=0, size=3)
+    assert kept.keep((1,)) == 0 and kept.keep((2,)) == 1
+    assert kept.keep((3,), fits=lambda slot: slot < 2) == 0  # slot 2 does not fit: (1,)'s slot is reused
+    assert kept.find([1, 5]) is None and kept.find([3, 5]) == (0, 1)
+    assert kept.keep((4,), fits=lambda slot: False) is None and kept.not_kept == 1
+    assert KeptPrefixes(first_slot=0, size=2).keep((1,), fits=lambda slot: False) is None
+
+
 def test_a_next_turn_computes_only_its_new_tokens():
     model = tiny_model("qwen2")
     engine = LocalEngine(model, max_batch_size=2, eos_token_ids=[])

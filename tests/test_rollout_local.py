@@ -92,10 +92,10 @@ def test_cache_growth_and_slot_reuse_stay_exact():
     model = tiny_model("qwen2")
     engine = LocalEngine(model, max_batch_size=3, eos_token_ids=[])
     engine.decoder.release()
-    engine.decoder.ensure_capacity(4)
+    engine.decoder.ensure(1, 4)
     prompts = prompts_of([2, 9, 4, 6, 3, 12, 5])
     outs = run(generate_all(engine, prompts, lambda i: SamplingParams(max_new_tokens=3 + 7 * (i % 3), seed=i)))
-    assert engine.decoder.capacity > 4
+    assert engine.decoder.running.capacity > 4
     for i, (p, o) in enumerate(zip(prompts, outs)):
         assert len(o.token_ids) == 3 + 7 * (i % 3)
         torch.testing.assert_close(torch.tensor(o.log_probs), reference_log_probs(model, p, o.token_ids),

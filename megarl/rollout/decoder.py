@@ -12,6 +12,10 @@ merged by their softmax statistics, so short rows do not pay for the longest one
 With `record_routing` (a mixture of experts) each slot also keeps, per position, the experts
 its token was routed to in each MoE layer (`routes`), moved and kept with the K/V.
 
+The cache grows with what is running, within a budget of positions (`max_tokens`, the engine's
+rollout.kv_cache_tokens), as SGLang's token pool is sized by memory rather than by the requests
+it may be sent.
+
 Supported families: the decoders megarl trains, `megarl.models.spec.FAMILIES` (their
 differences — QKV bias, QK norm, rope scaling, Qwen3-MoE's routed experts — live in the HF modules
 we reuse).
@@ -28,10 +32,71 @@ import torch.nn.functional as F
 from megarl.models.spec import FAMILIES
 
 
-class SlotDecoder:
-    """Runs `model` over a K/V cache of `num_slots` sequences that grows in length as needed."""
+class KVStore:
+    """K and V tensors per layer, (rows, K/V heads, capacity, head_dim) each, and with
+    `route_width` each row's routed experts per position: sequences held row by row. Grown on
+    demand to the sizes its owner asks for, one layer's tensor at a time (a growth holds the old
+    cache and one new layer's tensor at most)."""
 
-    def __init__(self, model: torch.nn.Module, num_slots: int, initial_len: int = 256, record_routing: bool = False):
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, device, dtype, route_width: int = 0):
+        self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
+        self.device, self.dtype, self.route_width = device, dtype, route_width
+        self.rows = self.capacity = 0
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.routes: torch.Tensor | None = None  # (rows, capacity, MoE layers x top-k) int16, -1 where none
+
+    @property
+    def positions(self) -> int:
+        """The positions it holds memory for: rows x capacity."""
+        return self.rows * self.capacity
+
+    @torch.inference_mode()
+    def grow(self, rows: int, capacity: int) -> None:
+        """To exactly (rows, capacity) where that is larger; what it holds is kept."""
+        rows, capacity = max(rows, self.rows), max(capacity, self.capacity)
+        if (rows, capacity) == (self.rows, self.capacity):
+            return
+        shape = (rows, self.kv_heads, capacity, self.head_dim)
+        for i in range(self.layers):
+            for cache in (self.k, self.v):
+                grown = torch.zeros(shape, device=self.device, dtype=self.dtype)
+                if self.positions:
+                    grown[: self.rows, :, : self.capacity] = cache[i]
+                if i < len(cache):
+                    cache[i] = grown  # the old tensor is freed here, before the next layer's is made
+                else:
+                    cache.append(grown)
+        if self.route_width:
+            grown = torch.full((rows, capacity, self.route_width), -1, dtype=torch.int16, device=self.device)
+            if self.routes is not None:
+                grown[: self.rows, : self.capacity] = self.routes
+            self.routes = grown
+        self.rows, self.capacity = rows, capacity
+
+    def release(self) -> None:
+        self.k, self.v, self.routes, self.rows, self.capacity = [], [], None, 0, 0
+
+
+@torch.inference_mode()
+def _copy_row(src: KVStore, src_row: int, dst: KVStore, dst_row: int, length: int) -> None:
+    """The first `length` positions of a row of `src` into a row of `dst`."""
+    for s, d in zip((*src.k, *src.v), (*dst.k, *dst.v)):
+        d[dst_row, :, :length] = s[src_row, :, :length]
+    if src.routes is not None and dst.routes is not None:
+        dst.routes[dst_row, :length] = src.routes[src_row, :length]
+
+
+class SlotDecoder:
+    """Runs `model` over the K/V cache of the running sequences, slots 0 .. max_rows - 1, and a
+    second cache of kept sequences (finished ones whose cache a later prompt may continue: the
+    engine's prefix reuse). Both grow as sequences need them, within `max_tokens` positions
+    together (rows x capacity of the two), the K/V budget: the engine admits requests by
+    `fits` and reserves what its running requests may reach (`reserve`), so that growth never
+    passes the budget; a kept sequence is kept only where it fits beside that reservation."""
+
+    def __init__(self, model: torch.nn.Module, max_rows: int, max_tokens: int | None = None,
+                 record_routing: bool = False):
         cfg = model.config
         if cfg.model_type not in FAMILIES:
             raise ValueError(f"the embedded engine supports model types {sorted(FAMILIES)}, "
@@ -47,7 +112,7 @@ class SlotDecoder:
         self.num_kv_heads = cfg.num_key_value_heads
         self.scaling = attn.scaling
         self.apply_rotary = sys.modules[type(attn).__module__].apply_rotary_pos_emb
-        self.num_slots = num_slots
+        self.max_rows = max_rows
         self.max_positions = getattr(cfg, "max_position_embeddings", None) or 1 << 30
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -56,55 +121,98 @@ class SlotDecoder:
             raise ValueError(f"record_routing needs a mixture of experts; {cfg.model_type!r} has no routed experts")
         self.record_routing = record_routing
         self.route_width = len(self.moe_layers) * getattr(cfg, "num_experts_per_tok", 0)
-        self.capacity = 0
-        self.k_cache: list[torch.Tensor] = []
-        self.v_cache: list[torch.Tensor] = []
-        self.routes: torch.Tensor | None = None  # (slots, capacity, MoE layers x top-k) int16 with record_routing
-        self.ensure_capacity(initial_len)
+        store = (len(self.layers), self.num_kv_heads, self.head_dim, self.device, self.dtype,
+                 self.route_width if record_routing else 0)
+        self.running, self.kept = KVStore(*store), KVStore(*store)
+        self.max_tokens = max_tokens if max_tokens is not None else 1 << 62
+        self.reserved = (0, 0)  # (rows, positions) the running sequences may reach: `reserve`
 
-    # -- cache -------------------------------------------------------------------------
-    # Every cache operation runs in inference mode: tensors made there (a cache grown during
-    # a decode step) may only be updated in place there.
+    @property
+    def bytes_per_token(self) -> int:
+        """The cache's bytes for one position of one sequence: K and V of every layer."""
+        return 2 * len(self.layers) * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    @property
+    def k_cache(self) -> list[torch.Tensor]:
+        return self.running.k
+
+    @property
+    def v_cache(self) -> list[torch.Tensor]:
+        return self.running.v
+
+    @property
+    def routes(self) -> torch.Tensor | None:
+        return self.running.routes
+
+    # -- memory --------------------------------------------------------------------------
+    def _running_need(self, rows: int, length: int) -> int:
+        """The running cache's positions once it holds `rows` sequences of up to `length`."""
+        return max(rows, self.running.rows) * max(length, self.running.capacity)
+
+    def fits(self, rows: int, length: int) -> bool:
+        """Whether the running cache may reach `rows` sequences of `length` positions beside
+        the kept cache, within the budget."""
+        return self._running_need(rows, length) + self.kept.positions <= self.max_tokens
+
+    def reserve(self, rows: int, length: int) -> None:
+        """What the running sequences may reach (their number, the longest's prompt and new
+        tokens): room the kept cache leaves them."""
+        self.reserved = (rows, length)
+
+    def kept_fits(self, slot: int, length: int) -> bool:
+        """Whether a kept sequence of `length` positions fits in kept slot `slot`."""
+        rows, capacity = max(slot + 1, self.kept.rows), max(length, self.kept.capacity)
+        return rows * capacity + self._running_need(*self.reserved) <= self.max_tokens
+
     @torch.inference_mode()
-    def ensure_capacity(self, length: int) -> None:
-        """Grow every layer's cache to hold `length` positions (doubling, to amortise copies)."""
-        if length <= self.capacity:
+    def ensure(self, rows: int, length: int) -> None:
+        """The running cache holds `rows` sequences of `length` positions: grown where it is
+        smaller, doubling each dimension (to amortise copies) where the budget allows, else to
+        what is asked; past the budget a RuntimeError (the engine admits only what fits)."""
+        if rows <= self.running.rows and length <= self.running.capacity:
             return
-        new_len = max(length, 2 * self.capacity, 16)
-        shape = (self.num_slots, self.num_kv_heads, new_len, self.head_dim)
-        for i in range(len(self.layers)):
-            for cache in (self.k_cache, self.v_cache):
-                grown = torch.zeros(shape, device=self.device, dtype=self.dtype)
-                if self.capacity:
-                    grown[:, :, : self.capacity] = cache[i]
-                if i < len(cache):
-                    cache[i] = grown
-                else:
-                    cache.append(grown)
-        if self.record_routing:
-            grown = torch.full((self.num_slots, new_len, self.route_width), -1, dtype=torch.int16, device=self.device)
-            if self.routes is not None:
-                grown[:, : self.capacity] = self.routes
-            self.routes = grown
-        self.capacity = new_len
+        if length > self.max_positions + 1:
+            raise ValueError(f"{length} positions asked for; the model has {self.max_positions}")
+        room = self.max_tokens - self.kept.positions
+        if self._running_need(rows, length) > room:
+            raise RuntimeError(f"the embedded engine's K/V cache would pass its budget of {self.max_tokens} positions "
+                               f"({rows} sequences x {length} positions beside {self.kept.positions} kept)")
+        doubled = (max(rows, min(2 * self.running.rows, self.max_rows)) if rows > self.running.rows else rows,
+                   max(length, 2 * self.running.capacity, 16) if length > self.running.capacity else length)
+        if self._running_need(*doubled) <= room:
+            rows, length = doubled
+        self.running.grow(rows, length)
 
     def release(self) -> None:
-        self.k_cache, self.v_cache, self.routes, self.capacity = [], [], None, 0
+        self.running.release()
+        self.kept.release()
 
-    @torch.inference_mode()
     def move_slot(self, src: int, dst: int, length: int) -> None:
-        """Copy the first `length` cached positions of slot src into slot dst."""
-        for cache in (*self.k_cache, *self.v_cache):
-            cache[dst, :, :length] = cache[src, :, :length]
-        if self.routes is not None:
-            self.routes[dst, :length] = self.routes[src, :length]
+        """Copy the first `length` cached positions of running slot src into running slot dst."""
+        _copy_row(self.running, src, self.running, dst, length)
+
+    def keep(self, src: int, kept_slot: int, length: int) -> None:
+        """Copy running slot src's first `length` positions into kept slot `kept_slot` (`kept_fits`)."""
+        if not self.kept_fits(kept_slot, length):
+            raise RuntimeError(f"kept slot {kept_slot} of {length} positions does not fit the K/V budget")
+        rows = max(kept_slot + 1, self.kept.rows)
+        doubled = min(2 * self.kept.rows, self.max_rows)  # amortises the copies, where the budget allows
+        if kept_slot >= self.kept.rows and doubled > rows and self.kept_fits(doubled - 1, length):
+            rows = doubled
+        self.kept.grow(rows, length)
+        _copy_row(self.running, src, self.kept, kept_slot, length)
+
+    def restore(self, kept_slot: int, dst: int, length: int) -> None:
+        """Copy kept slot `kept_slot`'s first `length` positions into running slot dst."""
+        self.ensure(dst + 1, length + 1)
+        _copy_row(self.kept, kept_slot, self.running, dst, length)
 
     def routed_experts(self, slot: int, start: int, end: int) -> torch.Tensor:
         """(end - start, MoE layers x top-k) int16: the experts of the tokens at positions
         start .. end - 1 of `slot`, a copy (record_routing)."""
-        if self.routes is None:
+        if self.running.routes is None:
             raise RuntimeError("this decoder does not record routing (record_routing=False)")
-        return self.routes[slot, start:max(start, end)].cpu().clone()
+        return self.running.routes[slot, start:max(start, end)].cpu().clone()
 
     # -- forward -----------------------------------------------------------------------
     def _attention(self, layer_idx: int, attn, hidden, rotary, slots: slice, write_at, key_len, mask):
@@ -194,7 +302,7 @@ class SlotDecoder:
         starts = torch.tensor(cached, device=self.device)
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
         width = int((lengths - starts).max())
-        self.ensure_capacity(int(starts.max()) + width + 1)
+        self.ensure(first_slot + len(prompts), int(starts.max()) + width + 1)
         ids = torch.zeros((len(prompts), width), dtype=torch.long, device=self.device)
         for row, (prompt, start) in enumerate(zip(prompts, cached)):
             ids[row, : len(prompt) - start] = torch.tensor(prompt[start:], dtype=torch.long, device=self.device)
@@ -218,7 +326,7 @@ class SlotDecoder:
         last_tokens, lengths = last_tokens.to(self.device), lengths.to(self.device)
         n = last_tokens.shape[0]
         key_len = int(lengths.max()) + 1
-        self.ensure_capacity(key_len)
+        self.ensure(n, key_len)
         rows = torch.arange(n, device=self.device)
         mask = _split_keys(lengths, key_len, self.device)
         if mask is None:  # lengths alike: one pass over the longest row's keys

@@ -61,19 +61,25 @@ class LocalEngine(PauseAroundUpdates):
 
     def __init__(self, model: torch.nn.Module, tokenizer=None, *, max_batch_size: int = 64,
                  max_prefill_tokens: int = 8192, eos_token_ids: Iterable[int] | None = None, seed: int = 0,
-                 kept_sequences: int | None = None, record_routing: bool = False):
+                 kept_sequences: int | None = None, record_routing: bool = False, kv_cache_tokens: int | None = None):
         """`kept_sequences`: finished sequences whose cache is kept for prompts that continue
         them (megarl.rollout.prefix_cache; default max_batch_size). 0 turns prefix reuse off: the
         n samples of a prompt still share its computation, but no other prompt shares any. `record_routing`
         (a mixture of experts): keep the experts of every token, for requests that ask for them
-        (SamplingParams.routed_experts_from), as SGLang's --enable-return-routed-experts."""
+        (SamplingParams.routed_experts_from), as SGLang's --enable-return-routed-experts.
+        `kv_cache_tokens`: the K/V cache's budget in positions, running and kept sequences
+        together (default: `default_kv_cache_tokens`, a share of the memory available now)."""
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
         kept = max_batch_size if kept_sequences is None else kept_sequences
-        self.decoder = SlotDecoder(model, num_slots=max_batch_size + kept, record_routing=record_routing)
-        self.kept = KeptPrefixes(first_slot=max_batch_size, size=kept)
+        self.decoder = SlotDecoder(model, max_rows=max_batch_size, record_routing=record_routing)
+        self.decoder.max_tokens = kv_cache_tokens or default_kv_cache_tokens(self.decoder)
+        log.info("embedded engine: a K/V cache of %d positions at most (%.2f GB, %d bytes a position)",
+                 self.decoder.max_tokens, self.decoder.max_tokens * self.decoder.bytes_per_token / 1e9,
+                 self.decoder.bytes_per_token)
+        self.kept = KeptPrefixes(first_slot=0, size=kept)
         self.shared_prefix_tokens = 0  # prompt tokens not computed since prompts admitted together shared them
         self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else _eos_ids(model, tokenizer))
         self.generator = torch.Generator().manual_seed(seed)
@@ -112,6 +118,10 @@ class LocalEngine(PauseAroundUpdates):
             if params.routed_experts_from > len(prompt_ids):
                 raise ValueError(f"routed_experts_from={params.routed_experts_from} is past the prompt's "
                                  f"{len(prompt_ids)} tokens")
+        if self._positions(prompt_ids, params) > self.decoder.max_tokens:
+            raise ValueError(f"a prompt of {len(prompt_ids)} tokens with max_new_tokens={params.max_new_tokens} needs "
+                             f"{self._positions(prompt_ids, params)} positions of K/V cache; the embedded engine holds "
+                             f"{self.decoder.max_tokens} (rollout.kv_cache_tokens): raise it or ask for fewer tokens")
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         request = _Request(list(prompt_ids), params, asyncio.get_running_loop().create_future(), generator)
         request.continues = len(self.kept) > 0 and self.kept.find(request.prompt) is not None
@@ -273,17 +283,23 @@ class LocalEngine(PauseAroundUpdates):
         first = [r for r in self._waiting if r.continues]
         order = first + [r for r in self._waiting if not r.continues] if first else list(self._waiting)
         admitted, tokens, prompts = [], 0, set()
+        reach = max((self._positions(r.prompt, r.params) for r in self._running), default=0)
         for nxt in order:
             if len(admitted) == free:
                 break
             new = tuple(nxt.prompt) not in prompts
             if admitted and new and tokens + len(nxt.prompt) > self.max_prefill_tokens:
                 break
+            if not self._room_for(len(self._running) + len(admitted) + 1,
+                                  max(reach, self._positions(nxt.prompt, nxt.params)), started=bool(admitted)):
+                break  # in arrival order: it waits for running sequences to finish, and none passes it
+            reach = max(reach, self._positions(nxt.prompt, nxt.params))
             nxt.weight_version = self.weight_version
             admitted.append(nxt)
             if new:
                 prompts.add(tuple(nxt.prompt))
                 tokens += len(nxt.prompt)
+        self.decoder.reserve(len(self._running) + len(admitted), reach)
         if len(admitted) == len(self._waiting):
             self._waiting.clear()
         else:
@@ -306,7 +322,30 @@ class LocalEngine(PauseAroundUpdates):
         finished = [r for r in self._running if r.finish is not None]
         for request in finished:
             self._free_slot(request)
+        self.decoder.reserve(len(self._running),
+                             max((self._positions(r.prompt, r.params) for r in self._running), default=0))
         return finished
+
+    def _positions(self, prompt: list[int], params: SamplingParams) -> int:
+        """The K/V positions a request may reach: its prompt and new tokens, within the model's
+        positions (one more: the next token's row as it is computed)."""
+        return max(len(prompt), min(len(prompt) + params.max_new_tokens, self.decoder.max_positions)) + 1
+
+    def _room_for(self, rows: int, length: int, started: bool) -> bool:
+        """Whether the running cache may reach `rows` sequences of `length` positions. Kept
+        sequences give way first (forgotten, their cache freed); with nothing running or
+        admitted, the running cache is freed too and made again at the size needed."""
+        if self.decoder.fits(rows, length):
+            return True
+        if len(self.kept) or self.decoder.kept.positions:
+            self.kept.clear()
+            self.decoder.kept.release()
+            if self.decoder.fits(rows, length):
+                return True
+        if not self._running and not started:
+            self.decoder.release()
+            return self.decoder.fits(rows, length)
+        return False
 
     def _prefill(self, admitted: list[_Request]) -> tuple[list[_Request], list[int], torch.Tensor]:
         """Model thread: the admitted requests in slots from len(running) on; returns them in
@@ -319,6 +358,8 @@ class LocalEngine(PauseAroundUpdates):
             key = tuple(r.prompt)
             (copies if key in seen else firsts).append(r)
             seen.add(key)
+        # every admitted request's slot (the samples' copies too), as long as the longest prompt
+        self.decoder.ensure(len(self._running) + len(admitted), max(len(r.prompt) for r in admitted) + 1)
         found = [self.kept.take(r.prompt) for r in firsts]  # (slot, length) of a kept prefix, or None
         fresh = [i for i, f in enumerate(found) if f is None]
         groups = shared_prefixes([tuple(firsts[i].prompt) for i in fresh]) if self.kept.size else []
@@ -332,7 +373,7 @@ class LocalEngine(PauseAroundUpdates):
         cached = [f[1] if f is not None else 0 for f in found]
         for i, f in enumerate(found):
             if f is not None:
-                self.decoder.move_slot(f[0], first + i, f[1])
+                self.decoder.restore(f[0], first + i, f[1])
         if groups:
             self.decoder.prefill(first, [firsts[k].prompt[:shared] for k, (_, shared) in enumerate(groups)])
             for k, (members, shared) in enumerate(groups):
@@ -382,9 +423,10 @@ class LocalEngine(PauseAroundUpdates):
         if request.params.routed_experts_from is not None:
             request.routed = self.decoder.routed_experts(idx, request.params.routed_experts_from, request.length)
         if request.finish[0] != "abort":
-            slot = self.kept.keep(tuple(request.prompt + request.output)[:request.length])
+            slot = self.kept.keep(tuple(request.prompt + request.output)[:request.length],
+                                  lambda slot: self.decoder.kept_fits(slot, request.length))
             if slot is not None:
-                self.decoder.move_slot(idx, slot, request.length)
+                self.decoder.keep(idx, slot, request.length)
         last = len(self._running) - 1
         if idx != last:
             moved = self._running[last]
@@ -426,6 +468,24 @@ class LocalEngine(PauseAroundUpdates):
             prompt_tokens=len(request.prompt), message=detail if reason == "abort" else None,
             token_versions=list(request.versions), routed_experts=request.routed,
         )
+
+
+# the share of the memory available when the engine starts that its K/V cache may take by default
+# (the trainer's weights, gradients, optimizer state and activations share the rest on the CPU)
+KV_CACHE_MEMORY_SHARE = 0.25
+
+
+def default_kv_cache_tokens(decoder: SlotDecoder) -> int:
+    """rollout.kv_cache_tokens left unset: KV_CACHE_MEMORY_SHARE of the memory available on the
+    engine's device now (the host's available memory on the CPU, the GPU's free memory on CUDA),
+    in positions of the model's K/V."""
+    if decoder.device.type == "cuda":
+        available = torch.cuda.mem_get_info(decoder.device)[0]
+    else:
+        import psutil
+
+        available = psutil.virtual_memory().available
+    return max(1, int(available * KV_CACHE_MEMORY_SHARE) // decoder.bytes_per_token)
 
 
 def _copy_bucket(params: dict[str, torch.Tensor], bucket: WeightBucket) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 
 # a group of prompts shares its first tokens' computation when that saves this many tokens of
 # prefill at least (the shared tokens are one more forward pass, and copies)
@@ -39,22 +40,34 @@ class KeptPrefixes:
         self._lock = threading.Lock()
         self.hits = 0  # prompts that found a kept prefix
         self.reused_tokens = 0  # prompt tokens not computed again thanks to one
+        self.not_kept = 0  # finished sequences not kept: the K/V budget had no room for them
 
     def __len__(self) -> int:
         return len(self._kept)
 
-    def keep(self, tokens: tuple[int, ...]) -> int | None:
-        """The slot to copy the cache of `tokens` into (the oldest kept sequence's when none is
-        free), or None when nothing is kept (size 0, no tokens, or `tokens` already kept)."""
+    def keep(self, tokens: tuple[int, ...], fits: Callable[[int], bool] | None = None) -> int | None:
+        """The slot to copy the cache of `tokens` into: the first free one, else the oldest kept
+        sequence's; or None when nothing is kept (size 0, no tokens, `tokens` already kept).
+        `fits(slot)`: whether the cache's memory can hold `tokens` in that slot (the embedded
+        engine's K/V budget); a free slot that does not fit gives way to the oldest sequence's,
+        and when neither fits nothing is kept (counted in `not_kept`)."""
         with self._lock:
             if not self.size or not tokens or tokens in self._kept.values():
                 return None
+            fits = fits or (lambda slot: True)
             if len(self._kept) < self.size:
                 slot = next(s for s in range(self.first_slot, self.first_slot + self.size) if s not in self._kept)
-            else:
-                slot, _ = self._kept.popitem(last=False)
-            self._kept[slot] = tokens
-            return slot
+                if fits(slot):
+                    self._kept[slot] = tokens
+                    return slot
+            if self._kept:
+                oldest = next(iter(self._kept))
+                if fits(oldest):
+                    del self._kept[oldest]
+                    self._kept[oldest] = tokens
+                    return oldest
+            self.not_kept += 1
+            return None
 
     def find(self, prompt: list[int]) -> tuple[int, int] | None:
         """(slot, length) of the longest kept sequence that the prompt starts with and is longer

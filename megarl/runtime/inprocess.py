@@ -56,6 +56,7 @@ class InProcessRuntime(Runtime):
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
         # the engine's copy first: with actor.lora the worker puts adapters into `model`
         self.engine = LocalEngine(copy.deepcopy(model).eval(), tokenizer, max_batch_size=cfg.rollout.max_concurrency,
+                                  kv_cache_tokens=cfg.rollout.kv_cache_tokens,
                                   seed=cfg.trainer.seed, record_routing=cfg.actor.moe_routing_replay)
         self.worker = TorchTrainWorker(model, cfg, total_steps=total_steps)
         self.reward_pool = RewardPool(cfg.reward, num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)

@@ -137,6 +137,7 @@ class EngineActor:
 
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
         self.engine = LocalEngine(load_model(cfg).eval(), tokenizer, max_batch_size=cfg.rollout.max_concurrency,
+                                  kv_cache_tokens=cfg.rollout.kv_cache_tokens,
                                   seed=cfg.trainer.seed, record_routing=cfg.actor.moe_routing_replay)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationOutput:
