@@ -89,10 +89,12 @@ def torch_step(model_dir: str, ids: torch.Tensor, dtype, device) -> Callable[[],
 
 
 def megatron_step(model_dir: str, ids: torch.Tensor, dtype_name: str) -> tuple[Callable[[], None], str]:
+    from megatron.core import parallel_state
+
     from megarl.backends.batch import TrainBatch
     from megarl.backends.megatron.forward import make_micro_batches, run_schedule
-    from megarl.backends.megatron.logprobs import vocab_parallel_log_probs
     from megarl.backends.megatron.model import Layout, build_model, initialize, load_hf_weights, resolve_impl
+    from megarl.backends.vocab_logprobs import token_log_probs_from_logits
     from megarl.models import ModelSpec
 
     spec = ModelSpec.from_hf(model_dir)
@@ -108,7 +110,8 @@ def megatron_step(model_dir: str, ids: torch.Tensor, dtype_name: str) -> tuple[C
     micros = make_micro_batches(batch, [list(range(len(rows)))], 1)
 
     def head(output, micro):
-        lp, _ = vocab_parallel_log_probs(output, micro.targets.to(output.device), spec.vocab_size)
+        lp, _ = token_log_probs_from_logits(output, micro.targets.to(output.device), vocab_size=spec.vocab_size,
+                                            group=parallel_state.get_tensor_model_parallel_group())
         lp = micro.by_token(lp)
         return -lp.sum() / lp.numel(), {}
 

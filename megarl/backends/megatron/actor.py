@@ -8,20 +8,24 @@ the counts of the whole mini-batch. Main entry points: `forward_log_probs`, `act
 from __future__ import annotations
 
 import torch
+from megatron.core import parallel_state
 
 from megarl.backends.batch import TrainBatch
 from megarl.backends.loss import actor_loss
 from megarl.backends.megatron.forward import MicroBatch, forward_per_token, split_batch
-from megarl.backends.megatron.logprobs import vocab_parallel_log_probs
 from megarl.backends.megatron.moe_metrics import MoeMetrics
 from megarl.backends.megatron.step import loss_scale, optimizer_step
+from megarl.backends.vocab_logprobs import token_log_probs_from_logits
 from megarl.config import AlgorithmConfig
 
 
 def _token_log_probs(output: torch.Tensor, micro: MicroBatch, vocab_size: int, temperature: float,
                      with_entropy: bool):
-    lp, ent = vocab_parallel_log_probs(output, micro.targets.to(output.device), vocab_size, temperature=temperature,
-                                       with_entropy=with_entropy)
+    """This rank's vocabulary slice of the logits scored over the tensor-parallel group: no rank
+    builds full-vocabulary logits (megarl.backends.vocab_logprobs)."""
+    lp, ent = token_log_probs_from_logits(output, micro.targets.to(output.device), temperature=temperature,
+                                          with_entropy=with_entropy, vocab_size=vocab_size,
+                                          group=parallel_state.get_tensor_model_parallel_group())
     return micro.by_token(lp), (micro.by_token(ent) if with_entropy else None)
 
 

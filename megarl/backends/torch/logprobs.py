@@ -12,7 +12,7 @@ import inspect
 
 import torch
 
-from megarl.algo import entropy_from_logits
+from megarl.backends.vocab_logprobs import token_log_probs_from_logits
 from megarl.backends.torch.shared_prompts import prompt_plan, shared_prompt_logits
 
 
@@ -46,23 +46,27 @@ def token_log_probs(model: torch.nn.Module, input_ids: torch.Tensor, attention_m
     out = model(input_ids=input_ids, attention_mask=attention_mask, **kw)
     if router_logits is not None:
         router_logits.extend(out.router_logits or ())
-    # column j: the next token's logits after column first - 1 + j
-    log_probs, entropy = _scored(out.logits[:, :-1], input_ids[:, first:], temperature, with_entropy, entropy_grad)
+    # column j: the next token's logits after column first - 1 + j; the last column's logits
+    # predict no token of the row (scored against a stand-in, dropped): the logits are scored as
+    # they are, without a copy of all but their last column
+    stand_in = torch.zeros_like(input_ids[:, :1])
+    log_probs, entropy = _scored(out.logits, torch.cat([input_ids[:, first:], stand_in], dim=1), temperature,
+                                 with_entropy, entropy_grad)
+    log_probs, entropy = log_probs[:, :-1], (entropy[:, :-1] if with_entropy else None)
     skipped = torch.zeros_like(log_probs[:, :1]).expand(-1, first)
     log_probs = torch.cat([skipped, log_probs], dim=1)
     return log_probs, (torch.cat([skipped, entropy], dim=1) if with_entropy else None)
 
 
 def _scored(logits, tokens, temperature, with_entropy, entropy_grad):
-    """(log-probs of `tokens` under `logits` / T, entropy or None): both forwards' last step."""
-    logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    log_probs = torch.log_softmax(logits, dim=-1).gather(-1, tokens[..., None]).squeeze(-1)
-    if not with_entropy:
-        return log_probs, None
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        return log_probs, entropy_from_logits(logits)
+    """(log-probs of `tokens` under `logits` / T, entropy or None): both forwards' last step,
+    a few tokens at a time (megarl.backends.vocab_logprobs: no other tensor of the logits' size;
+    their memory takes the gradient in the backward)."""
+    log_probs, entropy = token_log_probs_from_logits(logits, tokens, temperature=temperature,
+                                                     with_entropy=with_entropy)
+    if with_entropy and not entropy_grad:
+        entropy = entropy.detach()
+    return log_probs, entropy
 
 
 def _shared(model, input_ids, plan, temperature, with_entropy, entropy_grad):
