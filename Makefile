@@ -121,8 +121,8 @@ test-layouts: $(STAMP)
 # The second environment (docs/install.md, "What is tested"): Python 3.12 with megatron-core's newest
 # release and the torch / transformers of the GPU extra's SGLang (requirements/compat.txt), in
 # $(COMPAT_VENV); torch 2.14.1 for Python 3.12 is its CUDA build from the package index (about 6 GB
-# installed; it runs on the CPU). make test-compat runs the tests marked `megatron` there, of the slow
-# ones (test-slow's end-to-end runs) only those also marked `compat`.
+# installed; it runs on the CPU). make test-compat runs the tests marked `megatron` there but the slow
+# ones (test-slow's end-to-end runs); make test-layouts-compat runs the recipes' rehearsals there.
 PYTHON312 ?= $(shell for p in python3.12 $$(pyenv root 2>/dev/null)/versions/3.12*/bin/python3.12 \
 	$$HOME/.pyenv/versions/3.12*/bin/python3.12; do \
 	$$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { command -v $$p; break; }; done)
@@ -142,7 +142,14 @@ $(COMPAT_STAMP): requirements/compat.txt pyproject.toml
 
 test-compat: $(COMPAT_STAMP)
 	$(COMPAT_VENV)/bin/python -m megarl.cli --version
-	$(COMPAT_VENV)/bin/python -m pytest tests $(PARALLEL) -m 'megatron and (compat or not slow) and not ui and not sglang' $(PYTEST_ARGS)
+	$(COMPAT_VENV)/bin/python -m pytest tests $(PARALLEL) -m 'megatron and not slow and not ui and not sglang' $(PYTEST_ARGS)
+
+# make test-layouts in the second environment: CI runs the rehearsals there, so that megatron-core's
+# newest release runs end to end (two steps, a checkpoint and a resume on each recipe's layout)
+# while .venv's runs them in make test-slow.
+.PHONY: test-layouts-compat
+test-layouts-compat: $(COMPAT_STAMP)
+	$(COMPAT_VENV)/bin/python -m pytest tests/layouts -m layouts -s --durations=10 $(PYTEST_ARGS)
 
 # On a GPU machine, first: tests/gpu, then PASS / FAIL / NOT RUN per GPU-only path (docs/testing.md).
 # On a GPU machine, in the environment megarl's GPU install made (docs/install.md: the NGC PyTorch

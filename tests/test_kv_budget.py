@@ -9,9 +9,10 @@ import asyncio
 import pytest
 import torch
 
-from megarl.rollout import local
+from megarl.rollout import decoder
 from megarl.rollout.engine import SamplingParams
-from megarl.rollout.local import LocalEngine, default_kv_cache_tokens
+from megarl.rollout.decoder import default_kv_cache_tokens
+from megarl.rollout.local import LocalEngine
 from tiny_models import reference_log_probs, tiny_model
 
 
@@ -130,4 +131,4 @@ def test_the_default_budget_is_a_quarter_of_the_memory_available(monkeypatch):
     # the tiny Qwen2: K and V x 2 layers x 2 K/V heads x head_dim 16 x 4 bytes = 512 bytes a position
     assert engine.decoder.bytes_per_token == 512
     assert engine.decoder.max_tokens == default_kv_cache_tokens(engine.decoder) == 500_000_000 // 512
-    assert local.KV_CACHE_MEMORY_SHARE == 0.25
+    assert decoder.KV_CACHE_MEMORY_SHARE == 0.25

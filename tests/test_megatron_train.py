@@ -47,7 +47,6 @@ def torch_run(tiny_reference):
 
 
 @pytest.mark.slow
-@pytest.mark.compat  # the one end-to-end run make test-compat keeps
 def test_megatron_tp2_trains_like_the_torch_backend_and_resumes(inputs, torch_run, tmp_path):
     torch_out, mg_out, resumed = torch_run, tmp_path / "megatron", tmp_path / "resumed"
     run(inputs, mg_out, 2, MEGATRON)

@@ -78,6 +78,24 @@ class KVStore:
         self.k, self.v, self.routes, self.rows, self.capacity = [], [], None, 0, 0
 
 
+# the share of the memory available when the engine starts that its K/V cache may take by default
+# (the trainer's weights, gradients, optimizer state and activations share the rest on the CPU)
+KV_CACHE_MEMORY_SHARE = 0.25
+
+
+def default_kv_cache_tokens(decoder: SlotDecoder) -> int:
+    """rollout.kv_cache_tokens left unset: KV_CACHE_MEMORY_SHARE of the memory available on the
+    engine's device now (the host's available memory on the CPU, the GPU's free memory on CUDA),
+    in positions of the model's K/V."""
+    if decoder.device.type == "cuda":
+        available = torch.cuda.mem_get_info(decoder.device)[0]
+    else:
+        import psutil
+
+        available = psutil.virtual_memory().available
+    return max(1, int(available * KV_CACHE_MEMORY_SHARE) // decoder.bytes_per_token)
+
+
 @torch.inference_mode()
 def _copy_row(src: KVStore, src_row: int, dst: KVStore, dst_row: int, length: int) -> None:
     """The first `length` positions of a row of `src` into a row of `dst`."""

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megarl.models.hf_layout import checkpoint_views
-from megarl.rollout.decoder import SlotDecoder
+from megarl.rollout.decoder import SlotDecoder, default_kv_cache_tokens
 from megarl.rollout.engine import PREEMPTED, GenerationOutput, PauseAroundUpdates, SamplingParams, WeightBucket
 from megarl.rollout.openmp_workers import release_openmp_workers
 from megarl.rollout.prefix_cache import KeptPrefixes, shared_prefixes
@@ -468,24 +468,6 @@ class LocalEngine(PauseAroundUpdates):
             prompt_tokens=len(request.prompt), message=detail if reason == "abort" else None,
             token_versions=list(request.versions), routed_experts=request.routed,
         )
-
-
-# the share of the memory available when the engine starts that its K/V cache may take by default
-# (the trainer's weights, gradients, optimizer state and activations share the rest on the CPU)
-KV_CACHE_MEMORY_SHARE = 0.25
-
-
-def default_kv_cache_tokens(decoder: SlotDecoder) -> int:
-    """rollout.kv_cache_tokens left unset: KV_CACHE_MEMORY_SHARE of the memory available on the
-    engine's device now (the host's available memory on the CPU, the GPU's free memory on CUDA),
-    in positions of the model's K/V."""
-    if decoder.device.type == "cuda":
-        available = torch.cuda.mem_get_info(decoder.device)[0]
-    else:
-        import psutil
-
-        available = psutil.virtual_memory().available
-    return max(1, int(available * KV_CACHE_MEMORY_SHARE) // decoder.bytes_per_token)
 
 
 def _copy_bucket(params: dict[str, torch.Tensor], bucket: WeightBucket) -> None:
