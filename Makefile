@@ -144,9 +144,8 @@ test-compat: $(COMPAT_STAMP)
 	$(COMPAT_VENV)/bin/python -m megarl.cli --version
 	$(COMPAT_VENV)/bin/python -m pytest tests $(PARALLEL) -m 'megatron and not slow and not ui and not sglang' $(PYTEST_ARGS)
 
-# make test-layouts in the second environment: CI runs the rehearsals there, so that megatron-core's
-# newest release runs end to end (two steps, a checkpoint and a resume on each recipe's layout)
-# while .venv's runs them in make test-slow.
+# make test-layouts in the second environment: megatron-core's newest release end to end (two steps,
+# a checkpoint and a resume on each recipe's layout); make test-compat leaves the slow runs out.
 .PHONY: test-layouts-compat
 test-layouts-compat: $(COMPAT_STAMP)
 	$(COMPAT_VENV)/bin/python -m pytest tests/layouts -m layouts -s --durations=10 $(PYTEST_ARGS)
