@@ -1,0 +1,170 @@
+"""The real pretrained model (SmolLM2-135M-Instruct, tests/real_model.py) through the trainer's
+paths: megatron-core at TP 3 x PP 2 (9 query heads on 3 K/V heads, 30 layers over two stages)
+loading what `megarl convert` wrote and converting back bit for bit, and a LoRA run on the torch
+backend exported for PEFT. The references are plain forward passes of transformers' own model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+
+from megarl.backends.batch import TrainBatch
+from megarl.cli import main
+from megatron_cases import logprobs_from_dist
+from megatron_dist import run_distributed
+from real_model import real_model_dir
+from tiny_models import reference_log_probs
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = ["What is 17 + 25?", "Name the largest planet of the solar system.", "Translate 'good morning' to French.",
+             "What is 3 + 4?"]
+ANSWERS = ["17 + 25 = 42. Answer: 42", "Jupiter is the largest planet.", "Bonjour.", "Answer: 7"]
+
+
+def real_rows(model_dir) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompts, responses): the questions in the model's chat template, and the answers' tokens."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+             for q in QUESTIONS]
+    prompts = [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+    responses = [tokenizer(a, add_special_tokens=False).input_ids + [tokenizer.eos_token_id] for a in ANSWERS]
+    return prompts, responses
+
+
+def hf_model(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def test_megatron_tp3_pp2_serves_the_real_models_log_probs_and_converts_back_bit_for_bit(tmp_path):
+    from safetensors.torch import load_file
+
+    model_dir = real_model_dir()
+    assert main(["convert", "hf-to-megatron", "--hf", str(model_dir), "--out", str(tmp_path / "dist"), "--tp", "3"]) == 0
+    prompts, responses = real_rows(model_dir)
+    batch = TrainBatch.from_sequences(prompts, responses, [[1] * len(r) for r in responses])
+    got = run_distributed(6, logprobs_from_dist, str(model_dir), dict(tp=3, pp=2), str(tmp_path / "dist"), batch,
+                          timeout=600.0)[0]
+    model = hf_model(model_dir)
+    worst = 0.0
+    for row, (p, r) in enumerate(zip(prompts, responses)):
+        want = reference_log_probs(model, p, r)
+        mine = got[row, len(p):len(p) + len(r)]
+        worst = max(worst, float((mine - want).abs().max()))
+    print(f"\nmegatron TP 3 x PP 2 vs HF, SmolLM2-135M float32: largest |log-prob diff| {worst:.2e}")
+    # float32, a 30-layer model, sums in another order over 3 ranks: measured 2-5e-6 a token here
+    assert worst < 5e-5, f"megatron TP 3 x PP 2 differs from HF by {worst:.2e} a token"
+
+    assert main(["convert", "megatron-to-hf", "--ckpt", str(tmp_path / "dist"), "--out", str(tmp_path / "back")]) == 0
+    index = json.loads((tmp_path / "back" / "model.safetensors.index.json").read_text()) \
+        if (tmp_path / "back" / "model.safetensors.index.json").exists() else None
+    files = sorted(set(index["weight_map"].values())) if index else ["model.safetensors"]
+    back = {n: t for f in files for n, t in load_file(str(tmp_path / "back" / f)).items()}
+    original = load_file(str(model_dir / "model.safetensors"))
+    assert sorted(back) == sorted(original)  # tied: no lm_head.weight on either side
+    for name, tensor in original.items():
+        assert torch.equal(back[name], tensor), name
+
+
+def test_a_lora_run_on_the_real_model_exports_an_adapter_peft_serves_alike(tmp_path):
+    from peft import PeftModel
+
+    from megarl import checkpoint
+    from megarl.backends.torch.worker import TorchTrainWorker
+    from megarl.config import load_config
+    from test_backend_torch_worker import CFG
+
+    model_dir = real_model_dir()
+    lora = {"r": 8, "lora_alpha": 16.0, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+    overrides = [f"model.path={model_dir}", "model.dtype=float32", f"actor.lora.r={lora['r']}",
+                 f"actor.lora.lora_alpha={lora['lora_alpha']}", f"actor.lora.target_modules=[{','.join(lora['target_modules'])}]",
+                 "actor.optim.lr=1e-3"]
+    cfg = load_config(None, CFG + overrides)
+    worker = TorchTrainWorker(hf_model(model_dir).train(), cfg, total_steps=2)
+    prompts, responses = real_rows(model_dir)
+    batch = TrainBatch.from_sequences(prompts, responses, [[1] * len(r) for r in responses])
+    untrained = worker.compute_log_prob(batch)[0]
+    for advantage in (1.0, 1.0):  # two steps toward the answers: B moves off zero, then A and B both train
+        old, _ = worker.compute_log_prob(batch)
+        worker.update_actor(batch.with_fields(old_log_probs=old, advantages=torch.full(old.shape, advantage)))
+    trained = worker.compute_log_prob(batch)[0]
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(yaml.safe_dump({"model": {"path": str(model_dir), "dtype": "float32"},
+                                                     "actor": {"lora": lora}}))
+    checkpoint.save_atomically(run / "checkpoints", 2, worker.save_checkpoint, {"step": 2})
+    assert main(["export", "--run", str(run), "--out", str(tmp_path / "hf")]) == 0
+
+    peft_model = PeftModel.from_pretrained(hf_model(model_dir), tmp_path / "hf" / "adapter").eval()
+    merged = hf_model(tmp_path / "hf")
+    plain = hf_model(model_dir)
+    # the trainer's batch of 4 padded rows against one-row forwards: float32 noise of 2-4e-5 a
+    # token on this 30-layer model (measured, before any training, as `floor`); the bound is 1e-4
+    for row, (p, r) in enumerate(zip(prompts, responses)):
+        mine = trained[row, len(p):len(p) + len(r)]
+        before = reference_log_probs(plain, p, r)
+        torch.testing.assert_close(untrained[row, len(p):len(p) + len(r)], before, atol=1e-4, rtol=0)  # the floor
+        torch.testing.assert_close(reference_log_probs(peft_model, p, r), mine, atol=1e-4, rtol=0)
+        torch.testing.assert_close(reference_log_probs(merged, p, r), mine, atol=1e-4, rtol=0)
+        assert float(mine.sum()) > float(before.sum()) + 0.1  # the answers became likelier: the adapters trained
+
+
+@pytest.mark.parametrize("dtype, limit", [("float32", 1e-4), ("bfloat16", 0.05)])
+def test_the_embedded_engine_and_the_trainer_agree_on_real_weights_within_the_probes_bound(dtype, limit):
+    """The weights probe's noise floor on the real model: the embedded engine's prompt log-probs
+    (what the probe reads) and its sampled tokens' log-probs (decoded with its K/V cache: what
+    the rollouts carry) against the trainer's (megarl.backends.torch.logprobs, chunked over the
+    vocabulary), both holding the same weights in `dtype`. `limit` is the probe's default bound
+    for the dtype (megarl.weights.probe.default_tolerance); the floors are printed."""
+    import asyncio
+
+    from megarl.backends.torch.logprobs import token_log_probs
+    from megarl.rollout.engine import SamplingParams
+    from megarl.rollout.local import LocalEngine
+    from megarl.weights.probe import default_tolerance
+
+    assert default_tolerance(dtype, on_gpu=False) == limit  # the CPU bounds
+    model_dir = real_model_dir()
+    from transformers import AutoModelForCausalLM
+
+    trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    engine = LocalEngine(AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)),
+                         eos_token_ids=[], kv_cache_tokens=2048)
+    prompts, responses = real_rows(model_dir)
+    sequences = [p + r for p, r in zip(prompts, responses)]
+
+    async def engine_side():
+        probe = (await engine.probe_log_probs(sequences))["embedded engine"]
+        outs = await asyncio.gather(*[engine.generate(p, SamplingParams(max_new_tokens=24, temperature=1.0, seed=i,
+                                                                        ignore_eos=True))
+                                      for i, p in enumerate(prompts)])
+        return probe, outs
+
+    probe, outs = asyncio.run(engine_side())
+    probe_diffs, decode_diffs = [], []
+    for seq, lp in zip(sequences, probe):
+        batch = TrainBatch.from_sequences([seq[:1]], [seq[1:]], [[1] * (len(seq) - 1)])
+        with torch.no_grad():
+            want, _ = token_log_probs(trainer, batch.input_ids, batch.attention_mask)
+        probe_diffs.append((torch.tensor(lp) - want[0, 1:].float()).abs())
+    for p, out in zip(prompts, outs):
+        batch = TrainBatch.from_sequences([p], [out.token_ids], [[1] * len(out.token_ids)])
+        with torch.no_grad():
+            want, _ = token_log_probs(trainer, batch.input_ids, batch.attention_mask)
+        decode_diffs.append((torch.tensor(out.log_probs) - want[0, len(p):].float()).abs())
+    probe_floor, decode_floor = float(torch.cat(probe_diffs).mean()), float(torch.cat(decode_diffs).mean())
+    print(f"\nSmolLM2-135M {dtype}, embedded engine vs trainer, mean |log-prob diff| a token: "
+          f"probe (prompts) {probe_floor:.3e}, sampled tokens (K/V cache) {decode_floor:.3e}")
+    # measured here: float32 1.4e-5 on both; bfloat16 1.3e-5 on the prompts (the same forward on
+    # both sides, only the log-softmax differs) but 0.032 on the sampled tokens (one query at a time
+    # against a bf16 K/V cache, against the trainer's full forward): the probe's reading stays far
+    # under its bound, the rollouts' mismatch (rollout/logprob_mismatch) under it
+    assert probe_floor < limit / 3 and decode_floor < limit
