@@ -102,7 +102,7 @@ test-slow: $(STAMP) sandbox-tool
 
 # SGLang 0.5.23's own servers on the CPU: first tools/sglang_cpu/smoke.py (the sgl_kernel stand-ins
 # against SGLang's kernels' semantics, then a tiny Qwen2, Qwen3 and Qwen3-MoE served against
-# transformers: about 80 s), then tests/sglang_real: the launcher, every route megarl uses, the
+# transformers, their servers started side by side: about 95 s), then tests/sglang_real: the launcher, every route megarl uses, the
 # weight transports that run on the CPU, partial rollouts, training through the fleet. One
 # process: on two workers it was no faster (two SGLang servers starting at once on 2 cores).
 .PHONY: test-sglang
@@ -122,7 +122,8 @@ test-layouts: $(STAMP)
 # release and the torch / transformers of the GPU extra's SGLang (requirements/compat.txt), in
 # $(COMPAT_VENV); torch 2.14.1 for Python 3.12 is its CUDA build from the package index (about 6 GB
 # installed; it runs on the CPU). make test-compat runs the tests marked `megatron` there but the slow
-# ones (test-slow's end-to-end runs); make test-layouts-compat runs the recipes' rehearsals there.
+# ones (test-slow's end-to-end runs) and the one that tests process handling, not megatron-core (a
+# dead rank named: a minute); make test-layouts-compat runs the recipes' rehearsals there.
 PYTHON312 ?= $(shell for p in python3.12 $$(pyenv root 2>/dev/null)/versions/3.12*/bin/python3.12 \
 	$$HOME/.pyenv/versions/3.12*/bin/python3.12; do \
 	$$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { command -v $$p; break; }; done)
@@ -142,7 +143,8 @@ $(COMPAT_STAMP): requirements/compat.txt pyproject.toml
 
 test-compat: $(COMPAT_STAMP)
 	$(COMPAT_VENV)/bin/python -m megarl.cli --version
-	$(COMPAT_VENV)/bin/python -m pytest tests $(PARALLEL) -m 'megatron and not slow and not ui and not sglang' $(PYTEST_ARGS)
+	$(COMPAT_VENV)/bin/python -m pytest tests $(PARALLEL) -m 'megatron and not slow and not ui and not sglang' \
+		--deselect tests/test_megatron_train.py::test_a_dead_rank_is_named_and_the_others_are_stopped $(PYTEST_ARGS)
 
 # make test-layouts in the second environment: megatron-core's newest release end to end (two steps,
 # a checkpoint and a resume on each recipe's layout); make test-compat leaves the slow runs out.
@@ -293,7 +295,7 @@ mutants: $(STAMP)
 # fails on a survivor that docs/testing.md and docs/mutation-survivors.md do not list
 .PHONY: mutants-sample
 mutants-sample: $(STAMP)
-	$(BIN)/python tools/mutants.py --sample 150 --seed "$$(git rev-parse HEAD 2>/dev/null || echo 0)"
+	$(BIN)/python tools/mutants.py --sample 90 --seed "$$(git rev-parse HEAD 2>/dev/null || echo 0)"
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
