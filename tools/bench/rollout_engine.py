@@ -7,6 +7,8 @@ this measures the plain equal-length case that `generate` is best at.
 
     python tools/bench/rollout_engine.py [--prompts 64 --new-tokens 128 --hidden 256 --layers 4]
     python tools/bench/rollout_engine.py --vs-sglang   # and SGLang's server (`make sglang-env`)
+    python tools/bench/rollout_engine.py --model build/real-model/smollm2-135m --vs-sglang   # the real model
+                                                     # (`make real-model`: SmolLM2-135M-Instruct, float32)
 """
 
 from __future__ import annotations
@@ -65,18 +67,21 @@ class SGLangRun:
 
     KEY = "rollout-engine-bench"
 
-    def __init__(self, model, prompts, new_tokens: int, uneven: bool, python: str, workdir: Path):
+    def __init__(self, model, prompts, new_tokens: int, uneven: bool, python: str, workdir: Path,
+                 model_dir: Path | None = None):
+        """`model_dir`: an HF directory holding `model` and its tokenizer (else one is written)."""
         from megarl.config import load_config
         from megarl.data.tokenizer import train_bpe_tokenizer
         from megarl.rollout.http import HTTPEngine
         from megarl.rollout.sglang_launch import CPU_SERVER_ENV, ServerProcess, server_command
 
         self.prompts, self.new_tokens, self.uneven = prompts, new_tokens, uneven
-        model_dir = workdir / "model"
-        model.save_pretrained(model_dir)
-        # the server detokenizes what it generates: a tokenizer with (at most) the model's vocabulary
-        words = ("".join(chr(97 + (i * 7 + j * j) % 26) for j in range(3 + i % 6)) for i in range(20000))
-        train_bpe_tokenizer([" ".join(words)], vocab_size=model.config.vocab_size).save_pretrained(model_dir)
+        if model_dir is None:
+            model_dir = workdir / "model"
+            model.save_pretrained(model_dir)
+            # the server detokenizes what it generates: a tokenizer with (at most) the model's vocabulary
+            words = ("".join(chr(97 + (i * 7 + j * j) % 26) for j in range(3 + i % 6)) for i in range(20000))
+            train_bpe_tokenizer([" ".join(words)], vocab_size=model.config.vocab_size).save_pretrained(model_dir)
         longest = max(len(p) for p in prompts) + new_tokens
         cfg = load_config(None, [f"model.path={model_dir}", "model.dtype=float32", "rollout.engine=sglang",
                                  "cluster.gpus_per_node=0", f"rollout.sglang.python={python}",
@@ -141,13 +146,24 @@ def main() -> None:
     parser.add_argument("--sglang-python", default=".venv-sglang/bin/python",
                         help="the interpreter of the SGLang environment (--vs-sglang)")
     parser.add_argument("--uneven", action="store_true", help="per-prompt budgets from 1/8 to all of --new-tokens")
+    parser.add_argument("--model", type=Path, help="an HF directory to load (float32) instead of the random "
+                        "Qwen2 that --hidden/--layers/--vocab shape, e.g. the real model of `make real-model`")
     args = parser.parse_args()
-    model = build_model(args.hidden, args.layers, args.vocab)
+    if args.model is not None:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+        c = model.config
+        args.vocab, args.layers, args.hidden = c.vocab_size, c.num_hidden_layers, c.hidden_size
+        name = f"{c.model_type} from {args.model.name}"
+    else:
+        model = build_model(args.hidden, args.layers, args.vocab)
+        name = "qwen2 (random)"
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(1, args.vocab, (args.prompt_len - (i % 16),), generator=g).tolist()
                for i in range(args.prompts)]
     params = sum(p.numel() for p in model.parameters()) / 1e6
-    header = (f"model: qwen2 {params:.1f}M params, {args.layers} layers, hidden {args.hidden}; {args.prompts} prompts "
+    header = (f"model: {name} {params:.1f}M params, {args.layers} layers, hidden {args.hidden}; {args.prompts} prompts "
               f"x {args.new_tokens} new tokens{' (uneven budgets)' if args.uneven else ''}; "
               f"torch threads {torch.get_num_threads()}")
     contenders = {"generate": generate_run(model, prompts, args.new_tokens, args.uneven),
@@ -158,7 +174,8 @@ def main() -> None:
                 if not Path(args.sglang_python).is_file():
                     raise SystemExit(f"no SGLang environment at {args.sglang_python}: build it with `make sglang-env`")
                 contenders["sglang"] = SGLangRun(model, prompts, args.new_tokens, args.uneven,
-                                                 str(Path(args.sglang_python).absolute()), Path(workdir))
+                                                 str(Path(args.sglang_python).absolute()), Path(workdir),
+                                                 model_dir=args.model.absolute() if args.model else None)
             result = compare(contenders, repeats=args.repeats, show=lambda line: print(line, flush=True),
                              header=header)
         finally:

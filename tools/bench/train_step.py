@@ -12,11 +12,14 @@ vocabulary-parallel log-probs. Both compute the same token-mean policy-gradient 
 
     python tools/bench/train_step.py --model qwen2.5-0.5b --batch 4 --seq 4096   # one GPU, bf16
     python tools/bench/train_step.py --model tiny --batch 2 --seq 128            # CPU smoke run
+    python tools/bench/train_step.py --model-dir build/real-model/smollm2-135m --batch 2 --seq 512  # the real model
 
 MFU = achieved FLOP/s / peak, with model FLOPs per token = 6 N + 12 L H S (N the matmul
 parameters incl. the LM head, L layers, H hidden size, S sequence length; the usual
 convention, no recomputation counted). Peak: --peak-tflops, default 989 (H100 SXM dense
-bf16) on CUDA; on CPU no MFU is printed.
+bf16) on CUDA. On the CPU the peak is measured in the same run: the FLOP/s of a plain float32
+torch matmul (2,048 square, all threads), so the CPU's MFU says how close a step comes to the
+machine's own matmul rate.
 """
 
 from __future__ import annotations
@@ -58,6 +61,26 @@ def flops_per_token(cfg: dict, seq: int) -> float:
     kv_dim = h // cfg["num_attention_heads"] * cfg["num_key_value_heads"]
     per_layer = h * h * 2 + 2 * h * kv_dim + 3 * h * f  # q, o, k, v, gate, up, down
     return 6 * (layers * per_layer + v * h) + 12 * layers * h * seq
+
+
+def matmul_flops(device, dtype, size: int = 2048, seconds: float = 3.0) -> float:
+    """FLOP/s of a plain (size x size) @ (size x size) torch matmul on `device`: the best of a few
+    timed rounds of about `seconds` / 3 each, after a warm-up."""
+    import time
+
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    a @ b
+    best = 0.0
+    for _ in range(3):
+        count, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds / 3:
+            a @ b
+            count += 1
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = max(best, 2 * size ** 3 * count / (time.perf_counter() - start))
+    return best
 
 
 def timed_steps(step: Callable[[], None], iters: int, tokens: int, device) -> Callable[[], int]:
@@ -126,6 +149,8 @@ def megatron_step(model_dir: str, ids: torch.Tensor, dtype_name: str) -> tuple[C
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(SHAPES), default="qwen2.5-0.5b")
+    parser.add_argument("--model-dir", type=Path, help="an HF directory (its weights and shape) instead of --model's "
+                        "random weights, e.g. the real model of `make real-model`")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--iters", type=int, default=5, help="steps per timed run (default 5)")
@@ -146,14 +171,19 @@ def main() -> None:
     if cuda:
         torch.cuda.set_device(device)
 
-    cfg = hf_config(args.model)
-    with tempfile.TemporaryDirectory() as model_dir:
+    cfg = json.loads((args.model_dir / "config.json").read_text()) if args.model_dir else hf_config(args.model)
+    name = args.model_dir.name if args.model_dir else args.model
+    with tempfile.TemporaryDirectory() as scratch:
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg), dtype=dtype)
-        model.save_pretrained(model_dir)
-        del model
+        if args.model_dir:
+            model_dir = str(args.model_dir)
+        else:
+            model_dir = scratch
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg), dtype=dtype)
+            model.save_pretrained(model_dir)
+            del model
         ids = torch.randint(0, cfg["vocab_size"], (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
         ids = ids.to(device)
         tokens = args.batch * args.seq
@@ -161,16 +191,20 @@ def main() -> None:
         megatron, impl = megatron_step(model_dir, ids, dtype_name)
         result = compare({"torch": run_torch, "megatron": timed_steps(megatron, args.iters, tokens, device)},
                          repeats=args.repeats, versions=False, show=lambda line: print(line, flush=True),
-                         header=f"{args.model}, batch {args.batch} x seq {args.seq}, {args.iters} steps per run, "
+                         header=f"{name}, batch {args.batch} x seq {args.seq}, {args.iters} steps per run, "
                                 "work = tokens processed")
     step_s = {name: statistics.median(seconds) / args.iters for name, seconds in result.seconds.items()}
-    summary = {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "model": args.model, "dtype": dtype_name,
+    summary = {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "model": name, "dtype": dtype_name,
                "tokens_per_step": tokens, "megatron_impl": impl}
     summary |= {f"{name}_tokens_per_s": round(tokens / seconds, 1) for name, seconds in step_s.items()}
+    flops = flops_per_token(cfg, args.seq) * tokens
     if cuda:
-        flops = flops_per_token(cfg, args.seq) * tokens
         peak = args.peak_tflops * 1e12
-        summary |= {f"{name}_mfu": round(flops / seconds / peak, 4) for name, seconds in step_s.items()}
+        summary["peak_tflops"] = args.peak_tflops
+    else:  # the machine's own matmul rate, measured now
+        peak = matmul_flops(device, dtype)
+        summary["peak_tflops_measured_matmul"] = round(peak / 1e12, 4)
+    summary |= {f"{name}_mfu": round(flops / seconds / peak, 4) for name, seconds in step_s.items()}
     print(json.dumps(summary, indent=1))
     torch.distributed.destroy_process_group()
     print(result.summary("torch", "megatron"))
