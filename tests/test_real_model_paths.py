@@ -168,3 +168,75 @@ def test_the_embedded_engine_and_the_trainer_agree_on_real_weights_within_the_pr
     # against a bf16 K/V cache, against the trainer's full forward): the probe's reading stays far
     # under its bound, the rollouts' mismatch (rollout/logprob_mismatch) under it
     assert probe_floor < limit / 3 and decode_floor < limit
+
+
+def peak_tree_rss(cmd: list[str], cwd, timeout_s: float, stop_at_gb: float = 12.0) -> tuple[int, float]:
+    """Run `cmd`; (its exit code, the peak of the resident memory of it and its children together,
+    sampled every 0.1 s, in GB). Past `stop_at_gb` it is killed and the test fails (a regression
+    must not take the machine's memory: 24 GB before the K/V budget)."""
+    import subprocess
+    import time
+
+    import psutil
+
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    peak, deadline = 0, time.monotonic() + timeout_s
+    root = psutil.Process(proc.pid)
+    while proc.poll() is None:
+        assert time.monotonic() < deadline, f"{cmd} did not end within {timeout_s} s"
+        try:
+            tree = [root, *root.children(recursive=True)]
+            peak = max(peak, sum(p.memory_info().rss for p in tree if p.is_running()))
+        except psutil.Error:
+            pass
+        if peak > stop_at_gb * 1e9:
+            for p in [*root.children(recursive=True), root]:
+                p.kill()
+            proc.wait(30)
+            pytest.fail(f"{cmd[:4]} passed {stop_at_gb} GB of resident memory: stopped")
+        time.sleep(0.1)
+    out = proc.stdout.read()
+    assert proc.returncode == 0, out[-3000:]
+    return proc.returncode, peak / 1e9
+
+
+def test_the_issues_sixteen_sequence_run_stays_under_a_bound_from_the_models_size(tmp_path):
+    """The run that was killed at 24 GB (16 sequences a step: a generation batch of 4 prompts x 4
+    samples, train batch 2; here on the real quickstart's task), one step and the validation that
+    ends it, stays under
+
+        libraries + 6 W + K/V of the largest batch + 1.5 GB,
+
+    W the float32 weights (134.5M x 4 B = 0.54 GB): the trainer's weights, gradients and Adam's
+    two moments (4 W), the engine's copy (W), the checkpoint file mapped while loading (W); the
+    libraries as measured by importing them in a process of their own; the K/V of the largest
+    batch (the validation's 37 prompts x 4 samples at full length, 2 x 30 layers x 3 heads x 64 x
+    4 B = 46 kB a position); 1.5 GB for the rest (activations, a micro-batch's logits, the
+    allocator's slack: 1.0-1.3 GB measured). Before the K/V budget the engine alone allocated
+    2 x 1,024 x 256 positions at start: 24 GB."""
+    import sys
+
+    import pyarrow.parquet as pq
+
+    from megarl.quickstart.real_task import write_addition_data
+
+    model_dir = real_model_dir()
+    root = model_dir.parents[2]
+    config = json.loads((model_dir / "config.json").read_text())
+    weights_gb = (model_dir / "model.safetensors").stat().st_size / 1e9
+    position_bytes = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * config["head_dim"] * 4
+    data = write_addition_data(tmp_path / "data", 20, 0)
+    largest = max(16, pq.read_metadata(data["val"]).num_rows * 4)  # rollout.val.n = 4
+    kv_gb = largest * (64 + 24) * position_bytes / 1e9  # max_prompt_length + max_response_length
+    _, libraries_gb = peak_tree_rss([sys.executable, "-c", "import megarl.train, megarl.cli, transformers, mlflow"],
+                                    tmp_path, 300)
+    bound = libraries_gb + 6 * weights_gb + kv_gb + 1.5
+    _, peak = peak_tree_rss([sys.executable, "-m", "megarl.cli", "train", str(root / "examples/quickstart/real_smollm2.yaml"),
+                             f"model.path={model_dir}", f"data.train_files=[{data['train']}]",
+                             f"data.val_files=[{data['val']}]", "data.train_batch_size=2", "data.gen_batch_size=4",
+                             "rollout.n=4", "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size=2",
+                             "trainer.total_training_steps=1", "trainer.val_before_train=false",
+                             f"trainer.output_dir={tmp_path / 'run'}"], tmp_path, 900)
+    print(f"\n16 sequences on SmolLM2-135M: peak {peak:.2f} GB (the whole process tree); bound {bound:.2f} GB "
+          f"= libraries {libraries_gb:.2f} + 6 x {weights_gb:.2f} + K/V of {largest} sequences {kv_gb:.2f} + 1.5")
+    assert peak < bound
