@@ -102,6 +102,7 @@ class SGLangRun:
         return sum(len(o.token_ids) for o in self.loop.run_until_complete(every_prompt()))
 
     def close(self) -> None:
+        self.loop.run_until_complete(self.client.close())  # its connections, on the loop that opened them
         self.loop.close()
         self.server.stop()
 

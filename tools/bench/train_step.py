@@ -116,7 +116,8 @@ def megatron_step(model_dir: str, ids: torch.Tensor, dtype_name: str) -> tuple[C
 
     from megarl.backends.batch import TrainBatch
     from megarl.backends.megatron.forward import make_micro_batches, run_schedule
-    from megarl.backends.megatron.model import Layout, build_model, initialize, load_hf_weights, resolve_impl
+    from megarl.backends.megatron.layers import resolve_impl
+    from megarl.backends.megatron.model import Layout, build_model, initialize, load_hf_weights
     from megarl.backends.vocab_logprobs import token_log_probs_from_logits
     from megarl.models import ModelSpec
 
