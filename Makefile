@@ -122,8 +122,10 @@ test-layouts: $(STAMP)
 # release and the torch / transformers of the GPU extra's SGLang (requirements/compat.txt), in
 # $(COMPAT_VENV); torch 2.14.1 for Python 3.12 is its CUDA build from the package index (about 6 GB
 # installed; it runs on the CPU). make test-compat runs the tests marked `megatron` there but the slow
-# ones (test-slow's end-to-end runs) and the one that tests process handling, not megatron-core (a
-# dead rank named: a minute); make test-layouts-compat runs the recipes' rehearsals there.
+# ones (test-slow's end-to-end runs), the one that tests process handling (a dead rank named: a
+# minute) and the GPU contract's (megarl's sync ordering over gloo: a third of the stage; the
+# megatron-core calls they make, stage export and groups, the worker and numerics tests make too);
+# make test-layouts-compat runs the recipes' rehearsals there.
 PYTHON312 ?= $(shell for p in python3.12 $$(pyenv root 2>/dev/null)/versions/3.12*/bin/python3.12 \
 	$$HOME/.pyenv/versions/3.12*/bin/python3.12; do \
 	$$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { command -v $$p; break; }; done)
@@ -144,7 +146,8 @@ $(COMPAT_STAMP): requirements/compat.txt pyproject.toml
 test-compat: $(COMPAT_STAMP)
 	$(COMPAT_VENV)/bin/python -m megarl.cli --version
 	$(COMPAT_VENV)/bin/python -m pytest tests $(PARALLEL) -m 'megatron and not slow and not ui and not sglang' \
-		--deselect tests/test_megatron_train.py::test_a_dead_rank_is_named_and_the_others_are_stopped $(PYTEST_ARGS)
+		--deselect tests/test_megatron_train.py::test_a_dead_rank_is_named_and_the_others_are_stopped \
+		--ignore tests/test_gpu_contract.py --ignore tests/test_gpu_contract_colocated.py $(PYTEST_ARGS)
 
 # make test-layouts in the second environment: megatron-core's newest release end to end (two steps,
 # a checkpoint and a resume on each recipe's layout); make test-compat leaves the slow runs out.
@@ -295,7 +298,7 @@ mutants: $(STAMP)
 # fails on a survivor that docs/testing.md and docs/mutation-survivors.md do not list
 .PHONY: mutants-sample
 mutants-sample: $(STAMP)
-	$(BIN)/python tools/mutants.py --sample 90 --seed "$$(git rev-parse HEAD 2>/dev/null || echo 0)"
+	$(BIN)/python tools/mutants.py --sample 60 --seed "$$(git rev-parse HEAD 2>/dev/null || echo 0)"
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

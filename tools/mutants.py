@@ -7,7 +7,7 @@ the reason in docs/testing.md, "Equivalent mutants") and the share killed of the
 
     python tools/mutants.py                      # every group, every mutant (make mutants)
     python tools/mutants.py --group algo         # one group
-    python tools/mutants.py --sample 90 --seed "$(git rev-parse HEAD)"   # .ci/run's bounded sample
+    python tools/mutants.py --sample 60 --seed "$(git rev-parse HEAD)"   # .ci/run's bounded sample
 
 Each group runs in its own copy of the working tree under build/mutants/<group> (mutmut writes
 its mutated copy, `mutants/`, there). The mutated code is what the test process and its forks
