@@ -149,8 +149,12 @@ def test_a_tool_call_observation_is_the_chat_templates_tool_message(chat_tokeniz
      {"expression": "2*3"}, ""),
     ('<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"2*3\\"}"}</tool_call>', "call",
      "calculator", {"expression": "2*3"}, ""),  # the arguments as a JSON string
-    ('<tool_call>{"name": "weather"}</tool_call>', "call", "weather", None,
+    ('<tool_call>{"name": "weather"}</tool_call>', "call", "", None,  # counted as "unknown", not as a new metric
      "there is no tool 'weather'; the tools are calculator"),
+    ('<tool_call>{"name": "web.search(\'x\')!' + "y" * 60 + '"}</tool_call>', "call", "", None,
+     "there is no tool \"web.search('x')!" + "y" * 24 + '..."; the tools are calculator'),
+    ("<tool_call>" + "[" * 5000 + "]" * 5000 + "</tool_call>", "call", "", None,
+     "the tool call is nested too deeply to read"),  # json's recursion limit, not a failed step
     ('<tool_call>{"name": calculator}</tool_call>', "call", "", None,
      "the tool call is not JSON (Expecting value at character 9)"),
     ("The answer is 6.", "reply", "", None, ""),

@@ -170,16 +170,19 @@ class ToolSet:
             call = json.loads(content)
         except json.JSONDecodeError as e:
             return Action("call", error=f"the tool call is not JSON ({e.msg} at character {e.pos})")
+        except RecursionError:  # a model's output nested thousands of levels deep
+            return Action("call", error="the tool call is nested too deeply to read")
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             return Action("call", error='a tool call is {"name": ..., "arguments": {...}}')
         name, arguments = call["name"], call.get("arguments", {})
         if isinstance(arguments, str):  # some templates and models write the arguments as a JSON string
             try:
                 arguments = json.loads(arguments)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
                 pass
-        if name not in self.tools:
-            return Action("call", name, error=f"there is no tool {name!r}; the tools are {', '.join(self.tools)}")
+        if name not in self.tools:  # counted as "unknown": a name the model invents never becomes a metric
+            shown = name if len(name) <= 40 else name[:40] + "..."
+            return Action("call", error=f"there is no tool {shown!r}; the tools are {', '.join(self.tools)}")
         if not isinstance(arguments, dict):
             return Action("call", name, error=f"the arguments of {name} are not a JSON object")
         return Action("call", name, arguments)
