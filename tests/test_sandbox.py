@@ -242,3 +242,19 @@ def test_the_uid_range_moves_with_its_variable_and_a_bad_one_is_named(monkeypatc
             _uid_base()
     else:
         assert _uid_base() == want
+
+
+def test_no_process_it_sees_holds_the_callers_environment(sandbox, monkeypatch):
+    """bubblewrap itself (PID 1 in the sandbox, the parent of the program's process) starts with no
+    environment of megarl's: a program reading every /proc/*/environ finds none of the caller's
+    keys (the issue found MEGARL_SANDBOX_API_KEY, the retrieval key, OPENAI_API_KEY and HF_TOKEN)."""
+    secrets = {"MEGARL_SANDBOX_API_KEY": "k-sandbox-61", "OPENAI_API_KEY": "k-openai-61", "HF_TOKEN": "k-hf-61"}
+    for name, value in secrets.items():
+        monkeypatch.setenv(name, value)
+    code = ("import os\nfor pid in [p for p in os.listdir('/proc') if p.isdigit()]:\n"
+            "    try:\n        print(pid, open(f'/proc/{pid}/environ', 'rb').read().replace(b'\\0', b' ').decode())\n"
+            "    except OSError as e:\n        print(pid, 'unreadable', type(e).__name__)")
+    result = sandbox.run_python(code)
+    assert result.status == OK and result.stdout.startswith("1 "), result
+    assert not any(value in result.stdout + result.stderr for value in secrets.values()), result.stdout
+    assert "PATH=/usr/bin:/bin" in result.stdout  # the program's own environment, set by bwrap, is there

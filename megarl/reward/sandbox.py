@@ -65,6 +65,7 @@ def _uid_base() -> int:
 
 
 SANDBOX_UID_BASE = _uid_base()
+BWRAP_ENV = {"PATH": "/usr/bin:/bin"}  # bubblewrap's own environment: nothing of the caller's
 _counter = itertools.count()
 log = logging.getLogger(__name__)
 
@@ -197,9 +198,11 @@ class LocalSandbox:
         processes = limits.processes + (0 if uid is not None else _processes_of(os.getuid()))
         start = time.monotonic()
         try:
+            # bwrap gets no environment of megarl's: it is PID 1 in the sandbox, and --clearenv clears
+            # only its child's, so the program could read the run's keys in /proc/1/environ
             proc = subprocess.Popen(sandbox.command(argv, program_dir, writable_dir), stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                                    preexec_fn=lambda: _enter_limits(limits, uid, processes))
+                                    env=BWRAP_ENV, preexec_fn=lambda: _enter_limits(limits, uid, processes))
         except OSError as e:
             raise SandboxUnavailable(f"cannot start bubblewrap: {e}") from e
         feeder = threading.Thread(target=_feed, args=(proc.stdin, stdin.encode()), daemon=True)
