@@ -259,3 +259,32 @@ def test_only_a_search_tool_needs_a_retrieval_server():
     with pytest.raises(ConfigError, match="agent.retrieval"):
         load_config(None, ["agent.max_turns=2"])  # the default tools: search
     load_config(None, ["agent.max_turns=2", "agent.tools={calculator: {}}"])
+
+
+def test_a_huge_tool_output_is_cut_before_it_is_tokenized():
+    """A 10 MB output (the issue's took 32.9 s and 3.66 GB to tokenize whole): the observation is
+    the first max_obs_length tokens of the whole text, computed from a cut that never passes
+    (max_obs_length + 8) x the tokenizer's longest token in characters."""
+    from megarl.rollout import agent
+
+    words = [f"fact{i % 97} value{i % 13}" for i in range(1_000_000)]
+    huge = " ".join(words)
+    assert len(huge) > 10_000_000
+    longest = agent.longest_token_chars(TOK)
+    # the slow reference: a prefix long enough to hold the first 200 tokens whatever the cut
+    reference = agent.ids_of(TOK, huge[:100_000])[:200]
+    seen = []
+    real_ids_of = agent.ids_of
+
+    def counting(tokenizer, text):
+        seen.append(len(text))
+        return real_ids_of(tokenizer, text)
+
+    agent.ids_of = counting
+    try:
+        got = agent.observation_ids(TOK, huge, 200)
+    finally:
+        agent.ids_of = real_ids_of
+    assert got == reference
+    assert seen == [(200 + 8) * longest] and seen[0] < 100_000
+    assert longest == max(len(TOK.convert_tokens_to_string([t])) for t in TOK.get_vocab())

@@ -122,6 +122,27 @@ def ids_of(tokenizer, text: str) -> list[int]:
         backend.encode(text, add_special_tokens=False).ids
 
 
+def longest_token_chars(tokenizer) -> int:
+    """The most characters one token of `tokenizer` decodes to (computed once a tokenizer)."""
+    cached = getattr(tokenizer, "_megarl_longest_token_chars", None)
+    if cached is None:
+        vocab = tokenizer.get_vocab()
+        cached = max((len(tokenizer.convert_tokens_to_string([t])) for t in vocab), default=1)
+        try:
+            tokenizer._megarl_longest_token_chars = cached
+        except AttributeError:  # a tokenizer that takes no attributes: computed each time
+            pass
+    return max(cached, 1)
+
+
+def observation_ids(tokenizer, text: str, max_tokens: int) -> list[int]:
+    """The first `max_tokens` tokens of a tool's output. The text is cut first, past what that
+    many tokens (and 8 more) can span, so a huge output (a 10 MB page) is never tokenized whole:
+    the tokens kept are those of the whole text but where a single word runs across the cut."""
+    limit = (max_tokens + 8) * longest_token_chars(tokenizer)
+    return ids_of(tokenizer, text[:limit])[:max_tokens]
+
+
 async def run_trajectory(engine: RolloutEngine, tokenizer, prompt_ids: list[int], settings: AgentSettings,
                          tools: ToolSet | Searcher | None = None, seed: int | None = None) -> Trajectory:
     """Roll out one trajectory (see the module docstring). `tools`: the run's ToolSet, or a
@@ -173,7 +194,7 @@ async def run_trajectory(engine: RolloutEngine, tokenizer, prompt_ids: list[int]
             traj.num_valid_actions += not action.error
             result = await tools.run(action)
             traj.count_call(result)
-            observation = ids_of(tokenizer, result.text)[: settings.max_obs_length]
+            observation = observation_ids(tokenizer, result.text, settings.max_obs_length)
         else:
             observation = ids_of(tokenizer, tools.invalid_message())
         room = settings.max_response_length - len(traj.response_ids)
