@@ -14,7 +14,8 @@ from megarl.config_loader import Problems, param
 @dataclass
 class DynamicSamplingConfig:
     enable: bool = param(True, "Drop prompt groups whose metric is constant and refill (DAPO dynamic sampling).")
-    metric: str = param("acc", "Per-sample value whose variance decides a group is informative (acc, score, ...).")
+    metric: Literal["acc", "score"] = param("acc", "Per-sample value whose variance decides a group is informative: "
+                                            "acc (the reward's correctness) or score (the reward).")
     max_num_gen_batches: int = param(10, "Generation batches per step before giving up; 0 = unlimited.", ge=0)
 
 

@@ -315,3 +315,10 @@ def test_example_configs_are_valid(path):
 ])
 def test_train_world_size(overrides, world):
     assert load_config(None, overrides).train_world_size() == world
+
+
+def test_dynamic_samplings_metric_is_acc_or_score_and_a_typo_is_named():
+    # before: any string, and every one but "acc" quietly meant "score" (issue 61, item 6)
+    with pytest.raises(ConfigError, match=r"algorithm\.dynamic_sampling\.metric: expects one of 'acc', 'score', got 'accc'"):
+        load_config(None, ["algorithm.dynamic_sampling.metric=accc"])
+    assert load_config(None, ["algorithm.dynamic_sampling.metric=score"]).algorithm.dynamic_sampling.metric == "score"
