@@ -151,6 +151,8 @@ def _sandbox_serve(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from megarl.export import export_checkpoint
 
+    if Path(args.out).is_dir() and any(Path(args.out).iterdir()):  # as megarl convert: nothing of yours overwritten
+        raise FileExistsError(f"{args.out} is not empty; give a new directory for the exported model")
     out = export_checkpoint(args.run, args.out, args.checkpoint, args.adapter_out)
     print(f"megarl: exported to {out}", file=sys.stderr)
     adapter = Path(args.adapter_out or out / "adapter")

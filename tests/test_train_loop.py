@@ -135,7 +135,7 @@ def test_dynamic_sampling_refills_with_informative_groups(inputs, tmp_path):
     assert metric["train/gen_batches"] >= 2
 
 
-def test_export_command_writes_a_loadable_hf_model(inputs, tmp_path):
+def test_export_command_writes_a_loadable_hf_model(inputs, tmp_path, capsys):
     from megarl.cli import main
 
     out = tmp_path / "run"
@@ -146,6 +146,13 @@ def test_export_command_writes_a_loadable_hf_model(inputs, tmp_path):
     for name, tensor in saved.items():
         assert torch.equal(exported[name], tensor), name
     assert main(["export", "--run", str(tmp_path / "nothing"), "--out", str(tmp_path / "x")]) != 0
+    # a second export into the same directory is refused, as megarl convert refuses (issue 61, item 6)
+    (tmp_path / "hf" / "mine.txt").write_text("keep")
+    before = (tmp_path / "hf" / "model.safetensors").stat().st_mtime_ns
+    assert main(["export", "--run", str(out), "--out", str(tmp_path / "hf")]) == 1
+    assert "is not empty; give a new directory" in capsys.readouterr().err
+    assert (tmp_path / "hf" / "mine.txt").read_text() == "keep"
+    assert (tmp_path / "hf" / "model.safetensors").stat().st_mtime_ns == before
 
 
 def test_ray_launcher_trains_exactly_like_one_process(inputs, tmp_path):
