@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from megarl.config_loader import (
     ConfigError,
+    Problem,
     Problems,
     config_to_dict,
     load_config as _load_config,
@@ -453,6 +454,9 @@ def load_config(path: str | None, overrides: list[str] | None = None, consistent
     named after its file: two configs never share a directory (and resume each other's runs)
     by default."""
     cfg = _load_config(RunConfig, path, overrides or [], consistent)
+    if cfg.trainer.output_dir is not None and not str(cfg.trainer.output_dir).strip():
+        raise ConfigError([Problem("trainer.output_dir", "is empty (it would be the current directory)",
+                                   "name the run's directory, or leave the key out for outputs/<config name>")])
     if cfg.trainer.output_dir is None:
         cfg.trainer.output_dir = str(Path("outputs") / (Path(path).stem if path else "run"))
     return cfg

@@ -86,7 +86,12 @@ def parse_override(item: str) -> tuple[str, _Override]:
         raise ConfigError([Problem(item, "is not a key=value override", "write e.g. algorithm.clip_ratio_high=0.28")])
     try:
         value = yaml.safe_load(text) if text.strip() else ""
-    except yaml.YAMLError:
+    except yaml.YAMLError as e:
+        if text.lstrip()[:1] in ("[", "{"):  # a list or a mapping cut short: never a plain string
+            raise ConfigError([Problem(key, f"{text!r} is not a YAML {'list' if text.lstrip()[0] == '[' else 'mapping'} "
+                                            f"({getattr(e, 'problem', None) or e})",
+                                       "close it: e.g. data.train_files=[a.parquet,b.parquet] or "
+                                       "agent.tools={python: {}}, quoted in the shell")]) from None
         value = text
     return key, _Override(text, value)
 

@@ -322,3 +322,16 @@ def test_dynamic_samplings_metric_is_acc_or_score_and_a_typo_is_named():
     with pytest.raises(ConfigError, match=r"algorithm\.dynamic_sampling\.metric: expects one of 'acc', 'score', got 'accc'"):
         load_config(None, ["algorithm.dynamic_sampling.metric=accc"])
     assert load_config(None, ["algorithm.dynamic_sampling.metric=score"]).algorithm.dynamic_sampling.metric == "score"
+
+
+@pytest.mark.parametrize("override, words", [
+    ("data.train_files=[a.parquet", "data.train_files: '[a.parquet' is not a YAML list"),  # not a file named "[a.parquet"
+    ("agent.tools={python: {}", "agent.tools: '{python: {}' is not a YAML mapping"),
+    ("trainer.output_dir=", "trainer.output_dir: is empty (it would be the current directory)"),
+    ("trainer.output_dir=  ", "trainer.output_dir: is empty"),
+])
+def test_a_list_cut_short_and_an_empty_run_directory_are_named(override, words):
+    # issue 61, item 6: both were accepted (a file name; the current directory)
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert words in str(e.value)
