@@ -31,10 +31,33 @@ def _model_problem(key: str, path: str) -> str | None:
             f"{key}={path}: the directory has no config.json (an HF model directory has one)"
     if _hub_cached(path):
         return None
-    name = path if path.count("/") == 1 else "ORG/NAME"
-    return (f"{key}={path}: no such directory here ({Path.cwd()}), nor a hub model in the local cache; download it "
-            f"once to storage every node sees (hf download {name} --local-dir models/{Path(path).name}) "
-            "and point the run at that directory")
+    missing = f"{key}={path}: no such directory here ({Path.cwd()})"
+    parts = Path(path).parts
+    if parts[:1] == ("outputs",) and any(p.startswith("quickstart") for p in parts):
+        return f"{missing}: a quickstart's prepare step makes it; run its make target first (docs/quickstart.md)"
+    if parts[:2] == ("build", "real-model"):
+        return f"{missing}: `make real-model` makes it (docs/real-model.md)"
+    if _looks_like_hub_id(path):
+        return (f"{missing}, nor a hub model in the local cache; download it once to storage every node sees "
+                f"(hf download {path} --local-dir models/{Path(path).name}) and point the run at that directory")
+    return (f"{missing}; download the model there once, to storage every node sees "
+            f"(hf download {_hub_guess(Path(path).name)} --local-dir {path})")
+
+
+LOCAL_TOPS = ("models", "outputs", "build", "data", "checkpoints", "downloads")
+HUB_ORGS = (("qwen", "Qwen"), ("llama", "meta-llama"), ("meta-llama", "meta-llama"), ("smollm", "HuggingFaceTB"))
+
+
+def _looks_like_hub_id(path: str) -> bool:
+    """ORG/NAME, not a local path: one slash, no leading /, . or ~, and no local folder's name first
+    (the recipes' models/Qwen2.5-32B is a directory, not the organisation "models")."""
+    return path.count("/") == 1 and path[0] not in "/.~" and path.split("/")[0] not in LOCAL_TOPS
+
+
+def _hub_guess(name: str) -> str:
+    """The hub id a model directory named `name` most likely came from (ORG/NAME where unknown)."""
+    org = next((org for prefix, org in HUB_ORGS if name.lower().startswith(prefix)), "ORG")
+    return f"{org}/{name}"
 
 
 def missing_inputs(cfg: RunConfig) -> list[str]:

@@ -71,6 +71,13 @@ def test_a_hub_model_counts_when_it_is_in_the_local_cache(tmp_path, monkeypatch)
     missing = missing_inputs(load_config(None, ["model.path=Org/Other", "data.train_files=[t.jsonl]"]))
     assert len(missing) == 1 and missing[0].startswith("model.path=Org/Other: no such directory here") \
         and "hf download Org/Other --local-dir models/Other" in missing[0]
+    # issue 61, item 5: a local directory is not a hub id, and a quickstart's model is prepared, not downloaded
+    for path, words in [("models/Qwen2.5-32B", "hf download Qwen/Qwen2.5-32B --local-dir models/Qwen2.5-32B)"),
+                        ("models/Mystery-7B", "hf download ORG/Mystery-7B --local-dir models/Mystery-7B)"),
+                        ("outputs/quickstart/model", "a quickstart's prepare step makes it; run its make target first"),
+                        ("build/real-model/smollm2-135m", "`make real-model` makes it")]:
+        (missing,) = missing_inputs(load_config(None, [f"model.path={path}", "data.train_files=[t.jsonl]"]))
+        assert missing.startswith(f"model.path={path}: no such directory here") and words in missing, missing
 
 
 def test_bad_config_exits_with_key_and_fix(capsys):

@@ -137,7 +137,7 @@ def test_a_recipes_dry_run_names_the_inputs_that_are_not_there(tmp_path):
     assert result.returncode == 2 and "config OK" not in result.stderr
     assert "the run's inputs are not all there (3 missing)" in result.stderr
     assert (f"model.path={tmp_path}/models/Qwen2.5-32B: no such directory here" in result.stderr
-            and "hf download ORG/NAME --local-dir models/Qwen2.5-32B" in result.stderr)
+            and f"hf download Qwen/Qwen2.5-32B --local-dir {tmp_path}/models/Qwen2.5-32B" in result.stderr)
     for name in ["dapo-math-17k.parquet", "aime-2024.parquet"]:
         assert f"{tmp_path}/data/{name}: no such file" in result.stderr
 
