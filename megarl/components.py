@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections import Counter
 from dataclasses import dataclass, field
 
 import httpx
@@ -26,6 +27,7 @@ from megarl.models.hf_files import check_model_files
 from megarl.retrieval.client import RetrievalClient
 from megarl.retrieval.index import corpus_warnings
 from megarl.reward.pool import RewardComputer
+from megarl.reward.registry import check_data_sources
 from megarl.rollout.agent import AgentSettings
 from megarl.rollout.engine import RolloutEngine
 from megarl.runtime import Runtime, build_runtime
@@ -128,6 +130,7 @@ def build_components(cfg: RunConfig) -> Components:
     if d.val_files:
         val_records, _ = load_prompts(d.val_files, tokenizer, prompt_key=d.prompt_key,
                                       max_prompt_length=d.max_prompt_length, apply_chat_template=d.apply_chat_template)
+    check_data_sources(cfg.reward, Counter(r.data_source for r in train_records + val_records))
     if cfg.agent.uses_search() and cfg.agent.retrieval.url is None:
         _warn_if_other_corpus(cfg.agent.retrieval.index_dir, d.train_files + d.val_files)
     steps_per_epoch = max(len(train_records) // d.train_batch_size, 1)

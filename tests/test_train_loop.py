@@ -166,3 +166,26 @@ def test_ray_launcher_trains_exactly_like_one_process(inputs, tmp_path):
     b = load_file(str(distributed / "checkpoints" / "step_000002" / "actor.safetensors"))
     for name in a:
         assert torch.equal(a[name], b[name]), name
+
+
+def test_rows_no_reward_scores_stop_the_run_before_it_starts(inputs, tmp_path, capsys):
+    """Issue 61, item 7: rows of a data_source no reward knows scored 0 with a logged failure,
+    and the run trained to the end on nothing. The data sources are known when the data loads."""
+    import pyarrow.parquet as pq
+
+    from megarl.cli import main
+
+    table = pq.read_table(inputs["train"])
+    sources = table.column("data_source").to_pylist()
+    mystery = table.set_column(table.schema.get_field_index("data_source"), "data_source",
+                               [["mystery_set" if i % 3 == 0 else s for i, s in enumerate(sources)]])
+    pq.write_table(mystery, tmp_path / "train.parquet")
+    out = tmp_path / "run"
+    overrides = tiny_overrides({**inputs, "train": str(tmp_path / "train.parquet")}, out, steps=1)
+    assert main(["train", *overrides]) == 1
+    err = capsys.readouterr().err
+    rows = sum(1 for i in range(len(sources)) if i % 3 == 0)
+    assert f"no reward scores data_source 'mystery_set' ({rows} rows)" in err and "reward.data_sources" in err
+    assert not (out / "checkpoints").exists()
+    # named in reward.data_sources, the same data trains
+    assert main(["train", *overrides, "reward.data_sources={mystery_set: search_r1_em}"]) == 0

@@ -57,6 +57,25 @@ def scorer_for_data_source(data_source: str) -> Scorer:
     )
 
 
+def check_data_sources(settings, counts: dict[str, int]) -> None:
+    """ValueError naming each data source of the data (`counts`: rows of each) that no reward
+    scores: neither reward.custom_function, reward.data_sources nor a built-in route. Its rows
+    would all score 0, and a run of them would learn nothing yet end as finished."""
+    unknown = []
+    for source in sorted(counts):
+        if settings.scorer_for(source) is None:
+            try:
+                scorer_for_data_source(source)
+            except ValueError:
+                unknown.append(source)
+    if unknown:
+        listed = ", ".join(f"{s!r} ({counts[s]} rows)" for s in unknown)
+        raise ValueError(f"no reward scores data_source {listed}: every such row would score 0. Known data sources: "
+                         f"{describe_routes()}. Name a scorer for it in reward.data_sources ({{{unknown[0]}: SCORER}}) "
+                         f"or set reward.custom_function; a scorer is {CUSTOM_FUNCTION_FORM} or one of the "
+                         f"built-in scorers {sorted(SCORERS)}.")
+
+
 def run_scorer(
     scorer: Scorer, solution_str: str, ground_truth: Any, extra_info: dict | None, options: Mapping[str, Any]
 ) -> dict:
