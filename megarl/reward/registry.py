@@ -44,36 +44,34 @@ def describe_routes() -> str:
     )
 
 
+def _routed(data_source: str) -> str | None:
+    """The scorer's name a built-in route gives data_source, or None."""
+    return next((route.scorer for route in ROUTES if route.matches(data_source)), None)
+
+
+def _routing_help(data_source: str) -> str:
+    return (f"Known data sources: {describe_routes()}. For another data set name its scorer in reward.data_sources "
+            f"({{{data_source}: SCORER}}) or set reward.custom_function (every row); a scorer is "
+            f"{CUSTOM_FUNCTION_FORM} or one of the built-in scorers {sorted(SCORERS)}.")
+
+
 def scorer_for_data_source(data_source: str) -> Scorer:
     """The scorer routed to data_source; ValueError naming it when there is none."""
-    for route in ROUTES:
-        if route.matches(data_source):
-            return SCORERS[route.scorer]
-    raise ValueError(
-        f"no reward function for data_source {data_source!r}. Known data sources: {describe_routes()}. "
-        f"For another data set name its scorer in reward.data_sources ({{{data_source}: SCORER}}) or set "
-        f"reward.custom_function (every row); a scorer is {CUSTOM_FUNCTION_FORM} or one of the built-in "
-        f"scorers {sorted(SCORERS)}."
-    )
+    name = _routed(data_source)
+    if name is None:
+        raise ValueError(f"no reward function for data_source {data_source!r}. {_routing_help(data_source)}")
+    return SCORERS[name]
 
 
 def check_data_sources(settings, counts: dict[str, int]) -> None:
     """ValueError naming each data source of the data (`counts`: rows of each) that no reward
     scores: neither reward.custom_function, reward.data_sources nor a built-in route. Its rows
     would all score 0, and a run of them would learn nothing yet end as finished."""
-    unknown = []
-    for source in sorted(counts):
-        if settings.scorer_for(source) is None:
-            try:
-                scorer_for_data_source(source)
-            except ValueError:
-                unknown.append(source)
+    unknown = sorted(s for s in counts if settings.scorer_for(s) is None and _routed(s) is None)
     if unknown:
         listed = ", ".join(f"{s!r} ({counts[s]} rows)" for s in unknown)
-        raise ValueError(f"no reward scores data_source {listed}: every such row would score 0. Known data sources: "
-                         f"{describe_routes()}. Name a scorer for it in reward.data_sources ({{{unknown[0]}: SCORER}}) "
-                         f"or set reward.custom_function; a scorer is {CUSTOM_FUNCTION_FORM} or one of the "
-                         f"built-in scorers {sorted(SCORERS)}.")
+        raise ValueError(f"no reward scores data_source {listed}: every such row would score 0. "
+                         f"{_routing_help(unknown[0])}")
 
 
 def run_scorer(

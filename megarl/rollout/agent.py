@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
 import torch
 
@@ -122,17 +123,12 @@ def ids_of(tokenizer, text: str) -> list[int]:
         backend.encode(text, add_special_tokens=False).ids
 
 
+@lru_cache(maxsize=8)  # a run holds one or two tokenizers; each is asked once per tool call
 def longest_token_chars(tokenizer) -> int:
-    """The most characters one token of `tokenizer` decodes to (computed once a tokenizer)."""
-    cached = getattr(tokenizer, "_megarl_longest_token_chars", None)
-    if cached is None:
-        vocab = tokenizer.get_vocab()
-        cached = max((len(tokenizer.convert_tokens_to_string([t])) for t in vocab), default=1)
-        try:
-            tokenizer._megarl_longest_token_chars = cached
-        except AttributeError:  # a tokenizer that takes no attributes: computed each time
-            pass
-    return max(cached, 1)
+    """At most how many characters one token of `tokenizer` decodes to: its longest vocabulary
+    entry (a byte-level BPE entry has a character per byte, a SentencePiece or WordPiece entry
+    no fewer characters than its text)."""
+    return max(max(map(len, tokenizer.get_vocab()), default=1), 1)
 
 
 def observation_ids(tokenizer, text: str, max_tokens: int) -> list[int]:

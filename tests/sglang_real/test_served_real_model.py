@@ -17,21 +17,12 @@ from megarl.rollout.http import HTTPEngine
 from megarl.rollout.sglang_launch import CPU_SERVER_ENV, ServerProcess, server_command
 from megarl.weights.buckets import group_tensors, hf_tensors
 from megarl.weights.probe import WeightProbe
-from real_model import real_model_dir
+from real_model import chat_prompt_ids, real_model_dir
 from tiny_models import reference_log_probs
 
 pytestmark = pytest.mark.sglang
 KEY = "sglang-real-model-key"
 QUESTIONS = ["What is 17 + 25?", "Name the largest planet of the solar system.", "Write a haiku about rain."]
-
-
-def chat_prompts(model_dir) -> list[list[int]]:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
-             for q in QUESTIONS]
-    return [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
 
 
 def serve(root, sglang_env: str, dtype: str):
@@ -49,7 +40,7 @@ def serve(root, sglang_env: str, dtype: str):
     try:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
         yield SimpleNamespace(client=HTTPEngine(process.url, api_key=KEY, weight_dir=str(root)), model=model,
-                              prompts=chat_prompts(model_dir))
+                              prompts=chat_prompt_ids(model_dir, QUESTIONS))
     finally:
         process.stop()
 
