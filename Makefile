@@ -89,16 +89,40 @@ $(TRL_STAMP): requirements/bench-trl.txt
 
 # make test: every test but the long ones, on TEST_WORKERS processes (pytest-xdist; default: the
 # cores, at most 4), the slowest listed at the end. make test-slow: the long end-to-end runs (marker
-# `slow`), the same way; CI runs both (docs/testing.md lists each target and its time).
+# `slow`), the same way; CI runs both (docs/testing.md lists each target and its time). Both leave out
+# the tests marked `full` (CI's time: their features have shorter tests in CI); make test-full runs
+# every test and stage, make test-left-out only those.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 PARALLEL := -n $(TEST_WORKERS) --dist worksteal --durations=20
 
 test: $(STAMP) sandbox-tool
-	$(BIN)/python -m pytest tests $(PARALLEL) -m 'not slow and not ui and not sglang and not layouts' $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests $(PARALLEL) -m 'not slow and not ui and not sglang and not layouts and not full' \
+		$(PYTEST_ARGS)
 
-.PHONY: test-slow
+.PHONY: test-slow test-left-out test-full
 test-slow: $(STAMP) sandbox-tool
-	$(BIN)/python -m pytest tests $(PARALLEL) -m 'slow and not ui and not sglang' $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests $(PARALLEL) -m 'slow and not ui and not sglang and not full' $(PYTEST_ARGS)
+
+# The tests CI leaves out (marker `full`, SGLang's among them: it needs make sglang-env), on one
+# process: the SGLang ones start servers, and the rest are long runs on every core.
+test-left-out: $(STAMP) sandbox-tool $(SGLANG_STAMP)
+	MEGARL_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python $(BIN)/python -m pytest tests -m full \
+		--durations=20 $(PYTEST_ARGS)
+
+# Everything, CI's stages and what CI leaves out for time (about two hours on 2 cores; docs/testing.md):
+# the tests marked full, the whole of the second environment's megatron tests, test-slurm and every
+# part of test-multinode's default.
+test-full:
+	$(MAKE) test
+	$(MAKE) test-slow
+	$(MAKE) test-left-out
+	$(MAKE) test-layouts
+	$(MAKE) test-compat
+	$(MAKE) test-sglang
+	$(MAKE) test-slurm
+	$(MAKE) test-multinode
+	$(MAKE) test-journey
+	$(MAKE) test-ui
 
 # SGLang 0.5.23's own servers on the CPU: first tools/sglang_cpu/smoke.py (the sgl_kernel stand-ins
 # against SGLang's kernels' semantics, then a tiny Qwen2, Qwen3 and Qwen3-MoE served against
@@ -108,7 +132,7 @@ test-slow: $(STAMP) sandbox-tool
 .PHONY: test-sglang
 test-sglang: $(STAMP) $(SGLANG_STAMP)
 	SGLANG_USE_CPU_ENGINE=1 $(SGLANG_VENV)/bin/python tools/sglang_cpu/smoke.py --model all
-	MEGARL_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python $(BIN)/python -m pytest tests/sglang_real -m sglang \
+	MEGARL_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python $(BIN)/python -m pytest tests/sglang_real -m 'sglang and not full' \
 		--durations=20 $(PYTEST_ARGS)
 
 # Every shipped recipe's parallel layout rehearsed in miniature (megarl rehearse; docs/rehearsal.md):
@@ -132,7 +156,7 @@ PYTHON312 ?= $(shell for p in python3.12 $$(pyenv root 2>/dev/null)/versions/3.1
 COMPAT_VENV ?= .venv-compat
 COMPAT_STAMP := $(COMPAT_VENV)/.megarl-installed
 
-.PHONY: compat-env test-compat
+.PHONY: compat-env test-compat test-compat-quick
 compat-env: $(COMPAT_STAMP)
 
 $(COMPAT_STAMP): requirements/compat.txt pyproject.toml
@@ -148,6 +172,14 @@ test-compat: $(COMPAT_STAMP)
 	$(COMPAT_VENV)/bin/python -m pytest tests $(PARALLEL) -m 'megatron and not slow and not ui and not sglang' \
 		--deselect tests/test_megatron_train.py::test_a_dead_rank_is_named_and_the_others_are_stopped \
 		--ignore tests/test_gpu_contract.py --ignore tests/test_gpu_contract_colocated.py $(PYTEST_ARGS)
+
+# CI's part of it (about a minute): the versions checked, megatron-core's numerics against HF's, its
+# checkpoints' conversion to HF and back, and a crafted checkpoint refused (megatron-core's metadata).
+COMPAT_QUICK := tests/test_compat.py tests/test_megatron_layout.py tests/test_megatron_numerics.py \
+	tests/test_ckpt_convert.py tests/test_checkpoint_faults.py
+test-compat-quick: $(COMPAT_STAMP)
+	$(COMPAT_VENV)/bin/python -m megarl.cli --version
+	$(COMPAT_VENV)/bin/python -m pytest $(COMPAT_QUICK) $(PARALLEL) -m 'megatron and not slow and not full' $(PYTEST_ARGS)
 
 # make test-layouts in the second environment: megatron-core's newest release end to end (two steps,
 # a checkpoint and a resume on each recipe's layout); make test-compat leaves the slow runs out.

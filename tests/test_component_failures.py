@@ -128,13 +128,14 @@ def gone(pid: int) -> bool:
 
 
 @pytest.mark.parametrize("part, named", [
-    ("retrieval", r"retrieval server at http://\S+ \(Ray actor RetrievalActor\) did not answer a health ping within 3 s"),
+    pytest.param("retrieval", r"retrieval server at http://\S+ \(Ray actor RetrievalActor\) did not answer a health "
+                 r"ping within 3 s", marks=pytest.mark.full),
     ("engine", r"^while generating the step's samples: rollout engine \(Ray actor EngineActor\) did not answer a "
                r"health ping within 3 s"),
     ("rank", r"^while computing the old log-probs: train worker rank 0 \(Ray actor TrainWorkerActor\) on node "
              rf"{re.escape(socket.gethostname())} \(127\.0\.0\.1\) did not answer a health ping within 3 s"),
-    ("reward", r"^while generating the step's samples: reward workers \(Ray actor RewardActor\) did not answer a "
-               r"health ping within 3 s"),
+    pytest.param("reward", r"^while generating the step's samples: reward workers \(Ray actor RewardActor\) did not "
+                 r"answer a health ping within 3 s", marks=pytest.mark.full),
 ])
 @pytest.mark.slow
 def test_a_frozen_actor_stops_the_run_by_name_and_shutdown_is_bounded(world, tmp_path, part, named):

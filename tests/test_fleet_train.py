@@ -46,7 +46,7 @@ def local_run(tiny_reference):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("transport", ["nccl", "disk"])
+@pytest.mark.parametrize("transport", ["nccl", pytest.param("disk", marks=pytest.mark.full)])
 def test_the_fleet_trains_exactly_like_the_embedded_engine(inputs, local_run, tmp_path, transport):
     run(inputs, tmp_path, FLEET + [f"sync.transport={transport}"])
     want, got = weights(local_run / "hf"), weights(tmp_path / "hf")
@@ -78,6 +78,7 @@ def test_the_fleet_trains_asynchronously_with_partial_rollouts(inputs, tmp_path)
 
 @pytest.mark.megatron
 @pytest.mark.slow
+@pytest.mark.full
 def test_megatron_pipeline_stages_each_sync_over_their_own_group(inputs, local_run, tmp_path):
     # PP=2: two source ranks, two update groups, each engine joins both
     run(inputs, tmp_path, FLEET + ["sync.transport=nccl", "actor.backend=megatron",

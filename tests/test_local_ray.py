@@ -67,6 +67,7 @@ def loopback_report() -> dict:
         ray.shutdown()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_local_ray_listens_on_loopback_only():
     # in a fresh process: a Ray or a listening socket another test left in this one decides nothing

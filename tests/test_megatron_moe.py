@@ -141,6 +141,7 @@ def test_one_moe_optimizer_step_equals_the_torch_backend(tmp_path, recompute, re
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_megarl_train_at_ep2_ends_on_the_torch_backends_weights(tmp_path, monkeypatch):
     # `megarl train` on a tiny Qwen3-MoE: the torch backend, then megatron at EP=2 (two Ray rank
     # actors; each data-parallel rank's micro-batch is one of the torch backend's, so the

@@ -47,6 +47,7 @@ def torch_run(tiny_reference):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_megatron_tp2_trains_like_the_torch_backend_and_resumes(inputs, torch_run, tmp_path):
     torch_out, mg_out, resumed = torch_run, tmp_path / "megatron", tmp_path / "resumed"
     run(inputs, mg_out, 2, MEGATRON)
@@ -85,6 +86,7 @@ def test_megatron_context_parallel_trains_like_the_torch_backend(inputs, torch_r
     assert metric(tmp_path, "actor/pg_loss") == pytest.approx(metric(torch_run, "actor/pg_loss"), abs=1e-5)
 
 
+@pytest.mark.slow
 def test_a_dead_rank_is_named_and_the_others_are_stopped(inputs, tmp_path):
     from megarl.backends.batch import TrainBatch
     from megarl.components import ComponentDied, build_components

@@ -64,6 +64,7 @@ def test_the_world_asks_products_scored_by_exact_match(tmp_path, monkeypatch):
     assert [tok.decode([t]) for t in tok.encode("1776", add_special_tokens=False)] == ["1", "7", "7", "6"]
 
 
+@pytest.mark.slow
 def test_the_tools_config_trains_on_prepared_inputs(tmp_path, monkeypatch, capfd):
     monkeypatch.chdir(tmp_path)
     prepare_tools(Path("outputs/quickstart_tools"), TINY)
@@ -95,6 +96,7 @@ def test_command_line(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 @NEEDS_BWRAP
 def test_the_python_variant_learns_to_call_its_tool(tmp_path, monkeypatch):
     """`make quickstart-tools-python`, shortened to 5 steps: validation accuracy (greedy)

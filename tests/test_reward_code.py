@@ -130,6 +130,7 @@ def test_the_service_refuses_past_its_queue(service):
     assert "answered 503" in refused and "queue is full" in refused
 
 
+@pytest.mark.slow
 def test_a_ray_run_starts_sandbox_services_and_its_reward_workers_use_them(tmp_path):
     # reward.sandbox_servers under cluster.launcher=ray: a sandbox service per server, spread over
     # the nodes; the reward actor's workers send the code rewards to it with its key

@@ -159,7 +159,7 @@ def kill_during_generation(fleet, victim, prompts, seed0):
     return pid, outs, busy[0]
 
 
-@pytest.mark.parametrize("router", [True, False])
+@pytest.mark.parametrize("router", [pytest.param(True, marks=pytest.mark.full), False])
 def test_a_killed_engine_is_restarted_and_its_requests_resent(fleet_setup, router):
     fleet, model, cfg, _ = fleet_setup
     if not router:  # megarl routes and re-sends itself

@@ -167,7 +167,7 @@ def test_sigterm_mid_step_stops_cleanly_and_the_rerun_resumes_in_the_same_mlflow
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.full)])
 def test_stopped_before_the_first_checkpoint_the_rerun_continues_the_same_mlflow_run(inputs, tmp_path, signum):
     out = tmp_path / "run"
     overrides = tiny_overrides(inputs, out, steps=1) + SLOW
@@ -224,6 +224,7 @@ def killed_by_sigterm_after_step_1(out):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.timeout(400)
 def test_a_second_sigterm_cuts_a_slow_shutdown_short_and_leaves_no_process(inputs, tmp_path):
     run, out = None, tmp_path / "run"

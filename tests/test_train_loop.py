@@ -155,6 +155,7 @@ def test_export_command_writes_a_loadable_hf_model(inputs, tmp_path, capsys):
     assert (tmp_path / "hf" / "model.safetensors").stat().st_mtime_ns == before
 
 
+@pytest.mark.full
 def test_ray_launcher_trains_exactly_like_one_process(inputs, tmp_path):
     """The same 2 steps with the worker and the engine as Ray actors: identical weights."""
     local, distributed = tmp_path / "local", tmp_path / "ray"

@@ -104,6 +104,7 @@ def test_the_probes_noise_floor_on_real_weights_and_a_sync_it_sees(server):
     assert asyncio.run(probe.mismatches(server.client)) == []
 
 
+@pytest.mark.full
 def test_in_bf16_the_probe_calibrates_to_sglangs_noise_floor_and_still_sees_a_changed_layer(tmp_path, sglang_env):
     """bf16 on both sides: SGLang's CPU kernels and the trainer's forward round differently, 0.065
     a token measured here, above the probe's bf16 bound (0.05). The first probe calibrates (the

@@ -100,6 +100,7 @@ def test_the_quickstart_learns_on_two_sglang_servers_synced_over_a_gloo_group(wo
     assert not sglang_servers("quickstart/model")  # the run stopped its servers
 
 
+@pytest.mark.full
 def test_asynchronous_rollouts_of_search_survive_a_killed_sglang_server(world, tmp_path, sglang_env, monkeypatch):
     """The quickstart's multi-turn search, asynchronous, and one engine's process group killed
     once the first sync is on disk: the run restarts it, it reloads the newest weights, and every
@@ -123,6 +124,7 @@ def test_asynchronous_rollouts_of_search_survive_a_killed_sglang_server(world, t
     assert_sglang_served(out)
 
 
+@pytest.mark.full
 def test_an_sglang_engine_whose_weights_change_behind_the_runs_back_is_repaired_before_training(world, tmp_path,
                                                                                                 sglang_env,
                                                                                                 monkeypatch):
@@ -164,6 +166,7 @@ def test_an_sglang_engine_whose_weights_change_behind_the_runs_back_is_repaired_
     assert len(metric(out, "actor/pg_loss")) == 2
 
 
+@pytest.mark.full
 def test_the_quickstart_learns_with_lora_adapters_served_by_sglangs_lora_routes(world, tmp_path, sglang_env,
                                                                                monkeypatch):
     """actor.lora.sync=adapter (the lora transport): the servers keep the base and serve each
