@@ -57,7 +57,7 @@ def _train(args: argparse.Namespace) -> int:
         print(f"megarl: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     if args.dry_run:
-        from megarl.preflight import missing_inputs
+        from megarl.preflight import missing_inputs, start_problems
 
         sys.stdout.write(dump_config(cfg))
         missing = missing_inputs(cfg)
@@ -65,7 +65,13 @@ def _train(args: argparse.Namespace) -> int:
             print(f"megarl: the run's inputs are not all there ({len(missing)} missing):\n"
                   + "\n".join(f"  - {m}" for m in missing), file=sys.stderr)
             return EXIT_CONFIG_ERROR
-        print(f"# config OK, its model and data found{f' ({path})' if path else ''}", file=sys.stderr)
+        refused = start_problems(cfg)
+        if refused:
+            print(f"megarl: the run's start would refuse it ({len(refused)} problem{'s' * (len(refused) > 1)}):\n"
+                  + "\n".join(f"  - {m}" for m in refused), file=sys.stderr)
+            return EXIT_CONFIG_ERROR
+        print(f"# config OK, its model and data found, its data routed to rewards{f' ({path})' if path else ''}",
+              file=sys.stderr)
         return 0
     return run_training(cfg)
 

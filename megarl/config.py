@@ -426,6 +426,9 @@ class RunConfig:
         if self.trainer.resume not in ("auto", "disable") and not self.trainer.resume.strip():
             problems.add("trainer.resume", "is empty", "use auto, disable or a checkpoint path")
         check_reward_config(self.reward, problems, "reward.")
+        from megarl.reward.registry import check_reward_functions  # imports the user's modules, as check_algorithm
+
+        check_reward_functions(self.reward, problems)
         check_async_rollout(self, problems)
         check_lora(self, problems)
         check_rollout(self, problems)

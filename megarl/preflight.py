@@ -1,7 +1,10 @@
-"""What `megarl train --dry-run` checks beyond the config's own rules: that the files a run
-reads are there, seen from where it starts (on a cluster: storage every node sees), so that a
-missing model or data file stops the check, not the job after its queue wait. Main entry point:
-`missing_inputs`.
+"""What `megarl train --dry-run` checks beyond the config's own rules (which import the reward,
+estimator and loss functions it names and bind their signatures): that the files a run reads are
+there, seen from where it starts (on a cluster: storage every node sees), then what the run's
+start refuses that needs no model loaded: rows of the data whose data_source no reward scores,
+and a changed config over the checkpoint it would resume. So a missing file or a refused start
+stops the check, not the job after its queue wait. Main entry points: `missing_inputs`,
+`start_problems`.
 """
 
 from __future__ import annotations
@@ -83,3 +86,49 @@ def missing_inputs(cfg: RunConfig) -> list[str]:
     if resume not in ("auto", "disable") and not Path(resume).is_dir():
         problems.append(f"trainer.resume={resume}: no such checkpoint directory")
     return [p for p in problems if p]
+
+
+def start_problems(cfg: RunConfig) -> list[str]:
+    """What the run's start would refuse once its inputs are there (`missing_inputs` is empty),
+    read without a model or tokenizer: each data file's rows checked for the columns the run
+    reads and every data_source routed to a reward; the newest checkpoint a resume would take
+    compared with this config (its files' checksums are verified when the run starts)."""
+    from megarl.data.prompts import DataError, data_source_counts
+    from megarl.reward.registry import check_data_sources
+
+    problems = []
+    d = cfg.data
+    try:
+        check_data_sources(cfg.reward, data_source_counts(d.train_files + d.val_files, d.prompt_key))
+    except DataError as e:
+        problems.append(str(e))
+    except ValueError as e:  # no reward scores some rows
+        problems.append(f"reward: {e}")
+    problems += _resume_problems(cfg)
+    return problems
+
+
+def _resume_problems(cfg: RunConfig) -> list[str]:
+    from megarl import checkpoint
+    from megarl.config_loader import flatten_config
+    from megarl.errors import RunInputError
+    from megarl.resume_guard import check_resume
+
+    mode = cfg.trainer.resume
+    if mode == "disable":
+        return []
+    if mode == "auto":
+        found = checkpoint.list_checkpoints(Path(cfg.trainer.output_dir) / "checkpoints")
+        if not found:
+            return []  # a new run
+        resume_from = found[-1]
+    else:
+        resume_from = Path(mode)
+    try:
+        meta = checkpoint.read_meta(resume_from)
+        check_resume(meta.get("config"), flatten_config(cfg), resume_from, cfg.trainer.resume_changed_config)
+    except (FileNotFoundError, checkpoint.CheckpointError) as e:
+        return [f"trainer.resume ({resume_from}): {e}"]
+    except RunInputError as e:
+        return [f"trainer.resume: {e}"]
+    return []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -12,11 +13,19 @@ import yaml
 from megarl.cli import EXIT_CONFIG_ERROR, main
 
 
-def inputs(where: Path) -> list[str]:
-    """A run's inputs as the dry run checks them (there, contents unread), as overrides."""
+def write_data(path: Path, data_source: str, rows: int = 2) -> Path:
+    from megarl.data.prepare import write_rows
+
+    return write_rows([{"data_source": data_source, "prompt": [{"role": "user", "content": f"question {i}"}],
+                        "reward_model": {"ground_truth": "an answer"}} for i in range(rows)], path)
+
+
+def inputs(where: Path, data_source: str = "nq") -> list[str]:
+    """A run's inputs as the dry run checks them (the model there, its weights unread; the data's
+    rows read), as overrides. nq: routed to exact match."""
     (where / "model").mkdir()
     (where / "model" / "config.json").write_text("{}")
-    (where / "train.parquet").write_bytes(b"")
+    write_data(where / "train.parquet", data_source)
     return [f"model.path={where / 'model'}", f"data.train_files=[{where / 'train.parquet'}]"]
 
 
@@ -78,6 +87,59 @@ def test_a_hub_model_counts_when_it_is_in_the_local_cache(tmp_path, monkeypatch)
                         ("build/real-model/smollm2-135m", "`make real-model` makes it")]:
         (missing,) = missing_inputs(load_config(None, [f"model.path={path}", "data.train_files=[t.jsonl]"]))
         assert missing.startswith(f"model.path={path}: no such directory here") and words in missing, missing
+
+
+def test_a_dry_run_imports_the_reward_functions_and_binds_their_signatures(tmp_path, capsys):
+    """A module that is not there, or a function of another call, stops the dry run naming the
+    setting (before: "config OK", and the run failed after its model loaded)."""
+    given = inputs(tmp_path)
+    cases = [("reward.custom_function=no_such_module_here:score", "reward.custom_function",
+              "cannot import module 'no_such_module_here'"),
+             ("reward.custom_function=reward_fixtures:scorer_shaped", "reward.custom_function",
+              "takes (solution_str, ground_truth, extra_info=None), but megarl calls it as fn(data_source, "),
+             ("reward.data_sources={nq: no_such_module_here:score}", "reward.data_sources.nq",
+              "cannot import module 'no_such_module_here'")]
+    for override, key, words in cases:
+        assert main(["train", *given, override, "--dry-run"]) == EXIT_CONFIG_ERROR, override
+        err = capsys.readouterr().err
+        assert f"{key}: {key} " in err and words in err and "fix: name an importable function" in err, err
+    assert main(["train", *given, "reward.custom_function=reward_fixtures:length_score", "--dry-run"]) == 0
+
+
+def test_a_dry_run_reads_the_datas_sources_and_refuses_rows_no_reward_scores(tmp_path, capsys):
+    given = inputs(tmp_path, data_source="mystery_set")
+    write_data(tmp_path / "val.parquet", "nq", rows=3)
+    assert main(["train", *given, f"data.val_files=[{tmp_path / 'val.parquet'}]", "--dry-run"]) == EXIT_CONFIG_ERROR
+    err = capsys.readouterr().err
+    assert err.splitlines()[0] == "megarl: the run's start would refuse it (1 problem):"
+    assert "no reward scores data_source 'mystery_set' (2 rows)" in err and "config OK" not in err
+    # routed by the config: the same data passes
+    assert main(["train", *given, "reward.data_sources={mystery_set: search_r1_em}", "--dry-run"]) == 0
+    capsys.readouterr()
+    (tmp_path / "cut.jsonl").write_text('{"data_source": "nq", "prompt": "q"}\n')
+    assert main(["train", *given, f"data.val_files=[{tmp_path / 'cut.jsonl'}]", "--dry-run"]) == EXIT_CONFIG_ERROR
+    assert f"{tmp_path / 'cut.jsonl'} row 1: missing column 'reward_model'" in capsys.readouterr().err
+
+
+def test_a_dry_run_compares_the_config_with_the_checkpoint_it_would_resume(tmp_path, capsys):
+    from megarl.config import load_config
+    from megarl.config_loader import flatten_config
+
+    out = tmp_path / "run"
+    given = [*inputs(tmp_path), f"trainer.output_dir={out}"]
+    step = out / "checkpoints" / "step_000005"
+    step.mkdir(parents=True)  # the meta.json of a checkpoint as the run writes it: the run's flattened config
+    (step / "meta.json").write_text(json.dumps({"step": 5, "config": flatten_config(load_config(None, given))}))
+    assert main(["train", *given, "--dry-run"]) == 0  # the same run: resumed
+    assert main(["train", *given, "trainer.save_freq=7", "--dry-run"]) == 0  # operational: may change
+    capsys.readouterr()
+    assert main(["train", *given, "actor.optim.lr=3e-6", "--dry-run"]) == EXIT_CONFIG_ERROR
+    err = capsys.readouterr().err
+    assert f"the config changes what the run at {step} was learning" in err and "actor.optim.lr: 1e-06 -> 3e-06" in err
+    assert main(["train", *given, "actor.optim.lr=3e-6", "trainer.resume=disable", "--dry-run"]) == 0
+    (step / "meta.json").write_text("{not json")
+    assert main(["train", *given, "--dry-run"]) == EXIT_CONFIG_ERROR
+    assert "is damaged (not valid JSON" in capsys.readouterr().err
 
 
 def test_bad_config_exits_with_key_and_fix(capsys):

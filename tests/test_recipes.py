@@ -25,18 +25,30 @@ def run_recipe(recipe: Path, *args: str, **env) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
+# each data file the recipes read, and the data_source megarl's data commands write in it
+DATA_SOURCES = {"dapo-math-17k.parquet": "math_dapo", "aime-2024.parquet": "aime2024", "train.parquet": "nq",
+                "test.parquet": "hotpotqa"}
+
+
 def stand_ins(tmp_path: Path, model: str) -> dict[str, str]:
     """The recipes' inputs, as a dry run checks them: a model directory whose config.json is
-    `model`'s public HF config, and the data files each recipe reads (their contents unread)."""
+    `model`'s public HF config (no weights), the data files each recipe reads (a few rows, as the
+    data commands write them) and a BM25 index of a small corpus for the Search-R1 recipes."""
+    from megarl.data.prepare import write_rows
     from megarl.planner_models import KNOWN_MODELS
+    from megarl.retrieval import build_index
 
     model_dir, data = tmp_path / "model", tmp_path / "data"
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps(KNOWN_MODELS[model]))
     data.mkdir()
-    for name in ["dapo-math-17k.parquet", "aime-2024.parquet", "train.parquet", "test.parquet"]:
-        (data / name).write_bytes(b"")
-    return {"MEGARL_MODEL_PATH": str(model_dir), "MEGARL_DATA_DIR": str(data)}
+    for name, source in DATA_SOURCES.items():
+        write_rows([{"data_source": source, "prompt": [{"role": "user", "content": f"question {i}"}],
+                     "reward_model": {"ground_truth": "4"}} for i in range(2)], data / name)
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"id": str(i), "contents": f"passage {i}"}) + "\n" for i in range(3)))
+    build_index(corpus, tmp_path / "index", kind="bm25", show_progress=False)
+    return {"MEGARL_MODEL_PATH": str(model_dir), "MEGARL_DATA_DIR": str(data), "MEGARL_INDEX_DIR": str(tmp_path / "index")}
 
 
 def declared_nodes(recipe: Path) -> int:
@@ -140,6 +152,23 @@ def test_a_recipes_dry_run_names_the_inputs_that_are_not_there(tmp_path):
             and f"hf download Qwen/Qwen2.5-32B --local-dir {tmp_path}/models/Qwen2.5-32B" in result.stderr)
     for name in ["dapo-math-17k.parquet", "aime-2024.parquet"]:
         assert f"{tmp_path}/data/{name}: no such file" in result.stderr
+
+
+def test_a_search_recipes_dry_run_checks_its_index(tmp_path):
+    """The index the recipe's retrieval server would serve is read as serve opens it (before: a
+    made-up URL, and a missing index found after the queue wait)."""
+    recipe = ROOT / "examples/search_r1/run_search_r1_qwen2.5_7b.sh"
+    inputs = stand_ins(tmp_path, plan_model(recipe))
+    missing = run_recipe(recipe, MEGARL_NNODES="1", **{**inputs, "MEGARL_INDEX_DIR": str(tmp_path / "no-index")})
+    assert missing.returncode == 2 and "config OK" not in missing.stderr
+    assert (f"megarl retrieval check: index {tmp_path}/no-index: no such directory; build one with "
+            "`megarl retrieval build`") in missing.stderr
+    (tmp_path / "not-an-index").mkdir()
+    stray = run_recipe(recipe, MEGARL_NNODES="1", **{**inputs, "MEGARL_INDEX_DIR": str(tmp_path / "not-an-index")})
+    assert stray.returncode == 2 and "no manifest.json, so it is not an index" in stray.stderr
+    found = run_recipe(recipe, MEGARL_NNODES="1", **inputs)
+    assert found.returncode == 0, found.stderr[-3000:]
+    assert f"index {tmp_path}/index: bm25, 3 documents of {tmp_path}/corpus.jsonl" in found.stdout
 
 
 def test_a_recipe_plans_from_the_runs_own_settings(tmp_path):

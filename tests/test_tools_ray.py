@@ -21,6 +21,9 @@ init_local_ray(num_cpus=1, include_dashboard=False, log_to_driver=False)
 specs = {"calculator": {"ray": True}, "calc": {"class": "examples.tools.calculator:TwoNumberCalculator", "ray": True,
                                                "timeout_s": 3}}
 actors = {name: ToolActor.options(num_cpus=0).remote(name, spec) for name, spec in specs.items()}
+# started before the first call, as the run waits for them (wait_started): on a loaded machine a
+# worker's start and imports took longer than the calculator's 5 s deadline
+ray.get([a.__ray_call__.remote(lambda self: None) for a in actors.values()], timeout=120)
 tools = build_toolset(specs, actors=actors)
 texts = ["<calculator>37 * 48</calculator>", "<calculator>1/0</calculator>", "<calc>2 ^ 3</calc>"]
 seen = [asyncio.run(tools.run(tools.parse(t))) for t in texts]

@@ -308,11 +308,12 @@ megarl_train_on_slurm() {
 retrieval_on_slurm() {
     local index=$1 node=${2:-}
     local py port=${MEGARL_RETRIEVAL_PORT:-8000} address deadline
-    if [[ -n "${MEGARL_DRY_RUN:-}" ]]; then
-        export MEGARL_RETRIEVAL_URL="http://retrieval-node:$port/retrieve"
+    megarl_install && _megarl_needs megarl || return
+    if [[ -n "${MEGARL_DRY_RUN:-}" ]]; then  # the index checked as serve opens it; no server started
+        "$MEGARL_CMD" retrieval check --index "$index" || return
+        export MEGARL_RETRIEVAL_URL="http://retrieval-node:$port/retrieve"  # the run's dry run needs a URL
         return
     fi
-    megarl_install && _megarl_needs megarl || return
     py=$MEGARL_PY
     [[ -n "$node" ]] || node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | tail -n 1)
     export MEGARL_RETRIEVAL_API_KEY=${MEGARL_RETRIEVAL_API_KEY:-$("$py" -c 'import secrets; print(secrets.token_urlsafe(32))')}

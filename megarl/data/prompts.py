@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,10 @@ def read_rows(path: str | Path) -> list[dict]:
     if not path.is_file():
         raise DataError(f"data file {path} not found")
     if path.suffix == ".parquet":
-        return pq.read_table(path).to_pylist()
+        try:
+            return pq.read_table(path).to_pylist()
+        except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid: not a parquet file, or a damaged one
+            raise DataError(f"{path}: cannot be read as parquet ({e})") from None
     if path.suffix in (".jsonl", ".json"):
         rows = []
         with open(path, "rb") as fh:  # decoded line by line, so that an error can name its line
@@ -97,6 +101,29 @@ def render_prompt(tokenizer, prompt: Any, apply_chat_template: bool) -> list[int
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+def _checked_row(row: dict, where: str, prompt_key: str) -> dict:
+    """The row's reward_model, once the columns the run reads are there and well formed."""
+    for key in (prompt_key, "data_source", "reward_model"):
+        if key not in row:
+            raise DataError(f"{where}: missing column {key!r} (have {sorted(row)})")
+    reward = row["reward_model"]
+    if not isinstance(reward, dict) or "ground_truth" not in reward:
+        raise DataError(f"{where}: reward_model must be a mapping with 'ground_truth'")
+    _check_prompt(row[prompt_key], f"{where}: {prompt_key}")
+    return reward
+
+
+def data_source_counts(files: list[str], prompt_key: str = "prompt") -> Counter:
+    """The rows of each data_source in `files`, every row checked as load_prompts checks it but
+    for its length in tokens (no tokenizer): what `megarl train --dry-run` reads of the data."""
+    counts: Counter = Counter()
+    for path in files:
+        for number, row in enumerate(read_rows(path), 1):
+            _checked_row(row, f"{path} row {number}", prompt_key)
+            counts[str(row["data_source"])] += 1
+    return counts
+
+
 def load_prompts(files: list[str], tokenizer, *, prompt_key: str = "prompt", max_prompt_length: int,
                  apply_chat_template: bool = True) -> tuple[list[PromptRecord], int]:
     """(records, number of prompts dropped for being longer than max_prompt_length)."""
@@ -104,14 +131,8 @@ def load_prompts(files: list[str], tokenizer, *, prompt_key: str = "prompt", max
     for path in files:
         for number, row in enumerate(read_rows(path), 1):
             where = f"{path} row {number}"
-            for key in (prompt_key, "data_source", "reward_model"):
-                if key not in row:
-                    raise DataError(f"{where}: missing column {key!r} (have {sorted(row)})")
-            reward = row["reward_model"]
-            if not isinstance(reward, dict) or "ground_truth" not in reward:
-                raise DataError(f"{where}: reward_model must be a mapping with 'ground_truth'")
+            reward = _checked_row(row, where, prompt_key)
             prompt = row[prompt_key]
-            _check_prompt(prompt, f"{where}: {prompt_key}")
             ids = render_prompt(tokenizer, prompt, apply_chat_template)
             if not ids:
                 raise DataError(f"{where}: {prompt_key} {prompt!r} is zero tokens once rendered; give the prompt text")

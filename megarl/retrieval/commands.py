@@ -1,8 +1,9 @@
-"""`megarl retrieval build` and `megarl retrieval serve`: `add_retrieval_commands(subparsers)`.
+"""`megarl retrieval build`, `serve` and `check`: `add_retrieval_commands(subparsers)`.
 
     megarl retrieval build --corpus wiki-18.jsonl --out indexes/wiki18-bm25
     megarl retrieval build --corpus wiki-18.jsonl --out indexes/wiki18-e5 --kind dense --encoder e5-base-v2 [--hnsw]
     megarl retrieval serve --index indexes/wiki18-bm25 [--host 127.0.0.1 --port 8000 --topk 3]
+    megarl retrieval check --index indexes/wiki18-bm25   (its manifest read, nothing loaded: a recipe's dry run)
     MEGARL_RETRIEVAL_API_KEY=... megarl retrieval serve --index ... --host 10.0.0.5   (a key beyond loopback)
 
 Each sub-command sets `func(args) -> exit status`. Problems with the user's input (corpus,
@@ -24,9 +25,9 @@ EXIT_USAGE_ERROR = 2
 
 
 def add_retrieval_commands(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add `retrieval {build,serve}` to an argparse subparsers object; returns the `retrieval` parser."""
+    """Add `retrieval {build,serve,check}` to an argparse subparsers object; returns the `retrieval` parser."""
     retrieval = subparsers.add_parser("retrieval", help="build and serve retrieval indexes (BM25 or dense)")
-    commands = retrieval.add_subparsers(dest="retrieval_command", metavar="{build,serve}", required=True)
+    commands = retrieval.add_subparsers(dest="retrieval_command", metavar="{build,serve,check}", required=True)
 
     build = commands.add_parser("build", help="index a corpus ({id, contents} rows in .jsonl[.gz] or .parquet)")
     build.add_argument("--corpus", required=True, help="corpus file: JSONL rows {\"id\", \"contents\"} or parquet")
@@ -73,7 +74,28 @@ def add_retrieval_commands(subparsers: argparse._SubParsersAction) -> argparse.A
                        help="bind beyond loopback without a key: anyone who reaches the port may search (Search-R1's "
                        "own client sends no key)")
     serve.set_defaults(func=run_serve)
+
+    check = commands.add_parser("check", help="check an index directory as serve will open it, loading nothing "
+                                "(its manifest: format, version, kind, documents)")
+    check.add_argument("--index", required=True, help="index directory made by `megarl retrieval build`")
+    check.set_defaults(func=run_check)
     return retrieval
+
+
+def run_check(args: argparse.Namespace) -> int:
+    """Print what the index holds; exit 2 naming what is wrong (no directory, no manifest, another
+    format version), as `serve` would after its job started."""
+    from megarl.retrieval.index import read_manifest
+
+    try:
+        manifest = read_manifest(args.index)
+    except RetrievalError as e:
+        print(f"megarl retrieval check: {e}", file=sys.stderr)
+        return EXIT_USAGE_ERROR
+    corpus = manifest.get("corpus") or {}
+    source = f" of {corpus['path']}" if isinstance(corpus, dict) and corpus.get("path") else ""
+    print(f"index {args.index}: {manifest['kind']}, {manifest.get('num_docs', '?')} documents{source}")
+    return 0
 
 
 def run_build(args: argparse.Namespace) -> int:

@@ -97,17 +97,36 @@ def compute_score(
 
 
 @cache
-def load_custom_function(import_string: str) -> Callable[..., Any]:
+def load_custom_function(import_string: str, key: str = "reward.custom_function") -> Callable[..., Any]:
     """The function named by "module.path:function" (the part after ':' may be dotted, e.g.
     "pkg.rewards:Grader.score"), checked to take the call score_task makes (four positional
     arguments): one written for another signature would otherwise fail on every sample, each
-    failure counted as a zero score while training goes on. ValueError naming the string and
-    what went wrong."""
-    fn = import_function(import_string, "reward custom_function", CUSTOM_FUNCTION_FORM,
-                         names=f"a built-in scorer {sorted(SCORERS)}")
-    check_call(fn, f"reward custom_function {import_string!r}", CUSTOM_SIGNATURE,
-               "data_source", "solution_str", "ground_truth", None)
+    failure counted as a zero score while training goes on. ValueError naming the setting `key`,
+    the string and what went wrong."""
+    fn = import_function(import_string, key, CUSTOM_FUNCTION_FORM, names=f"a built-in scorer {sorted(SCORERS)}")
+    check_call(fn, f"{key} {import_string!r}", CUSTOM_SIGNATURE, "data_source", "solution_str", "ground_truth", None)
     return fn
+
+
+def custom_functions(cfg: Any, prefix: str = "reward.") -> list[tuple[str, str]]:
+    """(setting, import string) of each function a RewardConfig names by import string:
+    custom_function and the data_sources' values that are not built-in scorers."""
+    named = [(f"{prefix}custom_function", cfg.custom_function)]
+    named += [(f"{prefix}data_sources.{source}", name) for source, name in cfg.data_sources.items()]
+    return [(key, name) for key, name in named if name is not None and name not in SCORERS and ":" in name]
+
+
+def check_reward_functions(cfg: Any, problems: Any, prefix: str = "reward.") -> None:
+    """Import each function the reward settings `cfg` name and bind its signature, as the reward
+    workers' start does: a missing module or a function of another call is a config error when the
+    config is read (and in `megarl train --dry-run`), not a failure after the model has loaded.
+    Strings of the wrong form are check_reward_config's."""
+    for key, name in custom_functions(cfg, prefix):
+        try:
+            load_custom_function(name, key)
+        except ValueError as error:
+            problems.add(key, str(error), f"name an importable function called as {CUSTOM_SIGNATURE}, or a "
+                         f"built-in scorer {sorted(SCORERS)}")
 
 
 def as_score_dict(value: Any, source: str) -> dict:

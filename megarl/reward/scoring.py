@@ -21,7 +21,7 @@ from megarl.reward.open_r1 import (
     repetition_penalty_reward,
     tag_count_reward,
 )
-from megarl.reward.registry import SCORERS, load_custom_function, score_task, scorer_for_data_source
+from megarl.reward.registry import SCORERS, custom_functions, load_custom_function, score_task, scorer_for_data_source
 from megarl.reward.settings import (
     COMPONENT_NAMES, GROUP_COMPONENTS, NEED_CORRECTNESS, RewardConfig, unknown_weight_names,
 )
@@ -189,8 +189,8 @@ def warm_up(cfg: RewardConfig) -> None:
     """Import what scoring with these settings will need (custom function, math-verify), so
     that a worker's first call does not spend its time limit on imports, and a bad
     custom_function fails here, at start-up, with its own message."""
-    for name in {cfg.custom_function, *cfg.data_sources.values()} - {None, *SCORERS}:
-        load_custom_function(name)
+    for key, name in custom_functions(cfg):
+        load_custom_function(name, key)
     weights = cfg.effective_weights()
     if "accuracy" in weights:
         math_verify_accuracy("\\boxed{1}", "1")
