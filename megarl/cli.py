@@ -80,9 +80,13 @@ def run_training(cfg: RunConfig) -> int:
     from megarl.train import TrainingStopped, train  # heavy imports only once the config is valid
 
     from megarl.errors import ComponentDied
+    from megarl.job_time import EXIT_JOB_TIME, JobTimeUp
 
     try:
         train(cfg)
+    except JobTimeUp as e:  # saved before the job's end: its requeue, or the same command, resumes
+        print(f"megarl: {e}; {_resumes_from(cfg.trainer.output_dir)}", file=sys.stderr)
+        return EXIT_JOB_TIME
     except (TrainingStopped, ComponentDied, CheckpointError) as e:
         print(f"megarl: training stopped: {e}", file=sys.stderr)
         return 1

@@ -212,6 +212,15 @@ class TrainerConfig:
     test_freq: int = param(5, "Validate every k steps; 0 = never.", ge=0)
     val_before_train: bool = param(True, "Validate once before the first step.")
     save_freq: int = param(10, "Checkpoint every k steps; 0 = only at the end.", ge=0)
+    save_interval_min: float = param(0.0, "Also checkpoint at the end of a step once this many minutes have passed "
+                                     "since the last checkpoint (or the start); 0 = off.", ge=0.0)
+    save_before_job_end: bool = param(
+        True, "Where the job's end is known ($MEGARL_JOB_END_TIME, which the slurm recipes set, or "
+        "$SLURM_JOB_END_TIME): after a step, when the next one (as long as the longest of the last 3) and a save "
+        "would end within job_end_margin_s of it, checkpoint and stop (exit 75) so that the requeued job resumes "
+        "there (megarl.job_time).")
+    job_end_margin_s: float = param(600.0, "Seconds before the job's end by which the run has saved and stopped "
+                                    "(the recipes' SIGTERM comes 300 s before it).", ge=0.0)
     max_ckpt_to_keep: int = param(2, "Checkpoints kept on disk (oldest deleted first).", gt=0)
     resume: str = param("auto", "auto = newest checkpoint in output_dir; disable = start fresh; or a checkpoint path.")
     resume_changed_config: bool = param(

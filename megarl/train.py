@@ -34,6 +34,7 @@ from megarl.driver_loop import run_async
 from megarl.errors import ComponentDied, RunInputError
 from megarl.experience import (EnginesDisagree, Sample, compute_advantages, gate, on_policy_tokens, reward_requests,
                                shape_overlong, to_train_batch)
+from megarl.job_time import JobTimeUp, SaveClock
 from megarl.rollout.agent import run_trajectories
 from megarl.termination import closing, deferred, received, stop_on_signals
 from megarl.weights.probe import WrongWeights
@@ -64,6 +65,7 @@ def train(cfg: RunConfig) -> dict[str, float]:
     step, bad_steps, history = meta.get("step", 0), 0, meta.get("history", [])
     status, tracker = "FAILED", NullTracker()
     rollouts = None
+    clock = SaveClock.for_run(cfg.trainer)  # saves on time: before the job's end, every N minutes
     try:
         # from step 0 with trainer.resume=auto: the output directory's run, if stopped before its first checkpoint
         rerun = params if not resume_from and cfg.trainer.resume == "auto" else None
@@ -86,6 +88,7 @@ def train(cfg: RunConfig) -> dict[str, float]:
         rollouts = start_rollouts(c, collect_samples, step)  # the async producer starts generating here
         progress = tqdm(range(step, c.total_steps), initial=step, total=c.total_steps, desc="megarl", unit="step")
         for step in progress:
+            started = time.perf_counter()
             metrics = train_step(c, step, rollouts)
             if metrics.get("actor/skipped_steps", 0) > 0:
                 bad_steps += 1
@@ -105,14 +108,21 @@ def train(cfg: RunConfig) -> dict[str, float]:
             history.append({k: metrics[k] for k in HISTORY_KEYS if k in metrics} | {"step": done})
             progress.set_postfix({short: f"{metrics[k]:.3f}" for short, k in PROGRESS_KEYS.items() if k in metrics})
             progress.write(step_line(done, c.total_steps, metrics), file=sys.stderr)
-            if (cfg.trainer.save_freq and done % cfg.trainer.save_freq == 0) or done == c.total_steps:
-                _save(c, ckpt_root, done, tracker.run_id, history, rollouts)
+            saved = (cfg.trainer.save_freq and done % cfg.trainer.save_freq == 0) or done == c.total_steps \
+                or clock.interval_due()
+            if saved:
+                _save(c, ckpt_root, done, tracker.run_id, history, rollouts, clock)
+            clock.step_took(time.perf_counter() - started)
+            if done < c.total_steps and (why := clock.time_up()):
+                if not saved:
+                    _save(c, ckpt_root, done, tracker.run_id, history, rollouts, clock)
+                raise JobTimeUp(f"saved at step {done} and stopped: {why}")
         export_hf(c, out / "hf")
         tracker.log_artifact(plot_curves(history, out / "reward_curve.png"))
         status = "FINISHED"
         return history[-1] if history else {}
-    except KeyboardInterrupt:
-        status = "KILLED"
+    except (KeyboardInterrupt, JobTimeUp):
+        status = "KILLED"  # stopped, to be resumed: the rerun continues this MLflow run
         raise
     except ComponentDied as e:
         lost = _lost_parts(c)  # the lost node's other parts, while they can still be asked about
@@ -411,13 +421,17 @@ def _rollout_metrics(tally: dict[str, float], kept: list[Sample], gen_batches: i
                         f"rollout/tools/{name}/latency_s": tally[f"tool_seconds/{name}"] / max(calls, 1)})
 
 
-def _save(c: Components, root: Path, step: int, run_id: str | None, history: list, rollouts: SyncRollouts) -> None:
+def _save(c: Components, root: Path, step: int, run_id: str | None, history: list, rollouts: SyncRollouts,
+          clock: SaveClock | None = None) -> None:
     meta = {"run_id": run_id, "sampler": rollouts.order_state(step), "history": history,  # key as in old checkpoints
             "config": flatten_config(c.cfg)}  # what a resume compares its config with (megarl.resume_guard)
+    started = time.perf_counter()
     c.for_training()
     with deferred():  # a first signal waits for the checkpoint to be complete (megarl.termination)
         checkpoint.save_atomically(root, step, c.worker.save_checkpoint, meta)
         checkpoint.prune(root, c.cfg.trainer.max_ckpt_to_keep)
+    if clock is not None:
+        clock.saved(time.perf_counter() - started)
 
 
 def export_hf(c: Components, directory: Path) -> Path:
