@@ -47,8 +47,10 @@ trap 'trap "" TERM; echo "ray stopped $(date +%s.%N)" >> "$EVENTS"; exit 0' TERM
 echo "ray started $(date +%s.%N)" >> "$EVENTS"
 while true; do sleep 0.1; done
 """
-DRIVER = """import signal, sys, time
+DRIVER = """import os, signal, sys, time
 events, stop = sys.argv[1], []
+with open(events + ".end", "w") as fh:  # the job's end as megarl would read it
+    fh.write(os.environ.get("MEGARL_JOB_END_TIME", ""))
 def note(line):
     with open(events, "a") as fh:
         fh.write(f"{line} {time.time():.3f}\\n")
@@ -59,11 +61,11 @@ while not stop and time.time() < deadline:
     time.sleep(0.05)
 time.sleep(1.0)  # its cleanup, while Ray is still up
 note("driver exited")
-sys.exit(int(sys.argv[3]) if stop else 0)  # 143 when it stopped cleanly; 1 when it failed while stopping
+sys.exit(int(sys.argv[3]) if stop else int(os.environ.get("DRIVER_STATUS", "0")))  # 143 when it stopped cleanly; 1 when it failed while stopping
 """
 
 
-def start(tmp_path: Path, run_s: float, job: str | None = None, status_on_stop: int = 143
+def start(tmp_path: Path, run_s: float, job: str | None = None, status_on_stop: int = 143, **extra_env: str
           ) -> tuple[subprocess.Popen, Path]:
     """The shell running ray_on_slurm with the stand-ins; its output goes to tmp_path/output."""
     bin_dir, events = tmp_path / "bin", tmp_path / "events"
@@ -73,7 +75,7 @@ def start(tmp_path: Path, run_s: float, job: str | None = None, status_on_stop: 
         (bin_dir / name).chmod(0o755)
     (tmp_path / "driver.py").write_text(DRIVER)
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="1", SLURM_JOB_NODELIST="localhost",
-               MEGARL_PYTHON=str(bin_dir / "python"), EVENTS=str(events), MEGARL_RAY_STOP_TIMEOUT="10")
+               MEGARL_PYTHON=str(bin_dir / "python"), EVENTS=str(events), MEGARL_RAY_STOP_TIMEOUT="10", **extra_env)
     if job is not None:  # what `scontrol show job` says of the job
         env["SCONTROL_JOB"] = job
     script = (f"set -euo pipefail; source {ROOT / 'tools' / 'ray_on_slurm.sh'}; "  # as the recipes run it
@@ -152,6 +154,29 @@ def test_a_driver_that_ends_by_itself_gives_its_status_and_ray_is_stopped(tmp_pa
         stop(shell, [])
     assert status == 0
     assert lines(events) == ["ray started", "driver started", "driver exited", "ray stopped"]
+
+
+@pytest.mark.parametrize("requeue", [1, 0])
+@pytest.mark.timeout(60)
+def test_a_run_that_saved_before_the_jobs_end_knew_the_end_and_is_requeued(tmp_path, requeue):
+    """The driver is told the job's end (MEGARL_JOB_END_TIME, from slurm's EndTime); megarl's
+    exit 75 (saved before it, megarl.job_time) is requeued however far the end still is."""
+    end = time.time() + 7200
+    job = f"JobState=RUNNING Requeue={requeue} PreemptTime=None EndTime={_in(7200)}"
+    shell, events = start(tmp_path, run_s=0.5, job=job, DRIVER_STATUS="75")
+    try:
+        status = shell.wait(timeout=30)
+    finally:
+        stop(shell, [])
+    output = (tmp_path / "output").read_text()
+    assert status == 75, output
+    assert abs(int(Path(f"{events}.end").read_text()) - end) <= 2  # EndTime has whole seconds
+    if requeue:
+        assert lines(events) == ["ray started", "driver started", "driver exited", "ray stopped", "requeue 1"]
+        assert "megarl saved before the job's end: requeueing job 1; it resumes from its newest checkpoint" in output
+    else:
+        assert "requeue 1" not in lines(events)
+        assert "megarl saved before the job's end; not requeued: the job was submitted without --requeue" in output
 
 
 @pytest.mark.timeout(60)

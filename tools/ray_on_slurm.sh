@@ -136,6 +136,12 @@ ray_on_slurm() {
     # Ray binds its metrics exporter to every interface of a node whose address is not loopback
     # and has no option to bind it to the node's address: off unless asked for
     export RAY_enable_metrics_collection=${RAY_enable_metrics_collection:-0}
+    # the job's end, by which megarl has saved and stopped (trainer.save_before_job_end): a requeued
+    # job has an end of its own, so it is asked for each time
+    if [[ -z "${MEGARL_JOB_END_TIME:-}" ]] && MEGARL_JOB_END_TIME=$(_ray_on_slurm_job_end); then
+        export MEGARL_JOB_END_TIME
+        _ray_on_slurm_log "the job ends at $(date -d "@$MEGARL_JOB_END_TIME" '+%F %T') (MEGARL_JOB_END_TIME)"
+    fi
 
     trap '_ray_on_slurm_signal TERM' TERM
     trap '_ray_on_slurm_signal INT' INT
@@ -207,6 +213,8 @@ EOF
     trap - TERM INT
     if (( status == 143 )); then
         _ray_on_slurm_requeue_if_taken
+    elif (( status == 75 )); then  # megarl saved and stopped before the job's end (megarl/job_time.py)
+        _ray_on_slurm_requeue_if_taken "" "megarl saved before the job's end"
     elif (( status != 0 )); then  # a preemption's SIGTERM stops Ray's processes too: the command may fail first
         _ray_on_slurm_requeue_if_taken "$status"
     fi
@@ -221,11 +229,14 @@ EOF
 # hand (scancel --batch --signal=TERM, far from the time limit) is not requeued. With an argument
 # (the status of a command that failed rather than stopped): requeued only if it was preempted
 # (the preemption signals Ray's processes, which stop at once; the run may fail on a lost part
-# before its own SIGTERM arrives).
+# before its own SIGTERM arrives). With a second argument (why; after megarl's exit 75, saved
+# before the job's end): requeued if submitted with --requeue, however far the end is.
 _ray_on_slurm_requeue_if_taken() {
-    local failed=${1:-} info why="" end
+    local failed=${1:-} info why=${2:-} end
     info=$(timeout 30 scontrol show job "$SLURM_JOB_ID" 2>/dev/null) || { _ray_on_slurm_log "cannot ask slurm about job $SLURM_JOB_ID; not requeued"; return 0; }
-    if [[ $info =~ PreemptTime=([0-9][0-9T:-]+) ]]; then
+    if [[ -n $why ]]; then
+        :  # the command says why (a second argument): requeued whatever the time left
+    elif [[ $info =~ PreemptTime=([0-9][0-9T:-]+) ]]; then
         why="preempted at ${BASH_REMATCH[1]}"
         [[ -z $failed ]] || why="the command failed (status $failed) and the job was $why"
     elif [[ -n $failed ]]; then
@@ -241,6 +252,14 @@ _ray_on_slurm_requeue_if_taken() {
     fi
     _ray_on_slurm_log "$why: requeueing job $SLURM_JOB_ID; it resumes from its newest checkpoint"
     timeout 30 scontrol requeue "$SLURM_JOB_ID" || _ray_on_slurm_log "scontrol requeue $SLURM_JOB_ID failed"
+}
+
+
+# The job's end in Unix seconds (slurm's EndTime), printed; status 1 when slurm does not say.
+_ray_on_slurm_job_end() {
+    local info
+    info=$(timeout 30 scontrol show job "$SLURM_JOB_ID" 2>/dev/null) || return 1
+    [[ $info =~ EndTime=([0-9][0-9T:-]+) ]] && date -d "${BASH_REMATCH[1]}" +%s 2>/dev/null
 }
 
 
