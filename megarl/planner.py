@@ -87,7 +87,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 
 from megarl.config_lora import LINEAR_MODULES
-from megarl.planner_config import settle
+from megarl.planner_config import parse_job_time, settle
 from megarl.planner_models import KNOWN_MODELS, ModelShape  # noqa: F401 (the command's public names)
 from megarl.planner_time import GPUS, StepTime, StepWork, describe, estimate_step
 
@@ -389,6 +389,23 @@ def render(shape: ModelShape, nodes: int, gpus_per_node: int, gpu_bytes: int, wo
     return "\n".join(lines)
 
 
+def save_warnings(step_s: float, save_freq: int | None, job_s: float) -> list[str]:
+    """Why a job of `job_s` seconds, of steps of about `step_s`, would end before it saves: a step
+    longer than the job, or save_freq steps longer than it (a run whose job's end is known saves
+    before it anyway: trainer.save_before_job_end)."""
+    hours = f"the job's {job_s / 3600:.1f} h"
+    if step_s > job_s:
+        return [f"a step (~{step_s / 3600:.1f} h, estimated) is longer than {hours}: no step ends inside it; give "
+                "the job more time or nodes, or shorten the responses"]
+    if save_freq and save_freq * step_s > job_s:
+        fit = int(job_s // step_s)
+        return [f"trainer.save_freq={save_freq} saves every ~{save_freq * step_s / 3600:.1f} h (steps of "
+                f"~{step_s / 3600:.1f} h, estimated), past {hours}. The run saves and stops before the job's end where "
+                f"it knows that end (trainer.save_before_job_end; the slurm recipes tell it), else set "
+                f"trainer.save_freq={fit} or trainer.save_interval_min"]
+    return []
+
+
 def overrides(e: Estimate) -> list[str]:
     """A layout as `megarl train` key=value overrides (what the slurm recipes append); with a
     critic, its settings too (actor and critic share one layout)."""
@@ -439,6 +456,9 @@ def add_plan_command(sub) -> None:
     p.add_argument("--mean-response-length", type=float, default=None,
                    help="mean response tokens, for the step-time estimate (default: half the longest)")
     p.add_argument("--gpu", choices=sorted(GPUS), default="H100", help="the GPU the step time is estimated for")
+    p.add_argument("--job-time", help="the job's time limit as sbatch --time takes it (24:00:00, 1-00:00:00): a "
+                   "warning when a step, or trainer.save_freq steps, would not fit in it")
+    p.add_argument("--save-freq", type=int, help="steps between checkpoints (default: --config's trainer.save_freq)")
     p.add_argument("--estimate", action="store_true",
                    help="print only the step-time estimate of the recommended layout; status 1 if none fits")
     p.add_argument("--top", type=int, default=5, help="feasible layouts to show")
@@ -463,8 +483,12 @@ def _plan_command(args: argparse.Namespace) -> int:
     table = render(shape, args.nodes, args.gpus_per_node, gpu, work, estimates, args.top, args.rollout_gpus)
     prompt = args.mean_prompt_length or args.max_prompt_length / 2
     response = args.mean_response_length or args.max_response_length / 2
-    timing = describe(step_time(shape, feasible[0], args.nodes, args.gpus_per_node, work, prompt, response, args.gpu),
-                      GPUS[args.gpu]) if feasible else ""
+    step = step_time(shape, feasible[0], args.nodes, args.gpus_per_node, work, prompt, response, args.gpu) \
+        if feasible else None
+    timing = describe(step, GPUS[args.gpu]) if step else ""
+    if step and args.job_time:
+        for warning in save_warnings(step.synchronous, args.save_freq, parse_job_time(args.job_time)):
+            print(f"megarl plan: warning: {warning}", file=sys.stderr)
     if args.estimate:
         if not feasible:
             print(table, file=sys.stderr)

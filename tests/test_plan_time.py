@@ -107,3 +107,32 @@ def test_where_nothing_fits_the_plan_says_what_would():
     fits = [n for n in (1, 2) if any(not e.problems for e in plan_layouts(dense, n, 8, small, Workload()))]
     assert fits == [2] and what_would_fit(dense, 1, 8, small, Workload()) == ["2 nodes"]  # the fewest that fit
     assert main(["plan", "--model", "Qwen2.5-72B", "--nodes", "1", "--gpu-memory", "24GB"]) == 1
+
+
+@pytest.mark.parametrize("text, seconds", [("90", 5400), ("90:30", 5430), ("24:00:00", 86400), ("1-00:00:00", 86400),
+                                           ("2-12", 216000), ("1-02:30", 95400), ("0:45:10", 2710)])
+def test_a_job_time_is_read_as_sbatch_reads_it(text, seconds):
+    from megarl.planner_config import parse_job_time
+
+    assert parse_job_time(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "a day", "1-2-3", "1:2:3:4", "-5", "10:-1"])
+def test_a_job_time_sbatch_would_refuse_is_named(text):
+    from megarl.planner_config import parse_job_time
+
+    with pytest.raises(ValueError, match="give slurm's time limit"):
+        parse_job_time(text)
+
+
+def test_a_save_that_would_not_come_within_the_job_is_warned_of():
+    from megarl.planner import save_warnings
+
+    day = 86400.0
+    assert save_warnings(19053.0, 4, day) == []  # 4 x 5.3 h = 21.2 h: within
+    (late,) = save_warnings(19053.0, 5, day)  # 26.5 h
+    assert late.startswith("trainer.save_freq=5 saves every ~26.5 h (steps of ~5.3 h, estimated), past the job's "
+                           "24.0 h") and late.endswith("else set trainer.save_freq=4 or trainer.save_interval_min")
+    assert save_warnings(1077.0, 0, day) == []  # only at the end: nothing to weigh (the run saves before the end)
+    (long,) = save_warnings(44 * 3600.0, 1, day)
+    assert long.startswith("a step (~44.0 h, estimated) is longer than the job's 24.0 h: no step ends inside it")

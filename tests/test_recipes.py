@@ -78,6 +78,8 @@ def test_recipe_assembles_a_valid_run_with_the_planned_layout(recipe, algo, tmp_
     nodes = declared_nodes(recipe)
     result = run_recipe(recipe, MEGARL_NNODES=str(nodes), MEGARL_ALGO=algo, **stand_ins(tmp_path, plan_model(recipe)))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    # the plan weighed the recipe's save_freq against its #SBATCH --time: a save within the job
+    assert "step time, estimated" in result.stderr and "megarl plan: warning" not in result.stderr, result.stderr
     cfg = yaml.safe_load(result.stdout[result.stdout.index("\nmodel:") + 1:])
     assert cfg["cluster"]["nnodes"] == nodes and cfg["cluster"]["ray_address"] == "auto"
     plan_args = ["--max-prompt-length", str(cfg["data"]["max_prompt_length"]),

@@ -255,6 +255,19 @@ _ray_on_slurm_requeue_if_taken() {
 }
 
 
+# The job's time limit as sbatch --time writes it, printed (nothing when unknown or unlimited): in a
+# job, slurm's TimeLimit; in a dry run outside slurm, the recipe's own #SBATCH --time line.
+_ray_on_slurm_job_time() {
+    local info limit=""
+    if [[ -n "${SLURM_JOB_ID:-}" ]]; then
+        info=$(timeout 30 scontrol show job "$SLURM_JOB_ID" 2>/dev/null) && [[ $info =~ TimeLimit=([0-9][0-9:-]*) ]] \
+            && limit=${BASH_REMATCH[1]}
+    elif [[ -f "$0" ]]; then
+        limit=$(sed -n 's/^#SBATCH --time=\([0-9][0-9:-]*\).*/\1/p' "$0" | head -n 1)
+    fi
+    echo "$limit"
+}
+
 # The job's end in Unix seconds (slurm's EndTime), printed; status 1 when slurm does not say.
 _ray_on_slurm_job_end() {
     local info
@@ -289,13 +302,15 @@ megarl_train_on_slurm() {
     fi
     local plan_model=$MEGARL_MODEL_PATH
     [[ -f "$MEGARL_MODEL_PATH/config.json" ]] || plan_model=${MEGARL_PLAN_MODEL:?MEGARL_MODEL_PATH has no config.json: set MEGARL_PLAN_MODEL}
-    local layout=${MEGARL_LAYOUT:-}
+    local layout=${MEGARL_LAYOUT:-} job_time
+    job_time=$(_ray_on_slurm_job_time)
     if [[ -z "$layout" ]]; then
-        # the step-time estimate (docs/planning.md) goes to the log, before anything starts
+        # the step-time estimate (docs/planning.md) goes to the log, before anything starts, and a
+        # warning where a step or save_freq steps would not fit in the job's time
         # shellcheck disable=SC2086
         layout=$("$megarl" plan --config "$config" "$@" --model "$plan_model" --nodes "$nodes" \
                  --gpus-per-node "${MEGARL_GPUS_PER_NODE:-8}" --gpu-memory "${MEGARL_GPU_MEMORY:-80GB}" \
-                 ${MEGARL_PLAN_ARGS:-} --overrides) || {
+                 ${job_time:+--job-time "$job_time"} ${MEGARL_PLAN_ARGS:-} --overrides) || {
             echo "megarl: no layout of $plan_model fits $nodes nodes (megarl plan above)" >&2; return 1; }
     fi
     local args=(train "$config" "model.path=$MEGARL_MODEL_PATH" "trainer.output_dir=$MEGARL_OUTPUT_DIR"
