@@ -72,6 +72,7 @@ def inputs(tmp_path_factory):
     return write_tiny_run_inputs(tmp_path_factory.mktemp("inputs"))
 
 
+@pytest.mark.slow
 def test_a_run_near_its_jobs_end_saves_stops_and_its_rerun_ends_as_one_run(inputs, tmp_path, monkeypatch, capsys):
     """The job's end is 600 s away: whatever the first step takes, it and a save (300 s guessed)
     would not end before the margin, so the run saves step 1 and stops with exit 75; the rerun,
@@ -99,6 +100,7 @@ def test_a_run_near_its_jobs_end_saves_stops_and_its_rerun_ends_as_one_run(input
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_save_interval_min_saves_between_save_freqs(inputs, tmp_path):
     out = tmp_path / "run"
     # save_freq=0: only the last step saves, but for the interval (0.0001 min: every step)
