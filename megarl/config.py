@@ -331,14 +331,19 @@ class RunConfig:
     def launcher(self) -> str:
         """cluster.launcher with auto resolved: inprocess for a run on one CPU machine with the torch
         backend and the embedded engine, ray for everything else (several nodes, GPUs, megatron's
-        ranks, engine servers, an existing Ray cluster, sandbox services). On one CPU machine the Ray
-        actors cost start-up and time each step (docs/benchmarks.md, megarl beside TRL)."""
+        ranks, engine servers, an existing Ray cluster, sandbox services, a tool with `ray: true`). On one
+        CPU machine the Ray actors cost start-up and time each step (docs/benchmarks.md, megarl beside TRL)."""
         c = self.cluster
         if c.launcher != "auto":
             return c.launcher
         one_cpu_machine = c.nnodes == 1 and not c.gpus_per_node and c.ray_address is None
         embedded = self.actor.backend == "torch" and self.rollout.engine == "local" and not self.reward.sandbox_servers
-        return "inprocess" if one_cpu_machine and embedded else "ray"
+        return "inprocess" if one_cpu_machine and embedded and not self.ray_tools() else "ray"
+
+    def ray_tools(self) -> list[str]:
+        """The tools of agent.tools asking for a Ray actor of their own (`ray: true`), when tools are called."""
+        return [name for name, spec in self.agent.tools.items() if spec.get("ray") is True] \
+            if self.agent.max_turns > 0 else []
 
     def sync_transport(self) -> str:
         """sync.transport with auto resolved: inprocess for the embedded engine, ipc for
@@ -442,6 +447,10 @@ class RunConfig:
         check_lora(self, problems)
         check_rollout(self, problems)
         check_probe(self, problems)
+        if self.cluster.launcher == "inprocess" and self.ray_tools():
+            problems.add(f"agent.tools.{self.ray_tools()[0]}.ray", "is true, but cluster.launcher=inprocess runs no "
+                         "Ray actor: the tool would run in the driver", "set cluster.launcher=auto or ray (auto picks "
+                         "ray for such a tool), or ray: false")
 
 
 

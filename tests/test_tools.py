@@ -80,6 +80,13 @@ class Broken(Tool):
         raise KeyError("a bug in the tool")
 
 
+class Forgetful(Tool):  # a forgotten return, or a dict handed back as it is
+    name = "forgetful"
+
+    async def call(self, arguments):
+        return None if arguments["input"] == "none" else {"temperature": 21}
+
+
 TOOLS = ToolSet([Calculator(), SearchTool(FakeSearcher()), Slow(), Broken()])
 
 
@@ -120,6 +127,14 @@ def test_the_invalid_action_message_names_every_tool():
 def test_errors_timeouts_and_bugs_are_observations_the_model_reads(text, observation, failed):
     result = asyncio.run(TOOLS.run(TOOLS.parse(text)))
     assert (result.text, result.failed) == (observation, failed)
+
+
+@pytest.mark.parametrize("text, kind", [("none", "NoneType"), ("x", "dict")])
+def test_a_result_that_is_not_text_is_a_failed_call_named_by_its_type(text, kind):
+    # before: str(None) -> "None", read by the model and counted a success
+    result = asyncio.run(ToolSet([Forgetful()]).run(ToolSet([Forgetful()]).parse(f"<forgetful>{text}</forgetful>")))
+    assert (result.text, result.failed) == (f"\n\n<result>Forgetful failed: the tool returned {kind}, not text"
+                                            "</result>\n\n", True)
 
 
 CHATML_WITH_TOOLS = (  # Qwen2.5's layout of assistant and tool messages, reduced to what the test needs
@@ -248,11 +263,20 @@ def test_a_tool_outside_the_package_runs_from_the_config(weather_module):
     ("{w: {class: 'megarl.tools.calculator:evaluate'}}", "agent.tools.w.class", "not a subclass"),
     ("{answer: {class: 'megarl.tools.calculator:Calculator'}}", "agent.tools.answer", "tag name"),
     ("{}", "agent.tools", "is empty"),
+    ("{calculator: {ray: true}}", "agent.tools.calculator.ray", "cluster.launcher=inprocess runs no Ray actor"),
 ])
 def test_a_wrong_tool_in_the_config_stops_the_run_by_its_key(tools, key, message):
     with pytest.raises(ConfigError) as error:
-        load_config(None, ["agent.max_turns=2", f"agent.tools={tools}", "agent.retrieval.url=http://127.0.0.1:1"])
+        load_config(None, ["agent.max_turns=2", f"agent.tools={tools}", "agent.retrieval.url=http://127.0.0.1:1",
+                           "cluster.launcher=inprocess"])
     assert any(p.key == key and message in p.what for p in error.value.problems), error.value
+
+
+def test_a_tool_in_a_ray_actor_makes_auto_launch_ray_on_one_machine():
+    tools = ["agent.max_turns=2", "agent.tools={calculator: {}}"]
+    assert load_config(None, tools).launcher() == "inprocess"  # one CPU machine, the embedded engine
+    assert load_config(None, ["agent.max_turns=2", "agent.tools={calculator: {ray: true}}"]).launcher() == "ray"
+    assert load_config(None, ["agent.max_turns=0", "agent.tools={calculator: {ray: true}}"]).launcher() == "inprocess"
 
 
 def test_only_a_search_tool_needs_a_retrieval_server():
@@ -288,3 +312,10 @@ def test_a_huge_tool_output_is_cut_before_it_is_tokenized():
     assert got == reference
     assert seen == [(200 + 8) * longest] and seen[0] < 100_000
     assert longest >= max(len(TOK.convert_tokens_to_string([t])) for t in TOK.get_vocab())  # a bound on any token
+
+
+def test_a_tool_in_an_actor_that_returns_no_text_fails_the_same_way():
+    from megarl.tools import call_in_actor
+
+    assert asyncio.run(call_in_actor(Forgetful(), {"input": "none"})) == (False, "the tool returned NoneType, not text")
+    assert asyncio.run(call_in_actor(Calculator(), {"expression": "2*3"})) == (True, "6")

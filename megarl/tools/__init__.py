@@ -26,7 +26,7 @@ import inspect
 from typing import Any
 
 from megarl.import_string import import_function
-from megarl.tools.base import Tool, ToolError, ToolSet, check_tool_name
+from megarl.tools.base import Tool, ToolError, ToolSet, check_tool_name, not_text
 
 BUILTIN_TOOLS = {"search": "megarl.tools.search:SearchTool", "calculator": "megarl.tools.calculator:Calculator",
                  "python": "megarl.tools.python:PythonTool"}
@@ -144,8 +144,9 @@ async def call_in_actor(tool: Tool, arguments: dict[str, Any]) -> tuple[bool, st
     """A call as the actor makes it: (True, result) or (False, what the model should read
     after "Name failed: "), a ToolError's message or an exception's type and message."""
     try:
-        return True, str(await tool.call(arguments))
+        result = await tool.call(arguments)
     except ToolError as e:
         return False, str(e)
     except Exception as e:
         return False, f"{type(e).__name__}: {e}"
+    return (True, result) if isinstance(result, str) else (False, not_text(result))

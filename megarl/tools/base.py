@@ -22,10 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import time
 from dataclasses import dataclass
 from typing import Any, Literal
+
+log = logging.getLogger(__name__)
 
 ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -203,7 +206,9 @@ class ToolSet:
             return self._observe(failure_text(tool.name, str(e)), tool.name, True, start)
         except Exception as e:  # a tool's bug is the model's observation, and counted: never a lost trajectory
             return self._observe(f"{tool.name} failed: {type(e).__name__}: {e}", tool.name, True, start)
-        return self._observe(str(result), tool.name, False, start)
+        if not isinstance(result, str):  # a forgotten return (None), a dict: the tool's bug, never text by accident
+            return self._observe(failure_text(tool.name, not_text(result)), tool.name, True, start)
+        return self._observe(result, tool.name, False, start)
 
     def _observe(self, text: str, name: str, failed: bool, start: float) -> Observation:
         if self.frame is not None:
@@ -232,6 +237,12 @@ def invalid_action_message(tools: dict[str, Tool | type[Tool]]) -> str:
 def tagged_observation(tag: str, text: str) -> str:
     """The tags format's observation: Search-R1's `<information>` layout, blank lines around."""
     return f"\n\n<{tag}>{text}</{tag}>\n\n"
+
+
+def not_text(result: object) -> str:
+    """Why a tool's result that is not a str is a failed call, as the model reads it."""
+    log.warning("a tool returned %s, not a str: counted as a failed call", type(result).__name__)
+    return f"the tool returned {type(result).__name__}, not text"
 
 
 def failure_text(name: str, message: str) -> str:
