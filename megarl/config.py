@@ -228,6 +228,8 @@ class TrainerConfig:
         "algorithm, optimizer, sampling, rewards or seed; megarl.resume_guard): the changed keys are logged. "
         "Off: such a resume is refused, naming the keys.")
     max_bad_steps: int = param(3, "Consecutive NaN/inf steps tolerated before the run stops.", gt=0)
+    max_rewardless_steps: int = param(3, "Consecutive steps in which every sample's reward failed (raised, timed "
+                                      "out, gave NaN) before the run stops as failed: it would learn nothing.", gt=0)
     sleep_during_generation: bool | None = param(
         None, "The trainer hands its device memory to the engines while they generate: weights, gradients, "
         "optimizer state and the reference leave the GPU after each weight sync and come back before the next "

@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 OPERATIONAL = (
     "trainer.total_training_steps", "trainer.total_epochs", "trainer.save_freq", "trainer.save_interval_min",
     "trainer.save_before_job_end", "trainer.job_end_margin_s", "trainer.test_freq",
-    "trainer.max_ckpt_to_keep", "trainer.max_bad_steps", "trainer.resume", "trainer.resume_changed_config",
+    "trainer.max_ckpt_to_keep", "trainer.max_bad_steps", "trainer.max_rewardless_steps", "trainer.resume", "trainer.resume_changed_config",
     "trainer.output_dir", "trainer.val_before_train", "trainer.sleep_during_generation",
     "tracking.", "cluster.", "sync.",
     "actor.parallel.", "actor.max_tokens_per_gpu", "actor.gradient_checkpointing", "actor.reference_offload",

@@ -62,7 +62,7 @@ def train(cfg: RunConfig) -> dict[str, float]:
         check_resume(meta.get("config"), params, resume_from, cfg.trainer.resume_changed_config)
     save_config(cfg, out / "config.yaml")
     c = build_components(cfg)
-    step, bad_steps, history = meta.get("step", 0), 0, meta.get("history", [])
+    step, bad_steps, rewardless_steps, history = meta.get("step", 0), 0, 0, meta.get("history", [])
     status, tracker = "FAILED", NullTracker()
     rollouts = None
     clock = SaveClock.for_run(cfg.trainer)  # saves on time: before the job's end, every N minutes
@@ -103,6 +103,12 @@ def train(cfg: RunConfig) -> dict[str, float]:
                 metrics.update(validate(c))
             rollouts.published(done)
             tracker.log_metrics(metrics, step=done)
+            rewardless_steps = rewardless_steps + 1 if metrics.get("reward/failure_rate", 0.0) >= 1.0 else 0
+            if rewardless_steps >= cfg.trainer.max_rewardless_steps:  # nothing scored: it would learn nothing
+                raise TrainingStopped(
+                    f"every sample's reward failed in {rewardless_steps} steps in a row (reward/failure_rate 1; "
+                    "trainer.max_rewardless_steps): the reward cannot score this data. The log's reward warnings "
+                    "name the failures (a bug in a custom function, a dead sandbox, answers it cannot read)")
             if cfg.tracking.log_rollouts_freq and done % cfg.tracking.log_rollouts_freq == 0:
                 tracker.log_table(rollout_table(c, c.last_samples), f"rollouts/step_{done:06d}.json")
             history.append({k: metrics[k] for k in HISTORY_KEYS if k in metrics} | {"step": done})
@@ -305,6 +311,7 @@ def collect_samples(c: Components, step: int, metrics: dict, generate=None) -> l
         memory.give_back()  # the groups dynamic sampling dropped
     memory.give_back()  # those, and the informative groups past the step's (two thirds of a recipe's batch)
     _rollout_metrics(tally, kept, batch_index, metrics)
+    metrics["reward/failure_rate"] = metrics["reward/failures"] / max(tally["samples"], 1)
     return kept
 
 

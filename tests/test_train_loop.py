@@ -190,3 +190,20 @@ def test_rows_no_reward_scores_stop_the_run_before_it_starts(inputs, tmp_path, c
     assert not (out / "checkpoints").exists()
     # named in reward.data_sources, the same data trains
     assert main(["train", *overrides, "reward.data_sources={mystery_set: search_r1_em}"]) == 0
+
+
+@pytest.mark.slow
+def test_a_run_whose_every_reward_fails_stops_as_failed(inputs, tmp_path, capsys):
+    """A reward that can score nothing (here: it returns a string) fails every sample: after
+    trainer.max_rewardless_steps such steps the run stops, exit 1, MLflow FAILED; before, it
+    trained to the end on zeros and ended FINISHED."""
+    from megarl.cli import main
+
+    out = tmp_path / "run"
+    assert main(["train", *tiny_overrides(inputs, out, steps=5), "trainer.test_freq=0", "trainer.val_before_train=false",
+                 "reward.custom_function=reward_fixtures:wrong_type_score", "trainer.max_rewardless_steps=2"]) == 1
+    assert "every sample's reward failed in 2 steps in a row" in capsys.readouterr().err
+    client = MlflowClient(tracking_uri=local_store_uri(out))
+    (run,) = client.search_runs([client.get_experiment_by_name("t").experiment_id])
+    assert run.info.status == "FAILED"
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "reward/failure_rate")] == [1.0, 1.0]
