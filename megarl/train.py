@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import sys
 import tempfile
 import time
@@ -377,7 +378,25 @@ def validate(c: Components) -> dict[str, float]:
             "val/acc": sum(s.acc for s in samples) / len(samples),  # = avg@n
             f"val/pass_at_{v.n}": sum(any(s.acc for s in g) for g in by_prompt.values()) / len(by_prompt),
             "val/search_calls_mean": sum(s.trajectory.num_searches for s in samples) / len(samples)} | {
-        f"val/tools/{name}/calls_mean": calls / len(samples) for name, calls in _tool_totals(samples)["calls"].items()}
+        f"val/tools/{name}/calls_mean": calls / len(samples) for name, calls in _tool_totals(samples)["calls"].items()
+    } | _per_source(samples)
+
+
+def _per_source(samples: list[Sample]) -> dict[str, float]:
+    """val/acc/<source> of each data_source, where the validation data has several (Search-R1's
+    seven test sets): an overall accuracy hides one set falling while another rises."""
+    by_source: dict[str, list[Sample]] = {}
+    for s in samples:
+        by_source.setdefault(s.record.data_source, []).append(s)
+    if len(by_source) < 2:
+        return {}
+    return {f"val/acc/{metric_name(source)}": sum(s.acc for s in group) / len(group)
+            for source, group in sorted(by_source.items())}
+
+
+def metric_name(text: str) -> str:
+    """`text` as a part of an MLflow metric key (letters, digits, _ - . and space; others become _)."""
+    return re.sub(r"[^A-Za-z0-9_\-. ]", "_", text)[:200] or "_"
 
 
 def _tool_totals(samples: list[Sample]) -> dict[str, dict[str, float]]:

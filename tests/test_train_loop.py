@@ -207,3 +207,18 @@ def test_a_run_whose_every_reward_fails_stops_as_failed(inputs, tmp_path, capsys
     (run,) = client.search_runs([client.get_experiment_by_name("t").experiment_id])
     assert run.info.status == "FAILED"
     assert [m.value for m in client.get_metric_history(run.info.run_id, "reward/failure_rate")] == [1.0, 1.0]
+
+
+def test_validation_reports_each_data_source_where_there_are_several():
+    from megarl.data.prompts import PromptRecord
+    from megarl.experience import Sample
+    from megarl.train import _per_source
+
+    def sample(source, acc):
+        return Sample(PromptRecord([1], source, "a"), 0, None, acc=acc)
+
+    # nq: 1 of 2 right; hotpotqa: 2 of 3; "pop/qa?": 0 of 1 (its key made of MLflow's characters)
+    samples = [sample("nq", True), sample("nq", False), sample("hotpotqa", True), sample("hotpotqa", True),
+               sample("hotpotqa", False), sample("pop/qa?", False)]
+    assert _per_source(samples) == {"val/acc/nq": 0.5, "val/acc/hotpotqa": 2 / 3, "val/acc/pop_qa_": 0.0}
+    assert _per_source(samples[:2]) == {}  # one source: val/acc says it
