@@ -89,7 +89,7 @@ from dataclasses import asdict, dataclass, field
 from megarl.config_lora import LINEAR_MODULES
 from megarl.planner_config import parse_job_time, settle
 from megarl.planner_models import KNOWN_MODELS, ModelShape  # noqa: F401 (the command's public names)
-from megarl.planner_time import GPUS, StepTime, StepWork, describe, estimate_step
+from megarl.planner_time import GPUS, StepTime, StepWork, describe, estimate_step, save_warnings
 
 GiB = 1 << 30
 OVERHEAD = 4 * GiB
@@ -387,23 +387,6 @@ def render(shape: ModelShape, nodes: int, gpus_per_node: int, gpu_bytes: int, wo
     if shown:
         lines += ["", "recommended (megarl train overrides): " + " ".join(overrides(shown[0]))]
     return "\n".join(lines)
-
-
-def save_warnings(step_s: float, save_freq: int | None, job_s: float) -> list[str]:
-    """Why a job of `job_s` seconds, of steps of about `step_s`, would end before it saves: a step
-    longer than the job, or save_freq steps longer than it (a run whose job's end is known saves
-    before it anyway: trainer.save_before_job_end)."""
-    hours = f"the job's {job_s / 3600:.1f} h"
-    if step_s > job_s:
-        return [f"a step (~{step_s / 3600:.1f} h, estimated) is longer than {hours}: no step ends inside it; give "
-                "the job more time or nodes, or shorten the responses"]
-    if save_freq and save_freq * step_s > job_s:
-        fit = int(job_s // step_s)
-        return [f"trainer.save_freq={save_freq} saves every ~{save_freq * step_s / 3600:.1f} h (steps of "
-                f"~{step_s / 3600:.1f} h, estimated), past {hours}. The run saves and stops before the job's end where "
-                f"it knows that end (trainer.save_before_job_end; the slurm recipes tell it), else set "
-                f"trainer.save_freq={fit} or trainer.save_interval_min"]
-    return []
 
 
 def overrides(e: Estimate) -> list[str]:

@@ -140,3 +140,20 @@ def describe(t: StepTime, gpu: Gpu) -> str:
     return (f"step time, estimated for {gpu.name} (docs/planning.md): generation {t.generation:.0f} s "
             f"({t.decode_batch} sequences an engine at once), log-probs {t.log_probs:.0f} s, training "
             f"{t.training:.0f} s, weight sync {t.weight_sync:.0f} s = {t.synchronous:.0f} s synchronous;\n  {off}")
+
+
+def save_warnings(step_s: float, save_freq: int | None, job_s: float) -> list[str]:
+    """Why a job of `job_s` seconds, of steps of about `step_s`, would end before it saves: a step
+    longer than the job, or save_freq steps longer than it (a run whose job's end is known saves
+    before it anyway: trainer.save_before_job_end)."""
+    hours = f"the job's {job_s / 3600:.1f} h"
+    if step_s > job_s:
+        return [f"a step (~{step_s / 3600:.1f} h, estimated) is longer than {hours}: no step ends inside it; give "
+                "the job more time or nodes, or shorten the responses"]
+    if save_freq and save_freq * step_s > job_s:
+        fit = int(job_s // step_s)
+        return [f"trainer.save_freq={save_freq} saves every ~{save_freq * step_s / 3600:.1f} h (steps of "
+                f"~{step_s / 3600:.1f} h, estimated), past {hours}. The run saves and stops before the job's end where "
+                f"it knows that end (trainer.save_before_job_end; the slurm recipes tell it), else set "
+                f"trainer.save_freq={fit} or trainer.save_interval_min"]
+    return []

@@ -5,6 +5,7 @@ points: `tracking_line`, `step_line`, `summary`, `rollout_table`, `plot_curves`.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from megarl.components import Components
@@ -95,3 +96,47 @@ def plot_curves(history: list[dict], path: Path) -> Path:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def per_source_accuracy(samples: list[Sample]) -> dict[str, float]:
+    """val/acc/<source> of each data_source, where the validation data has several (Search-R1's
+    seven test sets): an overall accuracy hides one set falling while another rises."""
+    by_source: dict[str, list[Sample]] = {}
+    for s in samples:
+        by_source.setdefault(s.record.data_source, []).append(s)
+    if len(by_source) < 2:
+        return {}
+    return {f"val/acc/{metric_name(source)}": sum(s.acc for s in group) / len(group)
+            for source, group in sorted(by_source.items())}
+
+
+def metric_name(text: str) -> str:
+    """`text` as a part of an MLflow metric key (letters, digits, _ - . and space; others become _)."""
+    return re.sub(r"[^A-Za-z0-9_\-. ]", "_", text)[:200] or "_"
+
+
+def tool_totals(samples: list[Sample]) -> dict[str, dict[str, float]]:
+    """{"calls" | "failures" | "seconds": {tool: total over the samples}}."""
+    totals: dict[str, dict[str, float]] = {"calls": {}, "failures": {}, "seconds": {}}
+    for s in samples:
+        t = s.trajectory
+        for kind, counts in (("calls", t.tool_calls), ("failures", t.tool_failures), ("seconds", t.tool_seconds)):
+            for name, value in counts.items():
+                totals[kind][name] = totals[kind].get(name, 0) + value
+    return totals
+
+
+TALLIED = ("samples", "acc", "response_tokens", "searches", "valid_actions", "turns", "failed_searches")
+
+
+def tally_batch(samples: list[Sample], tally: dict[str, float]) -> None:
+    """Add a generation batch's counts to `tally` (the step's metrics over every sample generated)."""
+    t = [s.trajectory for s in samples]
+    for key, value in (("samples", len(t)), ("acc", sum(s.acc for s in samples)),
+                       ("response_tokens", sum(len(x.response_ids) for x in t)),
+                       ("searches", sum(x.num_searches for x in t)), ("valid_actions", sum(x.num_valid_actions for x in t)),
+                       ("turns", sum(x.num_turns for x in t)), ("failed_searches", sum(x.num_failed_searches for x in t))):
+        tally[key] += value
+    for kind, by_tool in tool_totals(samples).items():
+        for name, value in by_tool.items():
+            tally[f"tool_{kind}/{name}"] = tally.get(f"tool_{kind}/{name}", 0.0) + value

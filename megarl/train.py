@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import re
 import sys
 import tempfile
 import time
@@ -40,8 +39,8 @@ from megarl.rollout.agent import run_trajectories
 from megarl.termination import closing, deferred, received, stop_on_signals
 from megarl.weights.probe import WrongWeights
 from megarl.resume_guard import check_resume
-from megarl.run_report import HISTORY_KEYS, PROGRESS_KEYS, ROLLOUT_TABLE_ROWS, plot_curves, rollout_table, \
-    step_line, summary, tracking_line
+from megarl.run_report import HISTORY_KEYS, PROGRESS_KEYS, ROLLOUT_TABLE_ROWS, TALLIED, per_source_accuracy, plot_curves, \
+    rollout_table, step_line, summary, tally_batch, tool_totals, tracking_line
 from megarl.tracking import NullTracker, open_tracker
 
 log = logging.getLogger(__name__)
@@ -298,7 +297,7 @@ def collect_samples(c: Components, step: int, metrics: dict, generate=None) -> l
             seed_base=(cfg.trainer.seed * 1_000_003 + step * 1009 + batch_index) * 10_000,
             group_base=(step * 1000 + batch_index) * 100_000)
         metrics["reward/failures"] = metrics.get("reward/failures", 0) + failures
-        _tally(samples, tally)
+        tally_batch(samples, tally)
         batch_index += 1
         if not ds.enable:
             kept = samples
@@ -378,52 +377,8 @@ def validate(c: Components) -> dict[str, float]:
             "val/acc": sum(s.acc for s in samples) / len(samples),  # = avg@n
             f"val/pass_at_{v.n}": sum(any(s.acc for s in g) for g in by_prompt.values()) / len(by_prompt),
             "val/search_calls_mean": sum(s.trajectory.num_searches for s in samples) / len(samples)} | {
-        f"val/tools/{name}/calls_mean": calls / len(samples) for name, calls in _tool_totals(samples)["calls"].items()
-    } | _per_source(samples)
-
-
-def _per_source(samples: list[Sample]) -> dict[str, float]:
-    """val/acc/<source> of each data_source, where the validation data has several (Search-R1's
-    seven test sets): an overall accuracy hides one set falling while another rises."""
-    by_source: dict[str, list[Sample]] = {}
-    for s in samples:
-        by_source.setdefault(s.record.data_source, []).append(s)
-    if len(by_source) < 2:
-        return {}
-    return {f"val/acc/{metric_name(source)}": sum(s.acc for s in group) / len(group)
-            for source, group in sorted(by_source.items())}
-
-
-def metric_name(text: str) -> str:
-    """`text` as a part of an MLflow metric key (letters, digits, _ - . and space; others become _)."""
-    return re.sub(r"[^A-Za-z0-9_\-. ]", "_", text)[:200] or "_"
-
-
-def _tool_totals(samples: list[Sample]) -> dict[str, dict[str, float]]:
-    """{"calls" | "failures" | "seconds": {tool: total over the samples}}."""
-    totals: dict[str, dict[str, float]] = {"calls": {}, "failures": {}, "seconds": {}}
-    for s in samples:
-        t = s.trajectory
-        for kind, counts in (("calls", t.tool_calls), ("failures", t.tool_failures), ("seconds", t.tool_seconds)):
-            for name, value in counts.items():
-                totals[kind][name] = totals[kind].get(name, 0) + value
-    return totals
-
-
-TALLIED = ("samples", "acc", "response_tokens", "searches", "valid_actions", "turns", "failed_searches")
-
-
-def _tally(samples: list[Sample], tally: dict[str, float]) -> None:
-    """Add a generation batch's counts to `tally` (the step's metrics over every sample generated)."""
-    t = [s.trajectory for s in samples]
-    for key, value in (("samples", len(t)), ("acc", sum(s.acc for s in samples)),
-                       ("response_tokens", sum(len(x.response_ids) for x in t)),
-                       ("searches", sum(x.num_searches for x in t)), ("valid_actions", sum(x.num_valid_actions for x in t)),
-                       ("turns", sum(x.num_turns for x in t)), ("failed_searches", sum(x.num_failed_searches for x in t))):
-        tally[key] += value
-    for kind, by_tool in _tool_totals(samples).items():
-        for name, value in by_tool.items():
-            tally[f"tool_{kind}/{name}"] = tally.get(f"tool_{kind}/{name}", 0.0) + value
+        f"val/tools/{name}/calls_mean": calls / len(samples) for name, calls in tool_totals(samples)["calls"].items()
+    } | per_source_accuracy(samples)
 
 
 def _rollout_metrics(tally: dict[str, float], kept: list[Sample], gen_batches: int, metrics: dict) -> None:

@@ -126,7 +126,7 @@ def test_a_job_time_sbatch_would_refuse_is_named(text):
 
 
 def test_a_save_that_would_not_come_within_the_job_is_warned_of():
-    from megarl.planner import save_warnings
+    from megarl.planner_time import save_warnings
 
     day = 86400.0
     assert save_warnings(19053.0, 4, day) == []  # 4 x 5.3 h = 21.2 h: within

@@ -212,7 +212,7 @@ def test_a_run_whose_every_reward_fails_stops_as_failed(inputs, tmp_path, capsys
 def test_validation_reports_each_data_source_where_there_are_several():
     from megarl.data.prompts import PromptRecord
     from megarl.experience import Sample
-    from megarl.train import _per_source
+    from megarl.run_report import per_source_accuracy as _per_source
 
     def sample(source, acc):
         return Sample(PromptRecord([1], source, "a"), 0, None, acc=acc)
